@@ -39,7 +39,11 @@ PACKAGES = _members()
 def _sync(session: nox.Session, *args: str) -> None:
     """Install exactly what the lock file says into this session's virtualenv."""
     session.run_install(
-        "uv", "sync", "--locked", "--no-default-groups", *args,
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         external=True,
     )

@@ -1,0 +1,9 @@
+"""Import-level checks: the public names resolve and importing has no side effects."""
+
+import importlib
+
+
+def test_all_names_resolve():
+    module = importlib.import_module("ejk_attention")
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name

@@ -1,7 +1,15 @@
 """One attention API over every ejk backend: XLA reference, Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
 
+from ._backends import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._flash import flash_attention as flash_attention
 from ._reference import dropout_keep_mask as dropout_keep_mask
 from ._reference import reference_attention as reference_attention
 from ._reference import visibility_mask as visibility_mask
 
-__all__ = ["dropout_keep_mask", "reference_attention", "visibility_mask"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "dropout_keep_mask",
+    "flash_attention",
+    "reference_attention",
+    "visibility_mask",
+]

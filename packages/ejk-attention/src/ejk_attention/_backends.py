@@ -1,0 +1,216 @@
+"""The attention backends the facade chooses from, and the fall-through between them.
+
+A backend is a name, a ``refuse`` predicate that says why it cannot serve a
+request (or None when it can), and ``run``, which may still raise
+``NotImplementedError`` with a reason (a kernel refusing a shape it only learns
+about when called). Kernel packages are imported inside ``run``, never at
+import time, so the facade works with whichever of them is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._reference import reference_attention
+from ._validate import AttentionRequest
+
+__all__ = [
+    "BACKENDS",
+    "IMPLEMENTATIONS",
+    "Backend",
+    "default_order",
+    "platform_of",
+    "resolve_implementation",
+    "run_first",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way to compute attention.
+
+    Attributes:
+        name: the ``implementation=`` string that selects it.
+        refuse: ``(request, platform) -> reason or None``; a cheap static check.
+        run: ``(request, config) -> out | (out, lse)``; may raise NotImplementedError.
+    """
+
+    name: str
+    refuse: Callable[[AttentionRequest, str], str | None]
+    run: Callable[[AttentionRequest, Any], Any]
+
+
+def platform_of(request: AttentionRequest) -> str:
+    """The platform the call runs on: the devices of concrete inputs, else the default backend."""
+    q = request.q
+    if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
+        return next(iter(q.devices())).platform
+    return jax.default_backend()
+
+
+def _is_gpu(platform: str) -> bool:
+    return platform in ("gpu", "cuda", "rocm")
+
+
+# xla: the reference, every feature, every platform.
+
+
+def _xla_refuse(request: AttentionRequest, platform: str) -> str | None:
+    del request, platform
+    return None
+
+
+def _xla_run(request: AttentionRequest, config: Any) -> Any:
+    del config  # the reference has no performance knobs
+    return reference_attention(
+        request.q, request.k, request.v, request.bias, **request.keyword_arguments()
+    )
+
+
+# cudnn: jax.nn.dot_product_attention(implementation="cudnn") where the request fits it.
+
+_CUDNN_UNSUPPORTED = {
+    "logits_soft_cap": "a logits soft cap",
+    "softmax_sinks": "softmax sinks",
+    "segment_ids": "segment ids",
+    "cu_seqlens": "packed cu_seqlens input",
+    "dropout": "ejk's counter-hash dropout",
+    "return_lse": "a float32 lse output",
+}
+
+
+def _cudnn_refuse(request: AttentionRequest, platform: str) -> str | None:
+    if not _is_gpu(platform):
+        return f"cuDNN needs an NVIDIA GPU, this call runs on {platform}"
+    if request.q.dtype not in (jnp.float16, jnp.bfloat16):
+        return f"cuDNN flash attention needs float16/bfloat16 inputs, got {request.q.dtype}"
+    for feature in sorted(request.features()):
+        if feature in _CUDNN_UNSUPPORTED:
+            return f"jax.nn.dot_product_attention(implementation='cudnn') has no {_CUDNN_UNSUPPORTED[feature]}"
+    window = request.sliding_window
+    if window is not None and window[1] != 0 and not request.causal:
+        return f"cuDNN supports a sliding window with right size 0 only (or causal), got {window}"
+    head_dim = request.q.shape[-1]
+    if head_dim % 8 != 0 or head_dim > 256:
+        return f"cuDNN needs head_dim a multiple of 8 and <= 256, got {head_dim}"
+    return None
+
+
+def _cudnn_run(request: AttentionRequest, config: Any) -> Any:
+    del config
+    bias = None if request.bias is None else request.bias.astype(request.q.dtype)
+    try:
+        return jax.nn.dot_product_attention(
+            request.q,
+            request.k,
+            request.v,
+            bias,
+            scale=request.softmax_scale,
+            is_causal=request.causal,
+            local_window_size=request.sliding_window,
+            implementation="cudnn",
+        )
+    except (ValueError, NotImplementedError, RuntimeError) as err:
+        # jax raises these when cuDNN (or its version) cannot take the shape.
+        raise NotImplementedError(f"cuDNN refused the request: {err}") from err
+
+
+# triton: ejk_kernels_gpu.flash_attention (on CPU it runs through Triton's interpreter).
+
+
+def _kernel_refuse(request: AttentionRequest, platform: str) -> str | None:
+    del request, platform
+    return None  # the kernel entry point checks its own limits and raises NotImplementedError
+
+
+def _triton_run(request: AttentionRequest, config: Any) -> Any:
+    try:
+        from ejk_kernels_gpu import flash_attention as kernel
+    except ImportError as err:
+        raise NotImplementedError(
+            f"ejk_kernels_gpu.flash_attention is not available: {err}"
+        ) from None
+    return kernel(
+        request.q, request.k, request.v, request.bias, **request.keyword_arguments(), config=config
+    )
+
+
+# pallas: ejk_kernels_tpu (TPU; interpret mode elsewhere).
+
+
+def _pallas_run(request: AttentionRequest, config: Any) -> Any:
+    try:
+        from ejk_kernels_tpu import flash_attention as kernel
+    except ImportError as err:
+        raise NotImplementedError(
+            f"ejk_kernels_tpu.flash_attention is not available: {err}"
+        ) from None
+    return kernel(
+        request.q, request.k, request.v, request.bias, **request.keyword_arguments(), config=config
+    )
+
+
+BACKENDS: dict[str, Backend] = {
+    "xla": Backend("xla", _xla_refuse, _xla_run),
+    "triton": Backend("triton", _kernel_refuse, _triton_run),
+    "pallas": Backend("pallas", _kernel_refuse, _pallas_run),
+    "cudnn": Backend("cudnn", _cudnn_refuse, _cudnn_run),
+}
+IMPLEMENTATIONS: tuple[str, ...] = tuple(BACKENDS)
+
+
+def default_order(platform: str) -> tuple[str, ...]:
+    """What ``implementation=None`` tries, in order, on ``platform``."""
+    if _is_gpu(platform):
+        return ("triton", "cudnn", "xla")
+    if platform == "tpu":
+        return ("pallas", "xla")
+    return ("xla",)
+
+
+def resolve_implementation(implementation: Any) -> tuple[str, ...] | None:
+    """``implementation=`` as a tuple of backend names, or None for the platform default."""
+    if implementation is None:
+        return None
+    names = (implementation,) if isinstance(implementation, str) else implementation
+    if not isinstance(names, Sequence) or isinstance(names, str | bytes):
+        raise TypeError(
+            f"implementation must be None, a name or a sequence of names, got {implementation!r}"
+        )
+    if len(names) == 0:
+        raise ValueError("implementation must not be an empty sequence")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"implementation names must be strings, got {name!r}")
+        if name not in BACKENDS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
+    return tuple(names)
+
+
+def run_first(request: AttentionRequest, names: Sequence[str], config: Any) -> tuple[str, Any]:
+    """Run the first backend in ``names`` that serves ``request``; ``(name, result)``.
+
+    Raises:
+        NotImplementedError: none could, with each backend's reason.
+    """
+    platform = platform_of(request)
+    reasons = []
+    for name in names:
+        backend = BACKENDS[name]
+        reason = backend.refuse(request, platform)
+        if reason is None:
+            try:
+                return name, backend.run(request, config)
+            except NotImplementedError as err:
+                reason = str(err)
+        reasons.append(f"{name}: {reason}")
+    if len(names) == 1:
+        raise NotImplementedError(
+            f"implementation={names[0]!r} cannot serve this request: {reasons[0]}"
+        )
+    raise NotImplementedError("no implementation could serve this request; " + "; ".join(reasons))

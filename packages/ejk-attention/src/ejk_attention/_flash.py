@@ -1,0 +1,118 @@
+"""`flash_attention`: one attention call over every ejk backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax import Array
+from jax.sharding import Mesh, PartitionSpec
+from jaxtyping import ArrayLike, Float, Int
+
+from ._backends import default_order, platform_of, resolve_implementation, run_first
+from ._sharding import sharded_call
+from ._validate import AttentionRequest, validate_attention
+
+__all__ = ["flash_attention"]
+
+AnyArray = Array | np.ndarray
+SegmentIds = Int[AnyArray, "B T"] | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
+
+
+def _compute(request: AttentionRequest, names: tuple[str, ...] | None, config: Any) -> Any:
+    if names is None:
+        names = default_order(platform_of(request))
+    return run_first(request, names, config)[1]
+
+
+def flash_attention(
+    q: Float[AnyArray, "B T N H"],
+    k: Float[AnyArray, "B S K H"],
+    v: Float[AnyArray, "B S K Hv"],
+    bias: Float[AnyArray, "#B #N T S"] | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_sinks: Float[AnyArray, " N"] | None = None,
+    segment_ids: SegmentIds | None = None,
+    cu_seqlens_q: Int[AnyArray, " L"] | None = None,
+    cu_seqlens_k: Int[AnyArray, " L"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: int | Int[ArrayLike, ""] | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: Any = None,
+    mesh: Mesh | None = None,
+    in_specs: PartitionSpec | None = None,
+    out_specs: PartitionSpec | None = None,
+) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
+    """Multi-head attention on the best backend available, with the reference's semantics.
+
+    Every backend computes what `reference_attention` defines (see its docstring for
+    the masking rules); they differ only in speed and in which features they serve.
+
+    Args:
+        q: queries ``[B, T, N, H]``.
+        k: keys ``[B, S, K, H]`` with ``N % K == 0``; query head n reads kv head ``n // (N // K)``.
+        v: values ``[B, S, K, Hv]``, same dtype as q and k.
+        bias: additive logits bias ``[1|B, 1|N, T, S]``.
+        softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
+        causal: query i sees keys ``j <= i`` (top-left aligned).
+        sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``: keys in ``[i - left, i + right]``.
+        logits_soft_cap: ``cap * tanh(logits / cap)``.
+        softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
+        segment_ids: ``[B, T]`` (self attention) or ``(q_ids [B, T], kv_ids [B, S])``;
+            tokens attend within equal ids > 0.
+        cu_seqlens_q: ``[num_seqs + 1]`` offsets of packed query sequences (B == 1).
+        cu_seqlens_k: offsets of packed key sequences; default ``cu_seqlens_q``.
+        dropout_rate: probability of dropping an attention weight (ejk's counter-hash mask).
+        dropout_seed: an int or int32/uint32 scalar; required when ``dropout_rate > 0``.
+        return_lse: also return the float32 log-sum-exp ``[B, N, T]``.
+        implementation: None (the platform's best: triton then cuDNN on GPU, pallas on
+            TPU, xla on CPU), one of ``"xla"``, ``"triton"``, ``"pallas"``, ``"cudnn"``, or
+            a sequence of them tried in order.
+        config: a kernel config (block sizes etc.) for triton/pallas; xla and cuDNN ignore it.
+        mesh: run batch/head sharded over this mesh (the facade writes the shard_map).
+        in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); only B
+            and N may be sharded. Default: batch over every mesh axis.
+        out_specs: the output's spec; must equal q's (default).
+
+    Returns:
+        ``out [B, T, N, Hv]`` in q's dtype, or ``(out, lse [B, N, T] float32)`` with ``return_lse``.
+
+    Raises:
+        ValueError, TypeError: a bad argument (the message names it).
+        NotImplementedError: no requested implementation can serve the call (each reason given).
+    """
+    request = validate_attention(
+        q,
+        k,
+        v,
+        bias,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks,
+        segment_ids=segment_ids,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
+        return_lse=return_lse,
+    )
+    names = resolve_implementation(implementation)
+    if mesh is None:
+        if in_specs is not None or out_specs is not None:
+            raise ValueError("in_specs/out_specs need mesh=")
+        return _compute(request, names, config)
+    return sharded_call(
+        lambda local: _compute(local, names, config),
+        request,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+    )

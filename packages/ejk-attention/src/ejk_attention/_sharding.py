@@ -1,0 +1,143 @@
+"""Batch- and head-sharded attention calls: the facade writes the ``shard_map`` for the user.
+
+Attention is independent across batch rows and across head groups, so a call
+sharded over B and N (with K sharded alike, which keeps each query head beside
+its kv head: head n reads kv head ``n // (N // K)``, and a contiguous split of N
+and K into d parts maps part i to part i) needs no communication. Sharding the
+sequence needs communication: that is `ring_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from ._validate import AttentionRequest
+
+__all__ = ["shard_map_compat", "sharded_call"]
+
+
+def shard_map_compat(
+    fn: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, check: bool = True
+) -> Callable:
+    """``jax.shard_map`` where it exists (jax >= 0.7), else the experimental one."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _shards(mesh: Mesh, entry: Any) -> int:
+    return math.prod(mesh.shape[a] for a in _axes(entry))
+
+
+def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any, Any]:
+    """The ``(batch, heads)`` entries of a ``[B, T, N, H]`` PartitionSpec, checked."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if in_specs is None:
+        in_specs = PartitionSpec(tuple(mesh.axis_names))
+    if not isinstance(in_specs, PartitionSpec):
+        raise TypeError(
+            f"in_specs must be a PartitionSpec over q's [B, T, N, H] axes, got {in_specs!r}"
+        )
+    if len(in_specs) > 4:
+        raise ValueError(f"in_specs has {len(in_specs)} entries, q has 4 axes [B, T, N, H]")
+    entries = tuple(in_specs) + (None,) * (4 - len(in_specs))
+    batch_axis, seq_axis, head_axis, dim_axis = entries
+    if seq_axis is not None:
+        raise ValueError(
+            f"in_specs={in_specs} shards the sequence axis; shard B and N only, "
+            "or call ring_attention inside shard_map for sequence parallelism"
+        )
+    if dim_axis is not None:
+        raise ValueError(f"in_specs={in_specs} shards head_dim; shard B and N only")
+    for axis in _axes(batch_axis) + _axes(head_axis):
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"in_specs={in_specs} names axis {axis!r}, not in mesh axes {mesh.axis_names}"
+            )
+    b, _, _, n, kh, _ = request.shape
+    nb, nh = _shards(mesh, batch_axis), _shards(mesh, head_axis)
+    if b % nb:
+        raise ValueError(f"in_specs={in_specs} splits batch {b} into {nb} shards, not evenly")
+    if n % nh or kh % nh:
+        raise ValueError(
+            f"in_specs={in_specs} splits q heads {n} and k/v heads {kh} into {nh} shards, not evenly"
+        )
+    return batch_axis, head_axis
+
+
+def sharded_call(
+    compute: Callable[[AttentionRequest], Any],
+    request: AttentionRequest,
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+) -> Any:
+    """Run ``compute(request)`` per shard of a batch/head sharded ``mesh``.
+
+    Args:
+        compute: the unsharded attention of one shard.
+        request: the validated global request.
+        mesh: a `jax.sharding.Mesh`.
+        in_specs: a PartitionSpec over q's ``[B, T, N, H]``; k and v follow it (their K
+            axis split like N). Default: batch over every mesh axis.
+        out_specs: None (derived from ``in_specs``) or the output's PartitionSpec, which
+            must equal q's spec (the output is laid out as q).
+    """
+    batch_axis, head_axis = _qkv_spec(mesh, in_specs, request)
+    qkv_spec = PartitionSpec(batch_axis, None, head_axis, None)
+    if out_specs is not None and out_specs != qkv_spec and out_specs != tuple(qkv_spec):
+        raise ValueError(f"out_specs={out_specs} must match q's spec {qkv_spec} (or be None)")
+    if request.dropout_rate > 0.0:
+        # The counter hash is keyed on global (b, n) indices; a shard would see local ones.
+        raise NotImplementedError("dropout is not supported in a mesh= call yet")
+    if request.cu_seqlens_q is not None and batch_axis is not None:
+        raise ValueError(
+            f"packed input (cu_seqlens) has batch 1, it cannot be batch sharded by {in_specs}"
+        )
+
+    arrays: dict[str, Any] = {"q": request.q, "k": request.k, "v": request.v}
+    specs: dict[str, Any] = {"q": qkv_spec, "k": qkv_spec, "v": qkv_spec}
+    if request.bias is not None:
+        bias = request.bias
+        arrays["bias"] = bias
+        specs["bias"] = PartitionSpec(
+            batch_axis if bias.shape[0] > 1 else None, head_axis if bias.shape[1] > 1 else None
+        )
+    if request.softmax_sinks is not None:
+        arrays["softmax_sinks"] = request.softmax_sinks
+        specs["softmax_sinks"] = PartitionSpec(head_axis)
+    if request.segment_ids is not None:
+        arrays["segment_ids"] = request.segment_ids
+        specs["segment_ids"] = (PartitionSpec(batch_axis), PartitionSpec(batch_axis))
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        if getattr(request, name) is not None:
+            arrays[name] = getattr(request, name)
+            specs[name] = PartitionSpec()
+    out_spec: Any = qkv_spec
+    if request.return_lse:
+        out_spec = (qkv_spec, PartitionSpec(batch_axis, head_axis, None))
+
+    def per_shard(local: dict[str, Any]) -> Any:
+        return compute(dataclasses.replace(request, **local))
+
+    # check=False: the kernels may be custom calls whose replication shard_map cannot infer.
+    mapped = shard_map_compat(
+        per_shard, mesh=mesh, in_specs=(specs,), out_specs=out_spec, check=False
+    )
+    return mapped(arrays)

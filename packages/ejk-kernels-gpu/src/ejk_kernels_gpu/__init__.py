@@ -1,3 +1,23 @@
-"""Triton flash attention kernels (forward and backward) called from JAX."""
+"""Triton flash attention kernels (forward and backward) called from JAX.
 
-__all__: list[str] = []
+On a GPU the kernels run through jax-triton; on a CPU through Triton's
+interpreter (called with a host callback), so the same kernels are tested in CI.
+"""
+
+from ._config import FlashConfig as FlashConfig
+from ._config import bwd_heuristic as bwd_heuristic
+from ._config import bwd_search_space as bwd_search_space
+from ._config import fits_shared_memory as fits_shared_memory
+from ._config import fwd_heuristic as fwd_heuristic
+from ._config import fwd_search_space as fwd_search_space
+from ._ops import flash_attention as flash_attention
+
+__all__ = [
+    "FlashConfig",
+    "bwd_heuristic",
+    "bwd_search_space",
+    "fits_shared_memory",
+    "flash_attention",
+    "fwd_heuristic",
+    "fwd_search_space",
+]

@@ -1,0 +1,133 @@
+"""Performance knobs of the flash-attention kernels: config struct, heuristic, search space.
+
+Configs hold block sizes, warps and pipelining stages only; every semantic
+option (causal, window, scale, soft cap, dropout) is a kernel argument, so
+tuning never changes what is computed (beyond float summation order).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+
+__all__ = [
+    "SHARED_MEMORY_LIMIT",
+    "FlashConfig",
+    "bwd_heuristic",
+    "bwd_search_space",
+    "fits_shared_memory",
+    "fwd_heuristic",
+    "fwd_search_space",
+    "head_block",
+]
+
+# Hopper (sm_90) allows 227 KiB of shared memory per block (opt-in).
+SHARED_MEMORY_LIMIT = 227 * 1024
+
+
+class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tile sizes and launch options of one flash-attention kernel.
+
+    Attributes:
+        block_q: query rows per program (power of two, >= 16).
+        block_k: key rows per inner step (power of two, >= 16).
+        num_warps: warps per program (power of two).
+        num_stages: software-pipelining depth of the key loop (>= 1).
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"FlashConfig.{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"FlashConfig.{name} must be positive, got {name}={value}")
+        for name in ("block_q", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"FlashConfig.{name} must be a power of two, got {name}={value}")
+        for name in ("block_q", "block_k"):
+            if getattr(self, name) < 16:
+                raise ValueError(
+                    f"FlashConfig.{name} must be >= 16 (tensor-core tile), "
+                    f"got {name}={getattr(self, name)}"
+                )
+
+
+def head_block(head_dim: int) -> int:
+    """The power-of-two tile width that holds ``head_dim`` (at least 16)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _shared_bytes(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int) -> int:
+    """An estimate of the shared memory one program of ``kind`` needs.
+
+    Pipelined operands are buffered ``num_stages`` times; the resident tile once.
+    fwd: q resident, k and v streamed. dq: q, do resident, k, v streamed.
+    dkdv: k, v resident, q and do streamed (plus lse/delta rows, negligible).
+    """
+    d = head_block(head_dim)
+    stages = max(cfg.num_stages, 1)
+    if kind == "fwd":
+        resident, streamed = cfg.block_q * d, 2 * cfg.block_k * d
+    elif kind == "dq":
+        resident, streamed = 2 * cfg.block_q * d, 2 * cfg.block_k * d
+    elif kind == "dkdv":
+        resident, streamed = 2 * cfg.block_k * d, 2 * cfg.block_q * d
+    else:
+        raise ValueError(f"kind must be 'fwd', 'dq' or 'dkdv', got {kind=}")
+    return (resident + stages * streamed) * itemsize
+
+
+def fits_shared_memory(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int = 2) -> bool:
+    """The search-space predicate: whether ``cfg`` fits Hopper's shared memory for ``kind``."""
+    return _shared_bytes(kind, cfg, head_dim, itemsize) <= SHARED_MEMORY_LIMIT
+
+
+_BLOCKS = (32, 64, 128)
+_WARPS = (4, 8)
+_STAGES = (2, 3, 4)
+
+
+def _space(kind: str, head_dim: int, itemsize: int) -> tuple[FlashConfig, ...]:
+    cands = (
+        FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+        for bq, bk, w, st in itertools.product(_BLOCKS, _BLOCKS, _WARPS, _STAGES)
+    )
+    return tuple(c for c in cands if fits_shared_memory(kind, c, head_dim, itemsize))
+
+
+def fwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
+    """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`."""
+    return _space("fwd", head_dim, itemsize)
+
+
+def bwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
+    """Every backward config (shared by the dq and dk/dv kernels) that fits both."""
+    return tuple(
+        c
+        for c in _space("dq", head_dim, itemsize)
+        if fits_shared_memory("dkdv", c, head_dim, itemsize)
+    )
+
+
+def fwd_heuristic(head_dim: int, itemsize: int = 2) -> FlashConfig:
+    """A good forward config without timing (Hopper, FlashAttention-2 style tiles)."""
+    if head_dim <= 64:
+        return FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
+
+
+def bwd_heuristic(head_dim: int, itemsize: int = 2) -> FlashConfig:
+    """A good backward config without timing."""
+    if head_dim <= 128:
+        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    return FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)

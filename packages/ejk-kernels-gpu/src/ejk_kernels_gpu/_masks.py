@@ -1,0 +1,142 @@
+"""Per-row key ranges and per-block tables that let the kernels skip masked-out blocks.
+
+All in jnp on int32 (the offsets of packed sequences are traced values). A row's
+range ``[lo, hi)`` holds every key it may see under causal, window and packed
+bounds; segment ids are not ranges, so with them no block counts as fully visible.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+
+_BIG = 2**30
+
+
+class Packing:
+    """Sequence id and local position of every packed token, and the sequence offsets."""
+
+    def __init__(self, cu_q: Array, cu_k: Array, q_len: int, kv_len: int):
+        self.cu_q = cu_q
+        self.cu_k = cu_k
+        num_seqs = cu_q.shape[0] - 1
+        self.q_seq, self.q_pos = _sequence_of(cu_q, q_len, num_seqs)
+        self.k_seq, self.k_pos = _sequence_of(cu_k, kv_len, num_seqs)
+        # Padding tokens get ids that never match (-1 for rows, -2 for columns).
+        self.q_sid = jnp.where(self.q_seq < num_seqs, self.q_seq, -1).astype(jnp.int32)
+        self.k_sid = jnp.where(self.k_seq < num_seqs, self.k_seq, -2).astype(jnp.int32)
+        self.num_seqs = num_seqs
+
+
+def _sequence_of(cu: Array, length: int, num_seqs: int) -> tuple[Array, Array]:
+    idx = jnp.arange(length, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu, idx, side="right").astype(jnp.int32) - 1
+    seq = jnp.where(idx >= cu[-1], num_seqs, jnp.clip(seq, 0, num_seqs))
+    local = idx - cu[jnp.clip(seq, 0, num_seqs)]
+    return seq, local
+
+
+def _ranges(
+    length: int,
+    other_len: int,
+    seq: Array | None,
+    pos: Array | None,
+    cu_other: Array | None,
+    num_seqs: int,
+    upper: int | None,
+    lower: int | None,
+) -> tuple[Array, Array]:
+    """Range of the other axis seen by each index: ``[pos - lower, pos + upper]`` clipped.
+
+    ``lower``/``upper`` of None mean unbounded on that side.
+    """
+    if seq is None:
+        pos = jnp.arange(length, dtype=jnp.int32)
+        base = jnp.zeros((length,), jnp.int32)
+        size = jnp.full((length,), other_len, jnp.int32)
+    else:
+        valid = seq < num_seqs
+        s = jnp.clip(seq, 0, num_seqs - 1)
+        base = cu_other[s]
+        size = jnp.where(valid, cu_other[s + 1] - base, 0)
+    lo = jnp.zeros_like(pos) if lower is None else jnp.maximum(pos - lower, 0)
+    hi = size if upper is None else jnp.minimum(pos + upper + 1, size)
+    hi = jnp.maximum(hi, lo)
+    return (base + lo).astype(jnp.int32), (base + hi).astype(jnp.int32)
+
+
+def row_ranges(
+    q_len: int,
+    kv_len: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    packing: Packing | None,
+) -> tuple[Array, Array]:
+    """Global key range ``[lo, hi)`` each query row may see. int32 ``[T]`` each."""
+    upper = 0 if causal else None
+    lower = None
+    if window is not None:
+        left, right = window
+        lower = left
+        upper = right if upper is None else min(upper, right)
+    if packing is None:
+        return _ranges(q_len, kv_len, None, None, None, 1, upper, lower)
+    return _ranges(
+        q_len, kv_len, packing.q_seq, packing.q_pos, packing.cu_k, packing.num_seqs, upper, lower
+    )
+
+
+def col_ranges(
+    q_len: int,
+    kv_len: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    packing: Packing | None,
+) -> tuple[Array, Array]:
+    """Global query range ``[lo, hi)`` that may see each key column. int32 ``[S]`` each."""
+    # Key j is seen by local query rows i with j - right <= i <= j + left, and i >= j if causal.
+    lower = 0 if causal else None
+    upper = None
+    if window is not None:
+        left, right = window
+        upper = left
+        lower = right if lower is None else min(lower, right)
+    if packing is None:
+        return _ranges(kv_len, q_len, None, None, None, 1, upper, lower)
+    return _ranges(
+        kv_len, q_len, packing.k_seq, packing.k_pos, packing.cu_q, packing.num_seqs, upper, lower
+    )
+
+
+def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool) -> Array:
+    """int32 ``[num_blocks, 4]``: ``(start, full_start, full_end, end)`` of the inner loop.
+
+    The inner loop visits inner blocks from ``start`` (aligned) while ``< end``;
+    blocks in ``[full_start, full_end)`` are visible to every row of the block and
+    run without a mask, unless ``exact`` is False (segment ids: no range is exact).
+    """
+    length = lo.shape[0]
+    nblk = -(-length // block)
+    pad = nblk * block - length
+    empty = lo >= hi
+    lo_any = jnp.pad(jnp.where(empty, _BIG, lo), (0, pad), constant_values=_BIG).reshape(
+        nblk, block
+    )
+    hi_any = jnp.pad(jnp.where(empty, 0, hi), (0, pad), constant_values=0).reshape(nblk, block)
+    start = lo_any.min(1)
+    end = hi_any.max(1)
+    none = start >= end
+    start = jnp.where(none, 0, start // inner_block * inner_block)
+    end = jnp.where(none, 0, end)
+    # Rows past the end are neutral for the fully visible range.
+    lo_all = jnp.pad(lo, (0, pad), constant_values=-_BIG).reshape(nblk, block).max(1)
+    hi_all = jnp.pad(hi, (0, pad), constant_values=_BIG).reshape(nblk, block).min(1)
+    full_lo = -(-lo_all // inner_block) * inner_block
+    full_hi = hi_all // inner_block * inner_block
+    end_up = -(-end // inner_block) * inner_block
+    has_full = (full_lo < full_hi) & ~none
+    if not exact:
+        has_full = jnp.zeros_like(has_full)
+    full_lo = jnp.where(has_full, full_lo, end_up)
+    full_hi = jnp.where(has_full, full_hi, end_up)
+    return jnp.stack([start, full_lo, full_hi, end], axis=1).astype(jnp.int32)

@@ -1,0 +1,163 @@
+"""Choosing the Triton backend and launching kernels from JAX.
+
+On a GPU the kernels go through `jax_triton.triton_call` (imported lazily, so
+the package imports on CPU-only machines). Without a GPU they run in Triton's
+interpreter, called from JAX with `jax.pure_callback` on NumPy buffers. The
+interpreter must be switched on (``TRITON_INTERPRET=1``) before the kernels are
+decorated, so the kernel modules are imported here, on first use, never at
+package import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["gpu_available", "kernels", "launch"]
+
+
+def gpu_available() -> bool:
+    """Whether JAX has a CUDA/ROCm GPU backend with at least one device."""
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The module holding every `@triton.jit` kernel, imported for the right backend.
+
+    Without a GPU this switches Triton's interpreter on for this process, which
+    only works if triton was not imported yet (or was imported with the
+    interpreter on already).
+    """
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not gpu_available() and not interpret:
+        if "triton" in sys.modules:
+            raise RuntimeError(
+                "ejk_kernels_gpu needs Triton's interpreter on a machine without a GPU, but "
+                "triton was imported before with TRITON_INTERPRET unset; set TRITON_INTERPRET=1 "
+                "in the environment, or call ejk_kernels_gpu before importing triton"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+    return importlib.import_module("ejk_kernels_gpu._kernels")
+
+
+def interpreting() -> bool:
+    return kernels().INTERPRET
+
+
+class _HostBuffer:
+    """A NumPy array dressed as the torch tensor Triton's interpreter expects.
+
+    The interpreter reads ``data_ptr()`` and ``dtype`` and copies "device" storage
+    to the host and back through a few torch methods; a NumPy array already lives
+    on the host, so those copies are identities here.
+    """
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = array.dtype  # str() gives 'float32' etc., which Triton maps to its types
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self) -> _HostBuffer:
+        return self
+
+    def cpu(self) -> _HostBuffer:
+        return self
+
+    def new_empty(self, *args: Any, **kwargs: Any) -> _HostBuffer:
+        return self
+
+    def set_(self, *args: Any) -> _HostBuffer:
+        return self
+
+    def copy_(self, other: Any) -> _HostBuffer:
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+
+def _interpret_call(
+    kernel: Any,
+    grid: tuple[int, ...],
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+    zeroed: Sequence[bool],
+    constexprs: Mapping[str, Any],
+    *inputs: Any,
+) -> tuple[np.ndarray, ...]:
+    # pure_callback hands over host arrays (jax or numpy, depending on the jax version).
+    ins = [_HostBuffer(np.ascontiguousarray(np.asarray(x))) for x in inputs]
+    outs = [
+        (np.zeros if z else np.empty)(s.shape, np.dtype(s.dtype))
+        for s, z in zip(out_shapes, zeroed, strict=True)
+    ]
+    kernel[grid](*ins, *(_HostBuffer(o) for o in outs), **constexprs)
+    return tuple(outs)
+
+
+def launch(
+    kernel_name: str,
+    grid: tuple[int, ...],
+    inputs: Sequence[jax.Array],
+    out_shapes: Sequence[jax.ShapeDtypeStruct],
+    constexprs: Mapping[str, Any],
+    *,
+    num_warps: int,
+    num_stages: int,
+    zeroed: Sequence[bool] | None = None,
+) -> tuple[jax.Array, ...]:
+    """Run ``kernels().<kernel_name>`` on ``inputs``; its outputs follow the inputs.
+
+    Args:
+        kernel_name: attribute of the kernels module.
+        grid: the launch grid.
+        inputs: arrays passed as pointers, in the kernel's order.
+        out_shapes: shapes and dtypes of the outputs, passed as pointers after the inputs.
+        constexprs: every other kernel argument (all static).
+        num_warps, num_stages: launch options (ignored by the interpreter).
+        zeroed: per output, whether it must start as zeros (for outputs the kernel
+            writes only in part).
+
+    Returns:
+        The outputs as jax arrays.
+    """
+    module = kernels()
+    kernel = getattr(module, kernel_name)
+    zeroed = tuple(zeroed) if zeroed is not None else (False,) * len(out_shapes)
+    constexprs = dict(constexprs, INTERPRET=module.INTERPRET)
+    if module.INTERPRET:
+        host: Callable[..., tuple[np.ndarray, ...]] = functools.partial(
+            _interpret_call, kernel, grid, tuple(out_shapes), zeroed, dict(constexprs)
+        )
+        return tuple(jax.pure_callback(host, tuple(out_shapes), *inputs))
+    jax_triton = importlib.import_module("jax_triton")
+    outs = jax_triton.triton_call(
+        *inputs,
+        kernel=kernel,
+        out_shape=tuple(out_shapes),
+        grid=grid,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        zeroed_outputs=tuple(i for i, z in enumerate(zeroed) if z),
+        **constexprs,
+    )
+    return tuple(outs)

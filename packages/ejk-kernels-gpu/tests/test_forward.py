@@ -1,0 +1,119 @@
+"""Forward conformance against the float32 reference, in Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import reference_attention
+from ejk_kernels_gpu import FlashConfig, flash_attention
+
+SMALL = FlashConfig(block_q=16, block_k=16)
+B, T, S, N, K, H = 2, 33, 47, 4, 2, 40
+
+
+def _ids(rng, batch, length):
+    ids = np.sort(rng.integers(0, 4, size=(batch, length)), axis=1)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _check(got, want, tol, name):
+    got_out, got_lse = got
+    want_out, want_lse = want
+    assert got_out.shape == want_out.shape and got_out.dtype == want_out.dtype, name
+    assert got_lse.shape == want_lse.shape and got_lse.dtype == jnp.float32, name
+    out_err = float(jnp.max(jnp.abs(got_out.astype(jnp.float32) - want_out.astype(jnp.float32))))
+    assert not np.isnan(np.asarray(got_out, np.float32)).any(), name
+    assert out_err <= tol["out"] * 10, (name, out_err)
+    finite = jnp.isfinite(want_lse)
+    assert bool(jnp.all(jnp.isfinite(got_lse) == finite)), name
+    lse_err = float(jnp.max(jnp.where(finite, jnp.abs(got_lse - want_lse), 0.0)))
+    assert lse_err <= tol["lse"] * 10, (name, lse_err)
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(sliding_window=(5, 3)),
+    "causal_window": dict(causal=True, sliding_window=7),
+    "soft_cap": dict(logits_soft_cap=1.5),
+    "sinks": dict(softmax_sinks="sinks"),
+    "bias_full": dict(bias=(B, N)),
+    "bias_bcast_b": dict(bias=(1, N)),
+    "bias_bcast_n": dict(bias=(B, 1)),
+    "segments": dict(segment_ids="pair"),
+    "dropout": dict(dropout_rate=0.3, dropout_seed=7),
+    "everything": dict(
+        causal=True,
+        sliding_window=(9, 2),
+        logits_soft_cap=3.0,
+        softmax_sinks="sinks",
+        bias=(1, N),
+        segment_ids="pair",
+        dropout_rate=0.2,
+        dropout_seed=11,
+        softmax_scale=0.3,
+    ),
+}
+
+
+def _resolve(rng, kw, q_len=T, kv_len=S, batch=B, heads=N):
+    kw = dict(kw)
+    if kw.get("softmax_sinks") == "sinks":
+        kw["softmax_sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    if "bias" in kw:
+        bb, bn = kw["bias"]
+        kw["bias"] = jnp.asarray(rng.standard_normal((bb, bn, q_len, kv_len)), jnp.float32)
+    if kw.get("segment_ids") == "pair":
+        kw["segment_ids"] = (_ids(rng, batch, q_len), _ids(rng, batch, kv_len))
+    return kw
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_matches_reference(rng, make_inputs, tol, case, dtype):
+    q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)
+    kw = _resolve(rng, CASES[case])
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].astype(dtype)
+    got = flash_attention(q, k, v, config=SMALL, return_lse=True, **kw)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = reference_attention(*f32, return_lse=True, **kw)
+    want = (want[0].astype(dtype), want[1])
+    _check(got, want, tol[dtype], case)
+
+
+def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, tol):
+    total_q, total_k = 41, 37
+    cu_q = jnp.asarray([0, 9, 9, 30, 38], jnp.int32)  # an empty sequence, 3 padding rows
+    cu_k = jnp.asarray([0, 5, 12, 12, 33], jnp.int32)  # a sequence with queries but no keys
+    q, k, v = make_inputs(rng, 1, total_q, total_k, 4, 1, 32, "float32")
+    for kw in (dict(), dict(causal=True), dict(sliding_window=(4, 1), softmax_sinks="sinks")):
+        kw = _resolve(rng, kw, total_q, total_k, 1, 4)
+        got = flash_attention(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, config=SMALL, return_lse=True, **kw
+        )
+        want = reference_attention(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **kw
+        )
+        _check(got, want, tol["float32"], str(kw.keys()))
+
+
+def test_fully_masked_rows_are_zero_not_nan(rng, make_inputs):
+    q, k, v = make_inputs(rng, 1, 19, 23, 2, 2, 16, "float32")
+    q_ids = jnp.asarray(np.r_[np.zeros(5), np.ones(14)][None], jnp.int32)
+    kv_ids = jnp.asarray(np.r_[np.ones(10), 2 * np.ones(13)][None], jnp.int32)
+    out, lse = flash_attention(q, k, v, segment_ids=(q_ids, kv_ids), config=SMALL, return_lse=True)
+    assert bool(jnp.all(out[:, :5] == 0.0))
+    assert bool(jnp.all(jnp.isneginf(lse[:, :, :5])))
+    assert not bool(jnp.any(jnp.isnan(out)))
+
+
+def test_default_config_and_determinism(rng, make_inputs):
+    q, k, v = make_inputs(rng, 1, 21, 70, 2, 1, 64, "float16")
+    a = flash_attention(q, k, v, causal=True)
+    b = flash_attention(q, k, v, causal=True)
+    assert bool(jnp.all(a == b))
+    want = reference_attention(q.astype(jnp.float32), k, v, causal=True)
+    assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - want))) < 4e-3

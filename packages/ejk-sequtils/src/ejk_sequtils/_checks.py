@@ -1,0 +1,80 @@
+"""Argument checks shared by the public functions.
+
+Checks on shapes and dtypes always run (they are static under ``jax.jit``).
+Checks on values run only when the value is concrete: a traced value cannot be
+inspected, so those functions document what they return for bad traced input.
+"""
+
+import jax
+import numpy as np
+
+
+def concrete_or_none(x) -> np.ndarray | None:
+    """``x`` as a host NumPy array when it is concrete, None when it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def static_int(x, *, fn: str, name: str, static_arg: str) -> int:
+    """A value-dependent length as a Python int, or a clear error when it is traced."""
+    try:
+        return int(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        raise ValueError(
+            f"{fn}: the output length depends on the values of {name}, which is traced "
+            f"(inside jax.jit, vmap or grad); pass the static length as {static_arg}="
+        ) from None
+
+
+def check_positive_int(value, name: str) -> int:
+    """``value`` as an int when it is a positive integer (not a bool), else an error."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"{name} must be a Python int, got {value!r} of type {type(value).__name__}"
+        )
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {name}={value}")
+    return int(value)
+
+
+def check_optional_length(value, name: str) -> int | None:
+    """A static length argument: None, or an int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"{name} must be a Python int or None, got {value!r} of type {type(value).__name__}"
+        )
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {name}={value}")
+    return int(value)
+
+
+def check_integer_array(x, name: str, ndim: int | None = None) -> None:
+    """An integer array, with ``ndim`` dimensions when given."""
+    dtype = np.dtype(x.dtype)
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {name}.dtype={dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {name}.shape={tuple(x.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens) -> None:
+    """``cu_seqlens``: 1-D integers, at least one entry, and (when concrete) >= 0 and non-decreasing."""
+    check_integer_array(cu_seqlens, "cu_seqlens", ndim=1)
+    if cu_seqlens.shape[0] == 0:
+        raise ValueError("cu_seqlens must have at least one entry (the leading 0), got shape (0,)")
+    values = concrete_or_none(cu_seqlens)
+    if values is None:
+        return
+    if values[0] < 0:
+        raise ValueError(f"cu_seqlens must start at a value >= 0, got cu_seqlens[0]={values[0]}")
+    drops = np.flatnonzero(np.diff(values) < 0)
+    if drops.size:
+        i = int(drops[0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={values[i]} > "
+            f"cu_seqlens[{i + 1}]={values[i + 1]}"
+        )

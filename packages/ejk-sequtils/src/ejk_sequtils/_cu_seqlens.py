@@ -1,0 +1,335 @@
+"""Packed sequences described by cumulative lengths, and the per-token views of them.
+
+A packed batch is one token stream holding several sequences back to back.
+``cu_seqlens = [0, len_0, len_0 + len_1, ...]`` (shape ``[num_seqs + 1]``) marks
+where each sequence starts; sequence ``s`` holds tokens ``cu_seqlens[s]`` up to
+``cu_seqlens[s + 1]`` (exclusive), so an empty sequence is two equal entries.
+
+Per-token outputs (position ids, sequence ids, ...) have one entry per token, and
+the number of tokens, ``cu_seqlens[-1]``, is a value. Every such function takes
+``total_length=`` (and per-chunk functions ``total_chunks=``): a static length that
+makes it work under ``jax.jit``. Without it the length is read from a concrete
+``cu_seqlens``; a traced one raises a ``ValueError`` asking for the argument.
+Tokens at or beyond ``cu_seqlens[-1]`` (and before ``cu_seqlens[0]``) are padding:
+sequence id -1, segment id 0, position id 0.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, Shaped
+
+from ._checks import (
+    check_cu_seqlens,
+    check_integer_array,
+    check_optional_length,
+    check_positive_int,
+    concrete_or_none,
+    static_int,
+)
+
+# Public functions take jax or NumPy arrays alike.
+AnyArray = Array | np.ndarray
+
+
+def cdiv(a: int | Int[AnyArray, "..."], b: int | Int[AnyArray, "..."]) -> int | Int[Array, "..."]:
+    """Ceiling division ``⌈a / b⌉`` of integers, exact for negative ``a`` too.
+
+    Python ints give a Python int (usable for static shapes); arrays give an array.
+
+    Args:
+        a: the dividend, an int or an integer array.
+        b: the divisor, a positive int or an integer array (positive values).
+
+    Returns:
+        ``⌈a / b⌉``, an int when both arguments are ints, else an array of their broadcast shape.
+    """
+    if isinstance(b, int | np.integer) and not isinstance(b, bool) and b <= 0:
+        raise ValueError(f"cdiv divisor must be positive, got b={b}")
+    if isinstance(a, int | np.integer) and isinstance(b, int | np.integer):
+        return -(-int(a) // int(b))
+    # -(-a // b) rounds up for either sign of a; (a + b - 1) // b only for a >= 0.
+    return -(-jnp.asarray(a) // jnp.asarray(b))
+
+
+def prepare_lens(cu_seqlens: Int[AnyArray, " C"]) -> Int[Array, " C-1"]:
+    """The length of each sequence, from cumulative lengths.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths ``[0, len_0, len_0 + len_1, ...]``.
+
+    Returns:
+        ``[num_seqs]`` lengths (empty sequences give 0), in the dtype of ``cu_seqlens``.
+    """
+    check_cu_seqlens(cu_seqlens)
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    return cu_seqlens[1:] - cu_seqlens[:-1]
+
+
+def prepare_chunk_offsets(cu_seqlens: Int[AnyArray, " C"], chunk_size: int) -> Int[Array, " C"]:
+    """Cumulative chunk counts: where each sequence's chunks start among all chunks.
+
+    Sequence ``s`` has ``⌈len_s / chunk_size⌉`` chunks (an empty one has none).
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        chunk_size: the chunk length in tokens, a positive int.
+
+    Returns:
+        int32 ``[num_seqs + 1]``: ``[0, chunks_0, chunks_0 + chunks_1, ...]``.
+    """
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    lens = prepare_lens(cu_seqlens).astype(jnp.int32)
+    return jnp.pad(jnp.cumsum(cdiv(lens, chunk_size), dtype=jnp.int32), (1, 0))
+
+
+def _owner_and_offset(starts: Array, index: Array) -> tuple[Array, Array]:
+    """For each ``index``, the interval of ``starts`` it falls in and its offset there.
+
+    Interval ``s`` is ``[starts[s], starts[s + 1])``; an index outside every interval
+    (before ``starts[0]`` or at/after ``starts[-1]``) gets owner -1 and offset 0. With
+    ``side="right"`` an empty interval owns nothing, so empty sequences are skipped.
+    """
+    owner = jnp.searchsorted(starts, index, side="right").astype(jnp.int32) - 1
+    inside = (owner >= 0) & (owner < starts.shape[0] - 1)
+    owner = jnp.where(inside, owner, -1)
+    offset = jnp.where(inside, index - starts[jnp.clip(owner, 0)], 0).astype(jnp.int32)
+    return owner, offset
+
+
+def _token_owner_and_position(cu_seqlens, total_length, fn: str) -> tuple[Array, Array]:
+    check_cu_seqlens(cu_seqlens)
+    total_length = check_optional_length(total_length, "total_length")
+    cu_seqlens = jnp.asarray(cu_seqlens)
+    if total_length is None:
+        total_length = static_int(
+            cu_seqlens[-1], fn=fn, name="cu_seqlens", static_arg="total_length"
+        )
+    tokens = jnp.arange(total_length, dtype=cu_seqlens.dtype)
+    return _owner_and_offset(cu_seqlens, tokens)
+
+
+def prepare_sequence_ids(
+    cu_seqlens: Int[AnyArray, " C"], total_length: int | None = None
+) -> Int[Array, " T"]:
+    """The sequence (0-based) each token belongs to.
+
+    ``[0, 3, 3, 5]`` (the middle sequence empty) gives ``[0, 0, 0, 2, 2]``.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        total_length: static number of tokens T; required under ``jax.jit``. Tokens
+            past ``cu_seqlens[-1]`` are padding; a smaller T truncates.
+
+    Returns:
+        int32 ``[T]`` sequence ids, -1 for padding.
+    """
+    owner, _ = _token_owner_and_position(cu_seqlens, total_length, "prepare_sequence_ids")
+    return owner
+
+
+def prepare_position_ids(
+    cu_seqlens: Int[AnyArray, " C"], total_length: int | None = None
+) -> Int[Array, " T"]:
+    """Each token's position within its sequence.
+
+    ``[0, 3, 5, 9]`` gives ``[0, 1, 2, 0, 1, 0, 1, 2, 3]``.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        total_length: static number of tokens T; required under ``jax.jit``.
+
+    Returns:
+        int32 ``[T]`` position ids, 0 for padding.
+    """
+    _, position = _token_owner_and_position(cu_seqlens, total_length, "prepare_position_ids")
+    return position
+
+
+def prepare_token_indices(
+    cu_seqlens: Int[AnyArray, " C"], total_length: int | None = None
+) -> Int[Array, "T 2"]:
+    """``(sequence id, position id)`` of each token.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        total_length: static number of tokens T; required under ``jax.jit``.
+
+    Returns:
+        int32 ``[T, 2]``: column 0 as `prepare_sequence_ids` (-1 for padding), column 1
+        as `prepare_position_ids` (0 for padding).
+    """
+    owner, position = _token_owner_and_position(cu_seqlens, total_length, "prepare_token_indices")
+    return jnp.stack([owner, position], axis=1)
+
+
+def prepare_chunk_indices(
+    cu_seqlens: Int[AnyArray, " C"], chunk_size: int, total_chunks: int | None = None
+) -> Int[Array, "K 2"]:
+    """``(sequence id, chunk index within the sequence)`` of each chunk of the packed batch.
+
+    Chunks are numbered sequence after sequence (see `prepare_chunk_offsets`); the last
+    chunk of a sequence may be partial, an empty sequence has none.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        chunk_size: the chunk length in tokens, a positive int.
+        total_chunks: static number of chunks K; required under ``jax.jit``. Chunks past
+            the last real one are padding; a smaller K truncates.
+
+    Returns:
+        int32 ``[K, 2]``; padding chunks are ``[-1, 0]``.
+    """
+    total_chunks = check_optional_length(total_chunks, "total_chunks")
+    offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+    if total_chunks is None:
+        total_chunks = static_int(
+            offsets[-1], fn="prepare_chunk_indices", name="cu_seqlens", static_arg="total_chunks"
+        )
+    owner, index = _owner_and_offset(offsets, jnp.arange(total_chunks, dtype=jnp.int32))
+    return jnp.stack([owner, index], axis=1)
+
+
+def cu_seqlens_to_segment_ids(
+    cu_seqlens: Int[AnyArray, " C"], total_length: int | None = None
+) -> Int[Array, " T"]:
+    """Segment ids (1-based sequence index, 0 for padding) of a packed token stream.
+
+    ``[0, 3, 3, 5]`` gives ``[1, 1, 1, 3, 3]``: the id is the sequence index plus one,
+    so an empty sequence leaves a gap in the ids.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
+        total_length: static number of tokens T; required under ``jax.jit``.
+
+    Returns:
+        int32 ``[T]`` segment ids; padding tokens get 0.
+    """
+    owner, _ = _token_owner_and_position(cu_seqlens, total_length, "cu_seqlens_to_segment_ids")
+    return owner + 1
+
+
+def _run_starts(segment_ids: Array) -> tuple[Array, Array]:
+    """``(valid, start)`` along the last axis: a run is a maximal stretch of one positive id."""
+    valid = segment_ids > 0
+    previous = jnp.concatenate(
+        [jnp.zeros_like(segment_ids[..., :1]), segment_ids[..., :-1]], axis=-1
+    )
+    return valid, valid & (segment_ids != previous)
+
+
+def _check_segment_runs(values: np.ndarray) -> None:
+    """Concrete 1-D segment ids that cu_seqlens can hold: no padding between runs, one run per id."""
+    valid = values > 0
+    if not valid.any():
+        return
+    first, last = np.flatnonzero(valid)[[0, -1]]
+    holes = np.flatnonzero(~valid[first:last])
+    if holes.size:
+        i = int(first + holes[0])
+        raise ValueError(
+            f"segment_ids has padding between sequences (segment_ids[{i}]={values[i]}); "
+            "cu_seqlens can only describe padding before the first or after the last sequence"
+        )
+    starts = np.flatnonzero(valid & (values != np.concatenate([[0], values[:-1]])))
+    ids, counts = np.unique(values[starts], return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"segment_ids must hold each positive id in one contiguous run, got id {ids[counts > 1][0]} "
+            "in several runs"
+        )
+
+
+def segment_ids_to_cu_seqlens(
+    segment_ids: Int[AnyArray, " T"], num_seqs: int | None = None
+) -> Int[Array, " C"]:
+    """Cumulative lengths of the sequences in one row of segment ids.
+
+    A sequence is a maximal run of one positive id; padding (ids <= 0) may come before the
+    first or after the last sequence only (checked when ``segment_ids`` is concrete).
+    Segment ids cannot hold empty sequences, so ``cu_seqlens → segment ids → cu_seqlens``
+    drops them and is otherwise exact.
+
+    Args:
+        segment_ids: ``[T]`` segment ids of a packed token stream.
+        num_seqs: static number of sequences; required under ``jax.jit``. With more than
+            the number of runs, the extra sequences are empty (at the end); with fewer, the
+            last sequence runs to the last valid token.
+
+    Returns:
+        int32 ``[num_seqs + 1]``: start of each run, then the end of the last valid token.
+    """
+    check_integer_array(segment_ids, "segment_ids", ndim=1)
+    num_seqs = check_optional_length(num_seqs, "num_seqs")
+    values = concrete_or_none(segment_ids)
+    if values is not None:
+        _check_segment_runs(values)
+    segment_ids = jnp.asarray(segment_ids)
+    valid, start = _run_starts(segment_ids)
+    if num_seqs is None:
+        num_seqs = static_int(
+            start.sum(), fn="segment_ids_to_cu_seqlens", name="segment_ids", static_arg="num_seqs"
+        )
+    index = jnp.arange(segment_ids.shape[0], dtype=jnp.int32)
+    end = jnp.max(jnp.where(valid, index + 1, 0), initial=0)
+    (starts,) = jnp.nonzero(start, size=num_seqs, fill_value=end)
+    return jnp.concatenate([starts.astype(jnp.int32), end[None]])
+
+
+def segment_ids_to_position_ids(segment_ids: Int[AnyArray, "*B T"]) -> Int[Array, "*B T"]:
+    """Each token's position within its run of equal positive segment ids.
+
+    A run is a maximal stretch of one positive id along the last axis, so
+    ``[1, 1, 2, 2, 2, 0]`` gives ``[0, 1, 0, 1, 2, 0]``; an id that reappears after
+    another id or after padding starts again at 0.
+
+    Args:
+        segment_ids: ``[*B, T]`` segment ids, ``<= 0`` for padding.
+
+    Returns:
+        int32 ``[*B, T]`` position ids; padding gets 0.
+    """
+    check_integer_array(segment_ids, "segment_ids")
+    if segment_ids.ndim == 0:
+        raise ValueError("segment_ids must have at least one axis, got a scalar")
+    segment_ids = jnp.asarray(segment_ids)
+    valid, start = _run_starts(segment_ids)
+    index = jax.lax.broadcasted_iota(jnp.int32, segment_ids.shape, segment_ids.ndim - 1)
+    run_start = jax.lax.cummax(jnp.where(start, index, 0), axis=segment_ids.ndim - 1)
+    return jnp.where(valid, index - run_start, 0)
+
+
+def position_ids_to_segment_ids(
+    position_ids: Int[AnyArray, "*B T"], valid: Shaped[AnyArray, "*B T"] | None = None
+) -> Int[Array, "*B T"]:
+    """Segment ids (1, 2, ... along each row, 0 for padding) from position ids.
+
+    A new sequence starts at each valid token whose position id is 0, and at the first
+    valid token of a row or after padding (a row may begin mid-sequence). This is the
+    ``position_ids == 0`` convention of packed data pipelines.
+
+    Args:
+        position_ids: ``[*B, T]`` position ids.
+        valid: ``[*B, T]`` bool (or 0/1) marking real tokens; None means the tokens with
+            ``position_ids >= 0``.
+
+    Returns:
+        int32 ``[*B, T]`` segment ids numbered from 1 in each row; padding gets 0.
+    """
+    check_integer_array(position_ids, "position_ids")
+    if position_ids.ndim == 0:
+        raise ValueError("position_ids must have at least one axis, got a scalar")
+    position_ids = jnp.asarray(position_ids)
+    if valid is None:
+        valid = position_ids >= 0
+    else:
+        if tuple(valid.shape) != tuple(position_ids.shape):
+            raise ValueError(
+                f"valid must have the shape of position_ids {tuple(position_ids.shape)}, "
+                f"got valid.shape={tuple(valid.shape)}"
+            )
+        valid = jnp.asarray(valid).astype(bool)
+    axis = position_ids.ndim - 1
+    previous_valid = jnp.concatenate([jnp.zeros_like(valid[..., :1]), valid[..., :-1]], axis=-1)
+    start = valid & ((position_ids == 0) | ~previous_valid)
+    return jnp.where(valid, jnp.cumsum(start, axis=axis, dtype=jnp.int32), 0)

@@ -1,0 +1,211 @@
+"""Attention masks: from segment ids, back to segment ids, and to sequence lengths.
+
+Segment ids ``int [*B, T]``: tokens attend only within equal positive ids; an id
+``<= 0`` (0 and -1 both appear in the wild) is padding and attends to nothing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int, Shaped
+
+from ._checks import check_integer_array
+
+# Public functions take jax or NumPy arrays alike.
+AnyArray = Array | np.ndarray
+
+
+def _check_mask(mask, name: str, ndim: int) -> None:
+    if mask.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {name}.shape={tuple(mask.shape)}")
+
+
+def prepare_lens_from_mask(mask: Shaped[AnyArray, "B T"]) -> Int[Array, " B"]:
+    """The number of valid tokens in each row of a padding mask.
+
+    The valid tokens need not be left-aligned: every True counts.
+
+    Args:
+        mask: ``[B, T]`` bool (or 0/1) padding mask, True for a real token.
+
+    Returns:
+        int32 ``[B]`` lengths.
+    """
+    _check_mask(mask, "mask", 2)
+    return (jnp.asarray(mask) != 0).sum(axis=-1, dtype=jnp.int32)
+
+
+def prepare_cu_seqlens_from_mask(
+    mask: Shaped[AnyArray, "B T"], out_dtype: jnp.dtype | type = jnp.int32
+) -> Int[Array, " C"]:
+    """Cumulative lengths of the rows of a padding mask, as packed one after another.
+
+    They describe ``x[mask]`` (the valid tokens in row-major order), so a mask that is not
+    left-aligned is fine. ``[[1, 1, 1, 0], [1, 1, 0, 0]]`` gives ``[0, 3, 5]``.
+
+    Args:
+        mask: ``[B, T]`` bool (or 0/1) padding mask.
+        out_dtype: integer dtype of the result.
+
+    Returns:
+        ``[B + 1]`` cumulative lengths starting at 0.
+    """
+    if not jnp.issubdtype(out_dtype, jnp.integer):
+        raise TypeError(f"out_dtype must be an integer dtype, got {out_dtype=}")
+    lens = prepare_lens_from_mask(mask)
+    return jnp.pad(jnp.cumsum(lens, dtype=out_dtype), (1, 0))
+
+
+def segment_ids_to_mask(
+    segment_ids: Int[AnyArray, "*B T"] | tuple[Int[AnyArray, "*B T"], Int[AnyArray, "*B S"]],
+    dtype: jnp.dtype | type = jnp.bool_,
+    return_separate_masks: bool = False,
+) -> (
+    Shaped[Array, "*B T S"]
+    | tuple[Shaped[Array, "*B T"], Shaped[Array, "*B S"], Shaped[Array, "*B T S"]]
+):
+    """The attention mask of segment ids: query i sees key j when both ids are equal and positive.
+
+    Args:
+        segment_ids: ``[*B, T]`` ids for self-attention (then S = T), or a pair
+            ``(q_segment_ids [*B, T], kv_segment_ids [*B, S])`` for cross-attention.
+            Ids ``<= 0`` are padding.
+        dtype: dtype of the masks (bool, or a number type giving 0/1).
+        return_separate_masks: also return the query and key padding masks.
+
+    Returns:
+        ``[*B, T, S]`` attention mask; with ``return_separate_masks``, the tuple
+        ``(q_mask [*B, T], kv_mask [*B, S], attention_mask [*B, T, S])``.
+    """
+    if isinstance(segment_ids, tuple | list):
+        if len(segment_ids) != 2:
+            raise ValueError(
+                f"segment_ids must be an array or a (q, kv) pair, got a sequence of {len(segment_ids)}"
+            )
+        q_ids, kv_ids = segment_ids
+        check_integer_array(q_ids, "q_segment_ids")
+        check_integer_array(kv_ids, "kv_segment_ids")
+        if q_ids.ndim == 0 or q_ids.shape[:-1] != kv_ids.shape[:-1]:
+            raise ValueError(
+                "q_segment_ids and kv_segment_ids must share their leading (batch) axes, got "
+                f"shapes {tuple(q_ids.shape)} and {tuple(kv_ids.shape)}"
+            )
+    else:
+        check_integer_array(segment_ids, "segment_ids")
+        if segment_ids.ndim == 0:
+            raise ValueError("segment_ids must have at least one axis, got a scalar")
+        q_ids = kv_ids = segment_ids
+    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
+    q_valid, kv_valid = q_ids > 0, kv_ids > 0
+    mask = (q_ids[..., :, None] == kv_ids[..., None, :]) & q_valid[..., :, None]
+    mask = mask.astype(dtype)
+    if return_separate_masks:
+        return q_valid.astype(dtype), kv_valid.astype(dtype), mask
+    return mask
+
+
+@jax.jit
+def _segment_ids_one(mask: Array) -> tuple[Array, Array]:
+    """Segment ids ``(q [Q], kv [K])`` of one bool mask ``[Q, K]``, 0 for padding.
+
+    Rows are keyed by their first attended column. In a mask that segment ids can
+    represent, rows with one pattern share that column and rows with different
+    patterns attend to disjoint columns, so the key separates exactly the row groups.
+    Ids are numbered in order of first appearance; a column takes the id of the first
+    row that attends to it. O(Q·K), no sort and no hashing.
+    """
+    q_len, kv_len = mask.shape
+    rows = jnp.arange(q_len, dtype=jnp.int32)
+    row_any = mask.any(axis=1)
+    key = jnp.where(row_any, jnp.argmax(mask, axis=1), kv_len)
+    first_row_of_key = jnp.full(kv_len + 1, q_len, jnp.int32).at[key].min(rows)
+    representative = first_row_of_key[key]
+    is_new = row_any & (representative == rows)
+    q_ids = jnp.where(row_any, jnp.cumsum(is_new, dtype=jnp.int32)[representative], 0)
+    col_any = mask.any(axis=0)
+    kv_ids = jnp.where(col_any, q_ids[jnp.argmax(mask, axis=0)], 0)
+    return q_ids, kv_ids
+
+
+def _mask_segment_ids(mask, per_head: bool) -> tuple[Array, Array, Array]:
+    """``(q_ids, kv_ids, representable)`` with padding id 0, for the public functions."""
+    if mask.ndim not in (2, 3, 4):
+        raise ValueError(
+            f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got mask.shape={tuple(mask.shape)}"
+        )
+    if per_head and mask.ndim != 4:
+        raise ValueError(
+            f"per_head=True needs a [B, H, Q, K] mask, got mask.shape={tuple(mask.shape)}"
+        )
+    mask = jnp.asarray(mask) != 0
+    # Without per_head a 4-D mask gets one set of ids per batch element, taken from the
+    # union over heads; it is representable only if every head equals the rebuilt mask.
+    target = mask
+    if mask.ndim == 4 and not per_head:
+        mask = mask.any(axis=1)
+    batch_shape, (q_len, kv_len) = mask.shape[:-2], mask.shape[-2:]
+    q_ids, kv_ids = jax.vmap(_segment_ids_one)(mask.reshape(-1, q_len, kv_len))
+    q_ids = q_ids.reshape(*batch_shape, q_len)
+    kv_ids = kv_ids.reshape(*batch_shape, kv_len)
+    rebuilt = segment_ids_to_mask((q_ids, kv_ids))
+    if target.ndim == 4 and not per_head:
+        rebuilt = rebuilt[:, None]
+    representable = (rebuilt == target).all(axis=(-2, -1))
+    if target.ndim == 4 and not per_head:
+        representable = representable.all(axis=1)
+    return q_ids, kv_ids, representable
+
+
+def mask_to_segment_ids(
+    mask: Shaped[AnyArray, "*B T S"], per_head: bool = False, padding_id: int = 0
+) -> tuple[Int[Array, "*R T"], Int[Array, "*R S"]]:
+    """Segment ids ``(q, kv)`` whose `segment_ids_to_mask` is ``mask``, when such ids exist.
+
+    Vectorized (O(T·S), no Python loop over rows) and usable under ``jax.jit``.
+
+    Segment ids can represent exactly the masks that are block-diagonal up to a
+    permutation: the attending queries split into groups, each group attends to
+    exactly one set of keys, and the sets of different groups are disjoint. Causal,
+    sliding-window, banded or prefix-LM masks, and any mask where two queries see
+    overlapping but different key sets, cannot be represented; for those the ids
+    returned here rebuild a different mask. Use `is_segment_representable` to check
+    (it compares the rebuilt mask with ``mask``).
+
+    Query ids are numbered 1, 2, ... in order of first appearance; a query that sees
+    no key and a key that no query sees get ``padding_id``.
+
+    Args:
+        mask: ``[T, S]``, ``[B, T, S]`` or ``[B, H, T, S]`` bool (or 0/1) mask, True
+            where a query may attend a key.
+        per_head: for a 4-D mask, ids per head ``[B, H, ...]``. Without it a 4-D mask
+            gets ids per batch element ``[B, ...]``, built from the union over heads
+            (exact only when every head has the same mask).
+        padding_id: the id of padding tokens, 0 or negative (-1 is common).
+
+    Returns:
+        ``(q_segment_ids, kv_segment_ids)``, int32 of shapes ``[*B, T]`` and ``[*B, S]``
+        (``*B`` without H when a 4-D mask is given without ``per_head``).
+    """
+    if isinstance(padding_id, bool) or not isinstance(padding_id, int) or padding_id > 0:
+        raise ValueError(f"padding_id must be an int <= 0, got {padding_id=}")
+    q_ids, kv_ids, _ = _mask_segment_ids(mask, per_head)
+    if padding_id != 0:
+        q_ids = jnp.where(q_ids > 0, q_ids, padding_id)
+        kv_ids = jnp.where(kv_ids > 0, kv_ids, padding_id)
+    return q_ids, kv_ids
+
+
+def is_segment_representable(
+    mask: Shaped[AnyArray, "*B T S"], per_head: bool = False
+) -> Bool[Array, "*R"]:
+    """Whether segment ids can represent ``mask`` exactly (see `mask_to_segment_ids`).
+
+    Args:
+        mask: ``[T, S]``, ``[B, T, S]`` or ``[B, H, T, S]`` bool (or 0/1) mask.
+        per_head: as in `mask_to_segment_ids`.
+
+    Returns:
+        bool, one per mask: shape ``[]``, ``[B]``, or ``[B, H]`` with ``per_head``
+        (``[B]`` for a 4-D mask without it: every head must match).
+    """
+    return _mask_segment_ids(mask, per_head)[2]

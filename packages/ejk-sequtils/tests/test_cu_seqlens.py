@@ -1,0 +1,183 @@
+"""cu_seqlens and the per-token / per-chunk views: explicit cases, jit, edge cases, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejk_sequtils as es
+
+EMPTY_MIDDLE = [0, 3, 3, 5]
+
+
+def _np(x):
+    return np.asarray(x).tolist()
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"), [(7, 2, 4), (8, 2, 4), (0, 3, 0), (1, 5, 1), (-3, 2, -1), (-4, 2, -2)]
+)
+def test_cdiv_ints_stay_python_ints(a, b, expected):
+    out = es.cdiv(a, b)
+    assert type(out) is int
+    assert out == expected
+
+
+def test_cdiv_arrays():
+    out = es.cdiv(jnp.array([-3, 0, 1, 4, 5], jnp.int32), 2)
+    assert out.dtype == jnp.int32
+    assert _np(out) == [-1, 0, 1, 2, 3]
+    assert _np(jax.jit(es.cdiv)(jnp.array([5, 6]), jnp.array([2, 3]))) == [3, 2]
+
+
+def test_cdiv_rejects_non_positive_divisor():
+    with pytest.raises(ValueError, match="divisor must be positive, got b=0"):
+        es.cdiv(3, 0)
+
+
+def test_prepare_lens():
+    assert _np(es.prepare_lens(jnp.array([0, 5, 12, 18]))) == [5, 7, 6]
+    assert _np(es.prepare_lens(np.array(EMPTY_MIDDLE))) == [3, 0, 2]
+    assert es.prepare_lens(jnp.array([0])).shape == (0,)
+
+
+def test_seed_example_position_ids():
+    cu = jnp.array([0, 3, 5, 9])
+    assert _np(es.prepare_position_ids(cu)) == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    assert _np(es.prepare_sequence_ids(cu)) == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_empty_sequence_inside_cu_seqlens():
+    cu = jnp.array(EMPTY_MIDDLE)
+    assert _np(es.prepare_sequence_ids(cu)) == [0, 0, 0, 2, 2]
+    assert _np(es.prepare_position_ids(cu)) == [0, 1, 2, 0, 1]
+    assert _np(es.cu_seqlens_to_segment_ids(cu)) == [1, 1, 1, 3, 3]
+    assert _np(es.prepare_token_indices(cu)) == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 1]]
+
+
+def test_empty_sequences_at_both_ends_and_all_empty():
+    cu = jnp.array([0, 0, 2, 2])
+    assert _np(es.prepare_sequence_ids(cu)) == [1, 1]
+    assert es.prepare_sequence_ids(jnp.array([0, 0, 0])).shape == (0,)
+    assert _np(es.prepare_sequence_ids(jnp.array([0, 0, 0]), total_length=2)) == [-1, -1]
+
+
+def test_single_token_sequences():
+    cu = jnp.arange(5)
+    assert _np(es.prepare_sequence_ids(cu)) == [0, 1, 2, 3]
+    assert _np(es.prepare_position_ids(cu)) == [0, 0, 0, 0]
+
+
+def test_total_length_pads_and_truncates():
+    cu = jnp.array([0, 2, 3])
+    assert _np(es.prepare_sequence_ids(cu, total_length=5)) == [0, 0, 1, -1, -1]
+    assert _np(es.prepare_position_ids(cu, total_length=5)) == [0, 1, 0, 0, 0]
+    assert _np(es.cu_seqlens_to_segment_ids(cu, total_length=5)) == [1, 1, 2, 0, 0]
+    assert _np(es.prepare_sequence_ids(cu, total_length=2)) == [0, 0]
+
+
+def test_tokens_before_a_nonzero_start_are_padding():
+    assert _np(es.prepare_sequence_ids(jnp.array([2, 4]))) == [-1, -1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        es.prepare_sequence_ids,
+        es.prepare_position_ids,
+        es.prepare_token_indices,
+        es.cu_seqlens_to_segment_ids,
+    ],
+)
+def test_per_token_functions_under_jit(fn):
+    cu = jnp.array(EMPTY_MIDDLE, jnp.int32)
+    eager = fn(cu)
+    jitted = jax.jit(fn, static_argnames="total_length")(cu, total_length=5)
+    np.testing.assert_array_equal(jitted, eager)
+    with pytest.raises(ValueError, match=r"traced .* pass the static length as total_length="):
+        jax.jit(fn)(cu)
+
+
+def test_chunk_offsets_and_indices():
+    cu = jnp.array([0, 5, 5, 7, 8])
+    assert _np(es.prepare_chunk_offsets(cu, 2)) == [0, 3, 3, 4, 5]
+    assert _np(es.prepare_chunk_indices(cu, 2)) == [[0, 0], [0, 1], [0, 2], [2, 0], [3, 0]]
+    jitted = jax.jit(lambda c: es.prepare_chunk_indices(c, 2, total_chunks=7))(cu)
+    assert _np(jitted)[5:] == [[-1, 0], [-1, 0]]
+    with pytest.raises(ValueError, match="total_chunks="):
+        jax.jit(lambda c: es.prepare_chunk_indices(c, 2))(cu)
+
+
+def test_segment_ids_to_cu_seqlens():
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([1, 1, 1, 3, 3]))) == [0, 3, 5]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([7, 2, 2, 0, -1]))) == [0, 1, 3]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0, 4, 4]))) == [2, 4]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0]))) == [0]
+    jitted = jax.jit(lambda s: es.segment_ids_to_cu_seqlens(s, num_seqs=4))
+    assert _np(jitted(jnp.array([1, 1, 2, 0]))) == [0, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="num_seqs="):
+        jax.jit(es.segment_ids_to_cu_seqlens)(jnp.array([1, 1, 2, 0]))
+
+
+def test_segment_ids_to_cu_seqlens_rejects_what_cu_seqlens_cannot_hold():
+    with pytest.raises(ValueError, match=r"padding between sequences \(segment_ids\[2\]=0\)"):
+        es.segment_ids_to_cu_seqlens(jnp.array([1, 1, 0, 2]))
+    with pytest.raises(ValueError, match="id 1 in several runs"):
+        es.segment_ids_to_cu_seqlens(jnp.array([1, 2, 1]))
+
+
+def test_segment_ids_to_position_ids():
+    seg = jnp.array([[1, 1, 2, 2, 2, 0], [-1, 5, 5, 0, 5, 5]])
+    assert _np(es.segment_ids_to_position_ids(seg)) == [[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 0, 1]]
+    np.testing.assert_array_equal(
+        jax.jit(es.segment_ids_to_position_ids)(seg), es.segment_ids_to_position_ids(seg)
+    )
+
+
+def test_position_ids_to_segment_ids():
+    pos = jnp.array([[0, 1, 2, 0, 1, 0, -1], [3, 4, 0, 1, 0, 0, 0]])
+    assert _np(es.position_ids_to_segment_ids(pos)) == [
+        [1, 1, 1, 2, 2, 3, 0],
+        [1, 1, 2, 2, 3, 4, 5],
+    ]
+    valid = jnp.array([[1] * 7, [1, 1, 1, 1, 0, 0, 0]], bool)
+    assert _np(es.position_ids_to_segment_ids(pos, valid)[1]) == [1, 1, 2, 2, 0, 0, 0]
+
+
+def test_round_trips_on_an_example():
+    cu = jnp.array([0, 4, 5, 9])
+    seg = es.cu_seqlens_to_segment_ids(cu)
+    np.testing.assert_array_equal(es.segment_ids_to_cu_seqlens(seg), cu)
+    np.testing.assert_array_equal(es.segment_ids_to_position_ids(seg), es.prepare_position_ids(cu))
+    np.testing.assert_array_equal(es.position_ids_to_segment_ids(es.prepare_position_ids(cu)), seg)
+
+
+@pytest.mark.parametrize(
+    ("cu", "error", "match"),
+    [
+        (
+            np.array([0, 3, 2]),
+            ValueError,
+            r"non-decreasing, got cu_seqlens\[1\]=3 > cu_seqlens\[2\]=2",
+        ),
+        (np.array([-1, 3]), ValueError, r"cu_seqlens\[0\]=-1"),
+        (np.array([[0, 3]]), ValueError, r"1-D, got cu_seqlens.shape=\(1, 2\)"),
+        (np.array([0.0, 3.0]), TypeError, "integer dtype, got cu_seqlens.dtype=float64"),
+        (np.zeros(0, np.int32), ValueError, "at least one entry"),
+    ],
+)
+@pytest.mark.usefixtures("no_shape_checks")
+def test_bad_cu_seqlens(cu, error, match):
+    with pytest.raises(error, match=match):
+        es.prepare_position_ids(cu)
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_bad_static_lengths():
+    cu = jnp.array([0, 3])
+    with pytest.raises(ValueError, match="total_length must be >= 0, got total_length=-1"):
+        es.prepare_position_ids(cu, total_length=-1)
+    with pytest.raises(TypeError, match=r"total_length must be a Python int or None, got 2\.0"):
+        es.prepare_position_ids(cu, total_length=2.0)
+    with pytest.raises(ValueError, match="chunk_size must be positive, got chunk_size=0"):
+        es.prepare_chunk_offsets(cu, 0)

@@ -1,0 +1,49 @@
+"""assert_allclose and generate_attention_inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejk_sequtils as es
+
+
+def test_assert_allclose_passes_and_reports():
+    es.assert_allclose(jnp.array([1.0, np.nan]), np.array([1.0 + 1e-7, np.nan]))
+    es.assert_allclose(jnp.ones(3, jnp.bfloat16), np.ones(3, np.float32))
+    with pytest.raises(
+        AssertionError, match=r"1 of 3 elements differ\n  largest difference 0.5 at index \(1,\)"
+    ):
+        es.assert_allclose(jnp.array([1.0, 2.0, 3.0]), np.array([1.0, 2.5, 3.0]))
+    with pytest.raises(AssertionError, match=r"largest difference nan at index \(2,\)"):
+        es.assert_allclose(jnp.array([1.0, 2.0, np.nan]), np.array([1.0, 2.5, 3.0]))
+    with pytest.raises(
+        AssertionError, match=r"^ctx: shape mismatch: actual \(3,\) vs expected \(1, 3\)"
+    ):
+        es.assert_allclose(jnp.ones(3), np.ones((1, 3)), err_msg="ctx")
+    with pytest.raises(AssertionError, match="dtype mismatch"):
+        es.assert_allclose(jnp.ones(3), np.ones(3, np.float64), check_dtype=True)
+    with pytest.raises(AssertionError, match="elements differ"):
+        es.assert_allclose(jnp.array([np.nan]), np.array([np.nan]), equal_nan=False)
+
+
+def test_generate_attention_inputs():
+    inputs = es.generate_attention_inputs(2, 19, 6, 40, jnp.bfloat16, kv_seq_len=23, num_kv_heads=2)
+    assert inputs["query"].shape == (2, 19, 6, 40)
+    assert inputs["key"].shape == inputs["value"].shape == (2, 23, 2, 40)
+    assert {v.dtype for v in inputs.values()} == {jnp.dtype(jnp.bfloat16)}
+    again = es.generate_attention_inputs(2, 19, 6, 40, jnp.bfloat16, kv_seq_len=23, num_kv_heads=2)
+    for name in inputs:
+        np.testing.assert_array_equal(inputs[name], again[name])
+    other = es.generate_attention_inputs(key=jax.random.PRNGKey(3))
+    assert not np.array_equal(other["query"], es.generate_attention_inputs()["query"])
+    assert not np.array_equal(inputs["key"], inputs["value"])
+
+
+def test_generate_attention_inputs_errors():
+    with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+        es.generate_attention_inputs(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 0, got seq_len=-1"):
+        es.generate_attention_inputs(seq_len=-1)
+    with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+        es.generate_attention_inputs(dtype=jnp.int32)

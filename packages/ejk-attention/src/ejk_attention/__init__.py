@@ -1,6 +1,7 @@
 """One attention API over every ejk backend: XLA reference, Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
 
 from ._backends import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._dpa import dot_product_attention as dot_product_attention
 from ._flash import flash_attention as flash_attention
 from ._reference import dropout_keep_mask as dropout_keep_mask
 from ._reference import reference_attention as reference_attention
@@ -8,6 +9,7 @@ from ._reference import visibility_mask as visibility_mask
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "dot_product_attention",
     "dropout_keep_mask",
     "flash_attention",
     "reference_attention",

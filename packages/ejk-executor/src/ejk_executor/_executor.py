@@ -1,0 +1,123 @@
+"""The `Executor`: chooses a config for a call, then runs the kernel with it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+
+from ._cache import active_overlays
+from ._kernel import Invocation, Kernel
+from ._labels import config_label
+from ._registry import record_invocation
+from ._selection import _OVERRIDE, ConfigSelectorChain, Selection
+from ._tuning import make_body, split_leaves
+
+__all__ = ["Executor"]
+
+
+class Executor:
+    """Runs kernels with the config its chain chooses.
+
+    ``Executor(chain)(kernel, *args, cfg=None, **kwargs)`` builds the call's
+    `Invocation`, asks ``chain`` for a config (an explicit ``cfg`` wins), and runs
+    the kernel's ``run_<platform>`` (or ``run``) with it, under the HLO label of
+    that config and with the kernel's custom backward attached if it has one.
+
+    Eager calls go through a ``jax.jit`` of the kernel kept per call key and
+    config; a repeated eager call with the same shapes, dtypes, shardings and
+    static arguments skips the key computation (while the memory cache is
+    unchanged and no overlay or policy override is active). Inside ``jax.jit``
+    the selection happens once, at trace time, and the compiled program holds
+    only the chosen kernel.
+
+    Args:
+        chooser: the selection chain (default: a heuristic-only chain with a memory cache).
+        record: record every distinct call (abstractly) with `record_invocation`.
+    """
+
+    def __init__(self, chooser: ConfigSelectorChain | None = None, *, record: bool = False):
+        if chooser is None:
+            chooser = ConfigSelectorChain()
+        if not isinstance(chooser, ConfigSelectorChain):
+            raise TypeError(f"chooser must be a ConfigSelectorChain, got {type(chooser).__name__}")
+        self.chooser = chooser
+        self.record = record
+        self._lock = threading.Lock()
+        self._bodies: dict[tuple[str, str], Any] = {}
+        self._fast: dict[Any, tuple[int, Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"Executor({self.chooser!r}, record={self.record})"
+
+    def invocation(
+        self, kernel: Kernel[Any, Any], *args: Any, **kwargs: Any
+    ) -> Invocation[Any, Any]:
+        """The `Invocation` of ``kernel(*args, **kwargs)``."""
+        return Invocation.make(kernel, args, kwargs)
+
+    def choose(
+        self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any
+    ) -> Selection:
+        """The config (and its source) a call would use, without running it."""
+        return self.chooser.choose(self.invocation(kernel, *args, **kwargs), cfg)
+
+    def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
+        treedef, leaves, dyn_index = split_leaves(args, kwargs)
+        fast_key = None
+        if cfg is None and not active_overlays() and not _OVERRIDE.get():
+            fast_key = _fast_key(kernel, treedef, leaves, dyn_index)
+            if fast_key is not None:
+                hit = self._fast.get(fast_key)
+                if hit is not None and hit[0] == self.chooser.cache.version:
+                    return hit[1](*[leaves[i] for i in dyn_index])
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"kernel must be an ejk_executor.Kernel, got {type(kernel).__name__}")
+        inv = Invocation.make(kernel, args, kwargs)
+        if self.record:
+            record_invocation(kernel, inv)
+        chosen = self.chooser.choose(inv, cfg).cfg
+        fn = self._body(inv, chosen)
+        if fast_key is not None:
+            with self._lock:
+                self._fast[fast_key] = (self.chooser.cache.version, fn)
+        return fn(*[leaves[i] for i in dyn_index])
+
+    def _body(self, inv: Invocation[Any, Any], cfg: Any) -> Any:
+        kernel = inv.kernel
+        token = config_label(kernel.name, kernel.version, cfg)
+        memo_key = (inv.call_key, token)
+        fn = self._bodies.get(memo_key)
+        if fn is not None:
+            return fn
+        body = make_body(kernel, cfg, inv.platform, inv.args, dict(inv.kwargs))
+
+        def labeled(*dyn: Any) -> Any:
+            with jax.named_scope(token):
+                return body(*dyn)
+
+        labeled.__name__ = labeled.__qualname__ = token.replace(".", "_").replace("-", "_")
+        fn = jax.jit(labeled)
+        with self._lock:
+            self._bodies[memo_key] = fn
+        return fn
+
+
+def _fast_key(kernel: Any, treedef: Any, leaves: list[Any], dyn_index: list[int]) -> Any:
+    """A hashable key for an eager call (all arrays concrete), or None."""
+    parts: list[Any] = [kernel, treedef]
+    dyn = set(dyn_index)
+    for i, leaf in enumerate(leaves):
+        if i in dyn:
+            if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+                return None
+            parts.append((leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding))
+        else:
+            parts.append((type(leaf), leaf))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

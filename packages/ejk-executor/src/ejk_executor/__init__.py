@@ -1,6 +1,5 @@
 """Kernel/Invocation/Executor, config selection chain, persistent cache and autotuning for JAX kernels."""
 
-from ._batch import get_memory_usage as get_memory_usage
 from ._batch import pmap_with_config as pmap_with_config
 from ._batch import vmap_with_config as vmap_with_config
 from ._cache import ConfigCache as ConfigCache
@@ -28,6 +27,7 @@ from ._selection import Selection as Selection
 from ._selection import policy_override as policy_override
 from ._tuning import autotune as autotune
 from ._tuning import benchmark as benchmark
+from ._tuning import get_memory_usage as get_memory_usage
 from ._tuning import timer as timer
 
 __all__ = [

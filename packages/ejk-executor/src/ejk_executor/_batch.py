@@ -10,7 +10,7 @@ import jax
 from ._executor import Executor
 from ._kernel import Kernel, is_dynamic
 
-__all__ = ["get_memory_usage", "pmap_with_config", "vmap_with_config"]
+__all__ = ["pmap_with_config", "vmap_with_config"]
 
 
 def _per_example(args: tuple[Any, ...], in_axes: Any) -> tuple[Any, ...]:
@@ -113,17 +113,3 @@ def pmap_with_config(
         executor,
         {"out_axes": out_axes, "axis_name": axis_name, **pmap_kwargs},
     )
-
-
-def get_memory_usage(device: jax.Device | None = None) -> dict[str, int]:
-    """The runtime's memory statistics of ``device`` (default: the first device), e.g.
-    ``bytes_in_use`` and ``peak_bytes_in_use``; empty where the backend reports none (CPU)."""
-    if device is None:
-        device = jax.devices()[0]
-    elif not isinstance(device, jax.Device):
-        raise TypeError(f"device must be a jax.Device or None, got {device!r}")
-    try:
-        stats = device.memory_stats()
-    except Exception:
-        stats = None
-    return {k: int(v) for k, v in (stats or {}).items() if isinstance(v, int | float)}

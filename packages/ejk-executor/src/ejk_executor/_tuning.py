@@ -17,7 +17,16 @@ import numpy as np
 
 from ._kernel import Invocation, Kernel, is_dynamic
 
-__all__ = ["Timer", "autotune", "benchmark", "make_body", "standin", "timer", "tune_invocation"]
+__all__ = [
+    "Timer",
+    "autotune",
+    "benchmark",
+    "get_memory_usage",
+    "make_body",
+    "standin",
+    "timer",
+    "tune_invocation",
+]
 
 logger = logging.getLogger("ejk_executor")
 
@@ -248,3 +257,17 @@ def autotune(
     inv = Invocation.make(kernel, args, kwargs)
     candidates = list(kernel.config_space(inv) if configs is None else configs)
     return tune_invocation(inv, candidates, num_warmup=num_warmup, num_iters=num_iters)[0]
+
+
+def get_memory_usage(device: jax.Device | None = None) -> dict[str, int]:
+    """The runtime's memory statistics of ``device`` (default: the first device), e.g.
+    ``bytes_in_use`` and ``peak_bytes_in_use``; empty where the backend reports none (CPU)."""
+    if device is None:
+        device = jax.devices()[0]
+    elif not isinstance(device, jax.Device):
+        raise TypeError(f"device must be a jax.Device or None, got {device!r}")
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        stats = None
+    return {k: int(v) for k, v in (stats or {}).items() if isinstance(v, int | float)}

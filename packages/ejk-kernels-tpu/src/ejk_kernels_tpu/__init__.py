@@ -1,5 +1,10 @@
 """Pallas TPU block-sparse (splash-style) attention kernels and their masks."""
 
+from ._config import BlockSparseConfig as BlockSparseConfig
+from ._config import block_sparse_heuristic as block_sparse_heuristic
+from ._config import block_sparse_search_space as block_sparse_search_space
+from ._config import fits_vmem as fits_vmem
+from ._config import vmem_bytes as vmem_bytes
 from ._mask_info import MaskInfo as MaskInfo
 from ._mask_info import process_dynamic_mask as process_dynamic_mask
 from ._mask_info import process_dynamic_mask_dkv as process_dynamic_mask_dkv
@@ -12,8 +17,11 @@ from ._masks import LocalMask as LocalMask
 from ._masks import Mask as Mask
 from ._masks import MultiHeadMask as MultiHeadMask
 from ._masks import NumpyMask as NumpyMask
+from ._ops import blocksparse_attention as blocksparse_attention
+from ._ops import default_interpret as default_interpret
 
 __all__ = [
+    "BlockSparseConfig",
     "CausalMask",
     "ChunkedCausalMask",
     "FullMask",
@@ -22,8 +30,14 @@ __all__ = [
     "MaskInfo",
     "MultiHeadMask",
     "NumpyMask",
+    "block_sparse_heuristic",
+    "block_sparse_search_space",
+    "blocksparse_attention",
+    "default_interpret",
+    "fits_vmem",
     "process_dynamic_mask",
     "process_dynamic_mask_dkv",
     "process_mask",
     "process_mask_dkv",
+    "vmem_bytes",
 ]

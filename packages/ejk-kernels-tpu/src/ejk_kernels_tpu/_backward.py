@@ -1,0 +1,227 @@
+"""The backward kernels: dq (q blocks outer) and dk/dv (kv blocks outer), FlashAttention-2 Alg. 2.
+
+Both recompute ``P = exp(S - lse)`` from the forward's lse (which already holds the sink),
+and use ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse`` computed outside. The dkv
+kernel works on transposed tiles (``S^T = K Q^T``, rows = keys) so every product is a
+plain or ``A B^T`` matmul, and folds the query heads of a GQA group into its reduction axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._common import (
+    NN_DIMS,
+    NT_DIMS,
+    Static,
+    compiler_params,
+    logits,
+    mask_row,
+    q_major_inputs,
+    split_refs,
+    tables,
+    tiles_of,
+    visibility,
+)
+from ._mask_info import FULL, PARTIAL, MaskInfo
+
+__all__ = ["dkv", "dq"]
+
+
+def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool):
+    """``P`` and ``dS`` of one tile (``P^T``/``dS^T`` when ``transposed``), f32, pre-scale."""
+    if transposed:
+        s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
+        visible = visibility(r.get("tile"), r.get("kv_seg"), r.get("q_seg"), masked)
+        dp = jax.lax.dot_general(
+            r["v"][...], r["do"][...], NT_DIMS, preferred_element_type=jnp.float32
+        )
+    else:
+        s, t = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
+        visible = visibility(r.get("tile"), r.get("q_seg"), r.get("kv_seg"), masked)
+        dp = jax.lax.dot_general(
+            r["do"][...], r["v"][...], NT_DIMS, preferred_element_type=jnp.float32
+        )
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    # lse is +inf on rows that see nothing, so their P is exactly 0.
+    p = jnp.exp(s - r["lse"][...])
+    ds = p * (dp - r["di"][...])
+    if t is not None:
+        ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+    return p, ds
+
+
+def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int):
+    del dn_ref, mn_ref
+    r = split_refs(refs, names)
+    h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
+
+    def step(masked: bool):
+        _, ds = _probs_and_dscores(r, st, masked, transposed=False)
+        k = r["k"][...]
+        r["acc"][...] += jax.lax.dot_general(
+            ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
+        )
+
+    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j]
+    pl.when(kind == PARTIAL)(lambda: step(True))
+    pl.when(kind == FULL)(lambda: step(False))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        r["dq"][...] = (r["acc"][...] * st.scale).astype(r["dq"].dtype)
+
+
+def dq(q, k, v, do, lse, di, q_seg, kv_seg, info: MaskInfo, st: Static) -> jax.Array:
+    """dq ``[B, N, Tp, H]`` in kernel layout.
+
+    Args:
+        q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
+        lse, di: f32 ``[B, N, Tp, 1]`` (lse +inf on empty rows; di = rowsum(dO*O) - dlse).
+        q_seg, kv_seg: int32 ``[B, Tp, 1]``, ``[B, 1, Sp]`` or None.
+        info: `process_mask` tables for ``st.dq`` blocks.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    block_q, block_kv = st.dq
+    grid = (batch, heads, q_len // block_q, k.shape[2] // block_kv)
+    rows = {"q": (q, head_dim), "do": (do, head_dim), "lse": (lse, 1), "di": (di, 1)}
+    names, in_specs, args = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
+    names += ["dq", "acc"]
+    kernel = functools.partial(_dq_kernel, st=st, names=names, table_rows=info.block_mask.shape[0])
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, block_q, head_dim), in_specs[0].index_map),
+            scratch_shapes=[pltpu.VMEM((block_q, head_dim), jnp.float32)],
+        ),
+        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=st.interpret,
+        name="ejk_blocksparse_dq",
+    )(*tables(info), *args)
+
+
+def _dkv_kernel(
+    dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int, q_blocks: int
+):
+    del dn_ref, mn_ref
+    r = split_refs(refs, names)
+    kh, j, step_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    h = kh * st.group + step_id // q_blocks
+    i = step_id % q_blocks
+
+    @pl.when(step_id == 0)
+    def _init():
+        r["dk_acc"][...] = jnp.zeros(r["dk_acc"].shape, jnp.float32)
+        r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
+
+    def step(masked: bool):
+        p, ds = _probs_and_dscores(r, st, masked, transposed=True)
+        q, do = r["q"][...], r["do"][...]
+        r["dv_acc"][...] += jax.lax.dot_general(
+            p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32
+        )
+        r["dk_acc"][...] += jax.lax.dot_general(
+            ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32
+        )
+
+    kind = bm_ref[mask_row(h, st.heads, table_rows), j, i]
+    pl.when(kind == PARTIAL)(lambda: step(True))
+    pl.when(kind == FULL)(lambda: step(False))
+
+    @pl.when(step_id == pl.num_programs(3) - 1)
+    def _finish():
+        r["dk"][...] = (r["dk_acc"][...] * st.scale).astype(r["dk"].dtype)
+        r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
+
+
+def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, info: MaskInfo, st: Static):
+    """dk, dv ``[B, K, Sp, H]`` in kernel layout, summed over each GQA group's query heads.
+
+    Args:
+        q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
+        lse_row, di_row: f32 ``[B, N, 1, Tp]`` (as in `dq`, laid out as rows).
+        q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
+        info: `process_mask_dkv` tables for ``st.dkv`` blocks.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_q, block_kv = st.dkv
+    q_blocks = q_len // block_q
+    group, rows = st.group, info.block_mask.shape[0]
+    # The reduction axis walks (query head of the group, q block) pairs.
+    grid = (batch, kv_heads, kv_len // block_kv, group * q_blocks)
+
+    def q_block(kh, j, s, dn):
+        h = kh * group + s // q_blocks
+        return h, dn[mask_row(h, heads, rows), j, s % q_blocks].astype(jnp.int32)
+
+    def q_map(b, kh, j, s, dn, bm, mn):
+        h, i = q_block(kh, j, s, dn)
+        return b, h, i, 0
+
+    def row_map(b, kh, j, s, dn, bm, mn):
+        h, i = q_block(kh, j, s, dn)
+        return b, h, 0, i
+
+    def kv_map(b, kh, j, s, dn, bm, mn):
+        return b, kh, j, 0
+
+    def tile_map(b, kh, j, s, dn, bm, mn):
+        h = kh * group + s // q_blocks
+        return mn[mask_row(h, heads, rows), j, s % q_blocks].astype(jnp.int32), 0, 0
+
+    names = ["q", "do", "lse", "di", "k", "v"]
+    in_specs = [
+        pl.BlockSpec((None, None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, None, 1, block_q), row_map),
+        pl.BlockSpec((None, None, 1, block_q), row_map),
+        pl.BlockSpec((None, None, block_kv, head_dim), kv_map),
+        pl.BlockSpec((None, None, block_kv, head_dim), kv_map),
+    ]
+    args = [q, do, lse_row, di_row, k, v]
+    if st.has_segments:
+        names += ["q_seg", "kv_seg"]
+        in_specs += [
+            pl.BlockSpec(
+                (None, 1, block_q), lambda b, kh, j, s, dn, bm, mn: (b, 0, q_block(kh, j, s, dn)[1])
+            ),
+            pl.BlockSpec((None, block_kv, 1), lambda b, kh, j, s, dn, bm, mn: (b, j, 0)),
+        ]
+        args += [q_seg_row, kv_seg_col]
+    names += ["tile", "dk", "dv", "dk_acc", "dv_acc"]
+    in_specs.append(pl.BlockSpec((None, block_kv, block_q), tile_map))
+    args.append(tiles_of(info, (block_kv, block_q)))
+    kernel = functools.partial(_dkv_kernel, st=st, names=names, table_rows=rows, q_blocks=q_blocks)
+    out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[out_spec, out_spec],
+            scratch_shapes=[
+                pltpu.VMEM((block_kv, head_dim), jnp.float32),
+                pltpu.VMEM((block_kv, head_dim), jnp.float32),
+            ],
+        ),
+        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=st.interpret,
+        name="ejk_blocksparse_dkv",
+    )(*tables(info), *args)

@@ -1,0 +1,166 @@
+"""Pieces shared by the forward, dq and dkv kernel bodies: static options, logits, visibility.
+
+Kernel layout: q and the output are ``[B, N, T, H]``, k and v ``[B, K, S, H]`` (heads before
+sequence, so a block is a ``[rows, H]`` tile); T and S are padded to whole blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T: contract the last axes of both tiles
+NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Trace-time options of one attention call (hashable: a custom_vjp static argument).
+
+    Attributes:
+        mask: the padded mask (`Mask` or `MultiHeadMask`) of shape ``(Tp, Sp)``.
+        heads, kv_heads: query heads N and kv heads K.
+        fwd, dq, dkv: ``(block_q, block_kv)`` of each kernel.
+        scale: softmax scale; soft_cap: the logits soft cap or None.
+        has_segments, has_sinks: whether segment ids / sinks are passed.
+        interpret: False on TPU, else the `pltpu.InterpretParams` to run with.
+    """
+
+    mask: Any
+    heads: int
+    kv_heads: int
+    fwd: tuple[int, int]
+    dq: tuple[int, int]
+    dkv: tuple[int, int]
+    scale: float
+    soft_cap: float | None
+    has_segments: bool
+    has_sinks: bool
+    interpret: Any
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def mask_row(head: jax.Array, heads: int, table_rows: int) -> jax.Array:
+    """Row of a block table used by query head ``head`` (tables have 1, shards or N rows)."""
+    if table_rows == 1:
+        return jnp.int32(0)
+    return head // (heads // table_rows)
+
+
+def compiler_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def logits(
+    a: jax.Array, b: jax.Array, scale: float, soft_cap: float | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """``scale * a @ b.T`` in f32, soft-capped; also ``tanh`` of the capped value (for its gradient)."""
+    s = jax.lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * scale
+    if soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / soft_cap)
+    return soft_cap * t, t
+
+
+def visibility(tile_ref: Any, row_ids_ref: Any, col_ids_ref: Any, masked: bool) -> jax.Array | None:
+    """Which entries of a score tile are visible, or None when all are.
+
+    Args:
+        tile_ref: int8 mask tile ``[rows, cols]`` (read only when ``masked``).
+        row_ids_ref, col_ids_ref: segment ids ``[rows, 1]`` and ``[1, cols]``, or None.
+        masked: the block is partial: apply the mask tile.
+    """
+    visible = None
+    if masked:
+        # Widen before comparing so the predicate has the f32 tile's layout.
+        visible = tile_ref[...].astype(jnp.int32) != 0
+    if row_ids_ref is not None:
+        rows = row_ids_ref[...]
+        same = (rows == col_ids_ref[...]) & (rows > 0)
+        visible = same if visible is None else visible & same
+    return visible
+
+
+def split_refs(refs: tuple, names: list[str]) -> dict[str, Any]:
+    """Names the kernel's positional refs; a name of None in ``names`` is skipped."""
+    if len(refs) != len(names):
+        raise RuntimeError(f"kernel got {len(refs)} refs for {len(names)} names: {names}")
+    return dict(zip(names, refs, strict=True))
+
+
+def tiles_of(info: Any, tile_shape: tuple[int, int]) -> jax.Array:
+    """The partial tiles as int8 ``[P, rows, cols]`` (one all-False tile when there are none)."""
+    tiles = jnp.asarray(info.partial_mask_blocks)
+    tiles = tiles.reshape(-1, *tiles.shape[-2:])
+    if tiles.shape[0] == 0:
+        return jnp.zeros((1, *tile_shape), jnp.int8)
+    return tiles.astype(jnp.int8)
+
+
+def q_major_inputs(
+    st: Static,
+    info: Any,
+    block: tuple[int, int],
+    head_dim: int,
+    q_rows: dict[str, tuple[jax.Array, int]],
+    k: jax.Array,
+    v: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
+    """Names, block specs and arrays of the inputs of a ``(B, N, q_blocks, kv_blocks)`` grid.
+
+    Used by the forward and dq kernels. ``q_rows`` maps a name to a ``[B, N, Tp, width]``
+    array read by q block (q, do, lse, di); k, v, the segment ids and the mask tile
+    follow the scalar-prefetched tables (``data_next`` picks the kv block, ``mask_next``
+    the tile).
+    """
+    block_q, block_kv = block
+    rows, heads, group = info.block_mask.shape[0], st.heads, st.group
+
+    def q_map(b, h, i, j, dn, bm, mn):
+        return b, h, i, 0
+
+    def kv_block(h, i, j, dn):
+        return dn[mask_row(h, heads, rows), i, j].astype(jnp.int32)
+
+    def kv_map(b, h, i, j, dn, bm, mn):
+        return b, h // group, kv_block(h, i, j, dn), 0
+
+    def tile_map(b, h, i, j, dn, bm, mn):
+        return mn[mask_row(h, heads, rows), i, j].astype(jnp.int32), 0, 0
+
+    names, specs, args = [], [], []
+    for name, (array, width) in q_rows.items():
+        names.append(name)
+        specs.append(pl.BlockSpec((None, None, block_q, width), q_map))
+        args.append(array)
+    names += ["k", "v"]
+    specs += [pl.BlockSpec((None, None, block_kv, head_dim), kv_map)] * 2
+    args += [k, v]
+    if st.has_segments:
+        names += ["q_seg", "kv_seg"]
+        specs += [
+            pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, dn, bm, mn: (b, i, 0)),
+            pl.BlockSpec(
+                (None, 1, block_kv), lambda b, h, i, j, dn, bm, mn: (b, 0, kv_block(h, i, j, dn))
+            ),
+        ]
+        args += [q_seg, kv_seg]
+    names.append("tile")
+    specs.append(pl.BlockSpec((None, block_q, block_kv), tile_map))
+    args.append(tiles_of(info, block))
+    return names, specs, args
+
+
+def tables(info: Any) -> list[jax.Array]:
+    """The three scalar-prefetch operands, in the order the kernels take them."""
+    return [jnp.asarray(info.data_next), jnp.asarray(info.block_mask), jnp.asarray(info.mask_next)]

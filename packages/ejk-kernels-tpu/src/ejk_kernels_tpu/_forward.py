@@ -1,0 +1,141 @@
+"""The forward kernel: block-sparse online-softmax attention (FlashAttention-2, Alg. 1).
+
+Grid ``(B, N, q_blocks, kv_blocks)``; the kv axis is the sequential reduction. The block
+tables (`MaskInfo`) are scalar-prefetched: each step looks up whether its block is empty
+(skipped), partial (mask tile applied) or full, and which kv block its index map fetches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._common import (
+    NN_DIMS,
+    Static,
+    compiler_params,
+    logits,
+    mask_row,
+    q_major_inputs,
+    split_refs,
+    tables,
+    visibility,
+)
+from ._mask_info import FULL, PARTIAL, MaskInfo
+
+__all__ = ["forward"]
+
+
+def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int):
+    del dn_ref, mn_ref  # used by the index maps only
+    r = split_refs(refs, names)
+    h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    row = mask_row(h, st.heads, table_rows)
+    m_scr, l_scr, acc_scr = r["m"], r["l"], r["acc"]
+
+    @pl.when(j == 0)
+    def _init():
+        if st.has_sinks:
+            # The sink is one more logit of every row, seen from the start (m = sink, l = 1).
+            m_scr[...] = jnp.full(m_scr.shape, r["sinks"][h], jnp.float32)
+            l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
+        else:
+            m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+            l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def step(masked: bool):
+        s, _ = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
+        visible = visibility(r.get("tile"), r.get("q_seg"), r.get("kv_seg"), masked)
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+        m_prev, l_prev = m_scr[...], l_scr[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp() gives 0, not NaN.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe)
+        l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        v = r["v"][...]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
+        acc_scr[...] = alpha * acc_scr[...] + pv
+        m_scr[...] = m_new
+
+    kind = bm_ref[row, i, j]
+    pl.when(kind == PARTIAL)(lambda: step(True))
+    pl.when(kind == FULL)(lambda: step(False))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        denom = l_scr[...]
+        has_mass = denom > 0
+        safe = jnp.where(has_mass, denom, 1.0)
+        inv = jnp.where(has_mass, 1.0 / safe, 0.0)
+        r["o"][...] = (acc_scr[...] * inv).astype(r["o"].dtype)
+        r["lse"][...] = jnp.where(has_mass, m_scr[...] + jnp.log(safe), -jnp.inf)
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    sinks: jax.Array | None,
+    info: MaskInfo,
+    st: Static,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention output ``[B, N, Tp, H]`` and lse ``[B, N, Tp, 1]`` (f32) in kernel layout.
+
+    Args:
+        q: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
+        q_seg: int32 ``[B, Tp, 1]``; kv_seg: int32 ``[B, 1, Sp]`` (or both None).
+        sinks: f32 ``[N]`` or None.
+        info: `process_mask` tables of ``st.mask`` for ``st.fwd`` blocks.
+        st: the call's static options.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    block_q, block_kv = st.fwd
+    grid = (batch, heads, q_len // block_q, k.shape[2] // block_kv)
+    names, in_specs, args = q_major_inputs(
+        st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg
+    )
+    if st.has_sinks:
+        names.append("sinks")
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks)
+    names += ["o", "lse", "m", "l", "acc"]
+    q_map = in_specs[0].index_map
+    out_specs = [
+        pl.BlockSpec((None, None, block_q, head_dim), q_map),
+        pl.BlockSpec((None, None, block_q, 1), q_map),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32),
+    ]
+    scratch = [
+        pltpu.VMEM((block_q, 1), jnp.float32),
+        pltpu.VMEM((block_q, 1), jnp.float32),
+        pltpu.VMEM((block_q, head_dim), jnp.float32),
+    ]
+    kernel = functools.partial(_kernel, st=st, names=names, table_rows=info.block_mask.shape[0])
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=st.interpret,
+        name="ejk_blocksparse_fwd",
+    )(*tables(info), *args)
+    return o, lse

@@ -1,0 +1,340 @@
+"""blocksparse_attention in Pallas interpret mode: values and gradients against the f32 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import reference_attention
+from ejk_kernels_tpu import (
+    BlockSparseConfig,
+    CausalMask,
+    ChunkedCausalMask,
+    FullMask,
+    LocalMask,
+    MultiHeadMask,
+    NumpyMask,
+    blocksparse_attention,
+)
+
+SMALL_BLOCKS = BlockSparseConfig()  # 128 everywhere: several blocks per axis at T=256, S=384
+
+TOL = {  # (atol, rtol) by dtype, for outputs and gradients
+    jnp.float32: (2e-4, 2e-4),
+    jnp.bfloat16: (4e-2, 4e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One comparison: a mask and the reference options that define the same visibility."""
+
+    name: str
+    mask: object
+    batch: int = 1
+    q_len: int = 256
+    kv_len: int = 384
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 64
+    ref: tuple = ()  # reference kwargs as pairs; "dense_bias" means: mask as a -inf bias
+    segments: bool = False
+    soft_cap: float | None = None
+    sinks: bool = False
+    dtype: object = jnp.float32
+    config: BlockSparseConfig | None = SMALL_BLOCKS
+
+
+def _inputs(case: Case, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    b, t, s, n, kh, h = (
+        case.batch,
+        case.q_len,
+        case.kv_len,
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+    )
+    q = jax.random.normal(ks[0], (b, t, n, h), case.dtype)
+    k = jax.random.normal(ks[1], (b, s, kh, h), case.dtype)
+    v = jax.random.normal(ks[2], (b, s, kh, h), case.dtype)
+    sinks = jax.random.normal(ks[3], (n,), jnp.float32) if case.sinks else None
+    seg = None
+    if case.segments:
+        # Ragged segments, padding (id 0) at the ends, so some query rows see nothing.
+        rng = np.random.default_rng(seed)
+        q_ids = np.sort(rng.integers(0, 4, (b, t)), axis=1).astype(np.int32)
+        kv_ids = np.sort(rng.integers(1, 5, (b, s)), axis=1).astype(np.int32)
+        kv_ids[:, -7:] = 0
+        seg = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    return q, k, v, sinks, seg
+
+
+def _loss(out, lse):
+    # Weights every output element differently; lse enters too, to test its cotangent.
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w) + 0.25 * jnp.sum(finite_lse)
+
+
+def _run_kernel(case, q, k, v, sinks, seg):
+    def f(q, k, v, sinks):
+        out, lse = blocksparse_attention(
+            q,
+            k,
+            v,
+            case.mask,
+            segment_ids=seg,
+            logits_soft_cap=case.soft_cap,
+            softmax_sinks=sinks,
+            return_lse=True,
+            config=case.config,
+        )
+        return _loss(out, lse), (out, lse)
+
+    return f
+
+
+def _run_reference(case, q, k, v, sinks, seg):
+    kwargs = dict(case.ref)
+    if kwargs.pop("dense_bias", False):
+        dense = case.mask.dense()
+        dense = dense[None] if dense.ndim == 3 else dense[None, None]
+        kwargs["bias"] = jnp.where(jnp.asarray(dense), 0.0, -jnp.inf)
+
+    def f(q, k, v, sinks):
+        out, lse = reference_attention(
+            q.astype(jnp.float32),
+            k.astype(jnp.float32),
+            v.astype(jnp.float32),
+            segment_ids=seg,
+            logits_soft_cap=case.soft_cap,
+            softmax_sinks=sinks,
+            return_lse=True,
+            **kwargs,
+        )
+        return _loss(out, lse), (out, lse)
+
+    return f
+
+
+def _compare(case: Case, grads: bool = True):
+    q, k, v, sinks, seg = _inputs(case)
+    argnums = (0, 1, 2, 3) if case.sinks else (0, 1, 2)
+    atol, rtol = TOL[case.dtype]
+    kern = _run_kernel(case, q, k, v, sinks, seg)
+    ref = _run_reference(case, q, k, v, sinks, seg)
+    if grads:
+        (_, (out, lse)), g = jax.value_and_grad(kern, argnums, has_aux=True)(q, k, v, sinks)
+        (_, (r_out, r_lse)), rg = jax.value_and_grad(ref, argnums, has_aux=True)(q, k, v, sinks)
+    else:
+        _, (out, lse) = kern(q, k, v, sinks)
+        _, (r_out, r_lse) = ref(q, k, v, sinks)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (case.batch, case.heads, case.q_len) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), r_out, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(lse, r_lse, atol=atol, rtol=rtol)
+    if grads:
+        for name, a, b, x in zip("q k v sinks".split(), g, rg, (q, k, v, sinks), strict=False):
+            assert a.shape == x.shape and a.dtype == x.dtype, name
+            assert np.isfinite(np.asarray(a, np.float32)).all(), name
+            scale = max(1.0, float(jnp.abs(b).max()))
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), b, atol=atol * scale, rtol=rtol, err_msg=name
+            )
+    return out
+
+
+T, S = 256, 384
+CASES = [
+    Case("causal_gqa", CausalMask((T, S)), heads=4, kv_heads=2, ref=(("causal", True),)),
+    Case(
+        "local_segments_softcap_sinks_mqa",
+        LocalMask((T, S), window_size=(40, 10)),
+        ref=(("sliding_window", (40, 10)),),
+        segments=True,
+        soft_cap=3.0,
+        sinks=True,
+    ),
+    Case(
+        "composed_multihead",
+        MultiHeadMask(
+            [
+                ChunkedCausalMask((T, S), chunk_size=96) | LocalMask((T, S), window_size=(8, 8)),
+                CausalMask((T, S), offset=64) & LocalMask((T, S), window_size=(200, None)),
+            ]
+        ),
+        kv_heads=2,
+        ref=(("dense_bias", True),),
+    ),
+    Case(
+        "ragged_full_padding_rows",
+        FullMask((19, 23)),
+        batch=2,
+        q_len=19,
+        kv_len=23,
+        heads=3,
+        kv_heads=1,
+        head_dim=40,
+        segments=True,
+    ),
+    Case(
+        "numpy_mask_empty_rows_sinks",
+        NumpyMask(
+            (np.random.default_rng(3).random((T, S)) < 0.05)
+            & (np.arange(T)[:, None] % 50 != 7)  # rows 7, 57, ... see nothing
+        ),
+        ref=(("dense_bias", True),),
+        sinks=True,
+        config=BlockSparseConfig(block_q=256, block_kv=128, block_q_dkv=256),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_values_and_gradients_match_reference(case):
+    _compare(case)
+
+
+def test_bf16_values():
+    _compare(Case("bf16", CausalMask((T, S)), ref=(("causal", True),), dtype=jnp.bfloat16), False)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_head_dims(head_dim):
+    case = Case(
+        f"h{head_dim}",
+        CausalMask((128, 128)),
+        q_len=128,
+        kv_len=128,
+        head_dim=head_dim,
+        ref=(("causal", True),),
+    )
+    _compare(case, grads=False)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_gradients():
+    t = 128
+    seg = jnp.asarray(np.r_[np.zeros(40), np.ones(88)].astype(np.int32))[None]
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, t, 2, 64)) for i in range(3))
+
+    def f(q):
+        out, lse = blocksparse_attention(
+            q, k, v, CausalMask((t, t)), segment_ids=seg, return_lse=True
+        )
+        return out.sum(), (out, lse)
+
+    (_, (out, lse)), dq = jax.value_and_grad(f, has_aux=True)(q)
+    assert (out[0, :40] == 0).all() and (lse[0, :, :40] == -jnp.inf).all()
+    assert (dq[0, :40] == 0).all() and np.isfinite(dq).all()
+
+
+def test_jit_and_determinism():
+    case = CASES[0]
+    q, k, v, _, _ = _inputs(case)
+    f = jax.jit(lambda q, k, v: blocksparse_attention(q, k, v, case.mask, config=case.config))
+    a, b = f(q, k, v), f(q, k, v)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {
+                "q": jnp.zeros((1, 8, 3, 16)),
+                "k": jnp.zeros((1, 8, 2, 16)),
+                "v": jnp.zeros((1, 8, 2, 16)),
+            },
+            ValueError,
+            "heads=3 of q must be a multiple",
+        ),
+        ({"mask": CausalMask((8, 9))}, ValueError, r"mask shape \(8, 9\)"),
+        (
+            {"mask": MultiHeadMask([CausalMask((8, 8))] * 3)},
+            ValueError,
+            r"MultiHeadMask shape \(3, 8, 8\)",
+        ),
+        ({"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap must be positive"),
+        # jaxtyping (on in tests) or the ValueError (in production) names the argument.
+        ({"softmax_sinks": jnp.zeros(3)}, (ValueError, TypeError), "softmax_sinks"),
+        ({"segment_ids": jnp.zeros((1, 9), jnp.int32)}, (ValueError, TypeError), "segment_ids"),
+        ({"config": {"block_q": 128}}, TypeError, "config"),
+        ({"mask": np.ones((8, 8), bool)}, TypeError, "Mask"),
+    ],
+)
+def test_errors(kwargs, exc, match):
+    args = {
+        "q": jnp.zeros((1, 8, 2, 16)),
+        "k": jnp.zeros((1, 8, 1, 16)),
+        "v": jnp.zeros((1, 8, 1, 16)),
+        "mask": CausalMask((8, 8)),
+    }
+    args.update(kwargs)
+    q, k, v, mask = args.pop("q"), args.pop("k"), args.pop("v"), args.pop("mask")
+    with pytest.raises(exc, match=match):
+        blocksparse_attention(q, k, v, mask, **args)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_kv_dq=96"):
+        BlockSparseConfig(block_kv_dq=96)
+    with pytest.raises(ValueError, match="block_q=64"):
+        BlockSparseConfig(block_q=64)
+    with pytest.raises(TypeError, match="block_q must be an int"):
+        BlockSparseConfig(block_q=128.0)
+
+
+WIDE = [
+    Case(
+        f"wide_{i}",
+        mask,
+        batch=2,
+        q_len=t,
+        kv_len=s,
+        heads=4,
+        kv_heads=kh,
+        segments=seg,
+        soft_cap=cap,
+        sinks=sink,
+        ref=ref,
+        config=cfg,
+    )
+    for i, (mask, t, s, kh, seg, cap, sink, ref, cfg) in enumerate(
+        [
+            (CausalMask((512, 512)), 512, 512, 1, True, None, True, (("causal", True),), None),
+            (
+                LocalMask((384, 640), window_size=(100, 0)),
+                384,
+                640,
+                2,
+                False,
+                10.0,
+                False,
+                (("sliding_window", (100, 0)),),
+                BlockSparseConfig(block_kv=256, block_q_dq=256, block_kv_dkv=256),
+            ),
+            (
+                ChunkedCausalMask((300, 300), chunk_size=70),
+                300,
+                300,
+                4,
+                True,
+                None,
+                True,
+                (("dense_bias", True),),
+                None,
+            ),
+        ]
+    )
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WIDE, ids=lambda c: c.name)
+def test_wide_grid(case):
+    _compare(case)

@@ -20,9 +20,11 @@ from ._common import (
     NT_DIMS,
     Static,
     compiler_params,
+    div,
     logits,
     mask_row,
     q_major_inputs,
+    rem,
     split_refs,
     tables,
     tiles_of,
@@ -73,7 +75,7 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
             ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
         )
 
-    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j]
+    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
     pl.when(kind == PARTIAL)(lambda: step(True))
     pl.when(kind == FULL)(lambda: step(False))
 
@@ -120,8 +122,8 @@ def _dkv_kernel(
     del dn_ref, mn_ref
     r = split_refs(refs, names)
     kh, j, step_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    h = kh * st.group + step_id // q_blocks
-    i = step_id % q_blocks
+    h = kh * st.group + div(step_id, q_blocks)
+    i = rem(step_id, q_blocks)
 
     @pl.when(step_id == 0)
     def _init():
@@ -138,7 +140,7 @@ def _dkv_kernel(
             ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32
         )
 
-    kind = bm_ref[mask_row(h, st.heads, table_rows), j, i]
+    kind = bm_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
     pl.when(kind == PARTIAL)(lambda: step(True))
     pl.when(kind == FULL)(lambda: step(False))
 
@@ -166,8 +168,8 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, info: MaskInfo, st:
     grid = (batch, kv_heads, kv_len // block_kv, group * q_blocks)
 
     def q_block(kh, j, s, dn):
-        h = kh * group + s // q_blocks
-        return h, dn[mask_row(h, heads, rows), j, s % q_blocks].astype(jnp.int32)
+        h = kh * group + div(s, q_blocks)
+        return h, dn[mask_row(h, heads, rows), j, rem(s, q_blocks)].astype(jnp.int32)
 
     def q_map(b, kh, j, s, dn, bm, mn):
         h, i = q_block(kh, j, s, dn)
@@ -181,8 +183,8 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, info: MaskInfo, st:
         return b, kh, j, 0
 
     def tile_map(b, kh, j, s, dn, bm, mn):
-        h = kh * group + s // q_blocks
-        return mn[mask_row(h, heads, rows), j, s % q_blocks].astype(jnp.int32), 0, 0
+        h = kh * group + div(s, q_blocks)
+        return mn[mask_row(h, heads, rows), j, rem(s, q_blocks)].astype(jnp.int32), 0, 0
 
     names = ["q", "do", "lse", "di", "k", "v"]
     in_specs = [

@@ -48,11 +48,22 @@ class Static:
         return self.heads // self.kv_heads
 
 
+def div(a: jax.Array, b: int) -> jax.Array:
+    """``a // b`` for non-negative grid indices (``lax.div``: no sign fix-up, which Mosaic
+    lowers only with a TPU attached)."""
+    return jax.lax.div(a, jnp.int32(b)) if b != 1 else a
+
+
+def rem(a: jax.Array, b: int) -> jax.Array:
+    """``a % b`` for non-negative grid indices."""
+    return jax.lax.rem(a, jnp.int32(b))
+
+
 def mask_row(head: jax.Array, heads: int, table_rows: int) -> jax.Array:
     """Row of a block table used by query head ``head`` (tables have 1, shards or N rows)."""
     if table_rows == 1:
         return jnp.int32(0)
-    return head // (heads // table_rows)
+    return div(head, heads // table_rows)
 
 
 def compiler_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
@@ -133,7 +144,7 @@ def q_major_inputs(
         return dn[mask_row(h, heads, rows), i, j].astype(jnp.int32)
 
     def kv_map(b, h, i, j, dn, bm, mn):
-        return b, h // group, kv_block(h, i, j, dn), 0
+        return b, div(h, group), kv_block(h, i, j, dn), 0
 
     def tile_map(b, h, i, j, dn, bm, mn):
         return mn[mask_row(h, heads, rows), i, j].astype(jnp.int32), 0, 0

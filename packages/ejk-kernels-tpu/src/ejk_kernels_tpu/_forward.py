@@ -65,7 +65,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         acc_scr[...] = alpha * acc_scr[...] + pv
         m_scr[...] = m_new
 
-    kind = bm_ref[row, i, j]
+    kind = bm_ref[row, i, j].astype(jnp.int32)
     pl.when(kind == PARTIAL)(lambda: step(True))
     pl.when(kind == FULL)(lambda: step(False))
 

@@ -212,3 +212,26 @@ def test_kernel_validation():
         Executor()(lambda x: x, jnp.ones(2))
     with pytest.raises(TypeError, match="chooser must be a ConfigSelectorChain"):
         Executor(ConfigCache())
+
+
+def test_fast_path_keeps_keys_apart(mat_kernel, kernels):
+    """Repeated eager calls that differ only in a static value, its type, a tuple
+    static or the argument order never share a memoised choice."""
+
+    class K(kernels["MatKernel"]):
+        name = "statics"
+
+        def run(self, a, b, *, cfg, scale=1.0, window=(1, 1)):
+            return (a @ b) * scale * window[0]
+
+    k = K()
+    ex = Executor()
+    a, b = _ab()
+    for _ in range(2):
+        np.testing.assert_allclose(ex(k, a, b, scale=2.0), (a @ b) * 2, rtol=1e-6)
+        np.testing.assert_allclose(ex(k, a, b, scale=3.0), (a @ b) * 3, rtol=1e-6)
+        np.testing.assert_allclose(ex(k, a, b, scale=3.0, window=(2, 1)), (a @ b) * 6, rtol=1e-6)
+        assert ex(k, a, b, scale=2).dtype == jnp.float32
+        np.testing.assert_allclose(ex(k, b.T, a.T), b.T @ a.T, rtol=1e-6)
+    assert k.heuristic_calls == 5
+    assert len(ex.chooser.cache) == 5

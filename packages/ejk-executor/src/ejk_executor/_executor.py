@@ -64,24 +64,26 @@ class Executor:
         return self.chooser.choose(self.invocation(kernel, *args, **kwargs), cfg)
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
-        treedef, leaves, dyn_index = split_leaves(args, kwargs)
-        fast_key = None
+        fast = None
         if cfg is None and not active_overlays() and not _OVERRIDE.get():
-            fast_key = _fast_key(kernel, treedef, leaves, dyn_index)
-            if fast_key is not None:
-                hit = self._fast.get(fast_key)
+            fast = _fast_key(kernel, args, kwargs)
+            if fast is not None:
+                hit = self._fast.get(fast[0])
                 if hit is not None and hit[0] == self.chooser.cache.version:
-                    return hit[1](*[leaves[i] for i in dyn_index])
+                    return hit[1](*fast[1])
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be an ejk_executor.Kernel, got {type(kernel).__name__}")
+        _, leaves, dyn_index = split_leaves(args, kwargs)
         inv = Invocation.make(kernel, args, kwargs)
         if self.record:
             record_invocation(kernel, inv)
         chosen = self.chooser.choose(inv, cfg).cfg
         fn = self._body(inv, chosen)
-        if fast_key is not None:
+        if fast is not None:
             with self._lock:
-                self._fast[fast_key] = (self.chooser.cache.version, fn)
+                if len(self._fast) >= _FAST_MAX:  # e.g. NaN statics never hit: stay bounded
+                    self._fast.clear()
+                self._fast[fast[0]] = (self.chooser.cache.version, fn)
         return fn(*[leaves[i] for i in dyn_index])
 
     def _body(self, inv: Invocation[Any, Any], cfg: Any) -> Any:
@@ -104,20 +106,40 @@ class Executor:
         return fn
 
 
-def _fast_key(kernel: Any, treedef: Any, leaves: list[Any], dyn_index: list[int]) -> Any:
-    """A hashable key for an eager call (all arrays concrete), or None."""
-    parts: list[Any] = [kernel, treedef]
-    dyn = set(dyn_index)
-    for i, leaf in enumerate(leaves):
-        if i in dyn:
-            if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-                return None
-            parts.append((leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding))
-        else:
-            parts.append((type(leaf), leaf))
-    key = tuple(parts)
+_FAST_MAX = 4096
+_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+
+def _fast_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """(a hashable key, the arrays in call order) for an eager call whose arguments are
+    each a concrete jax array or a plain scalar; None for any other call.
+
+    The arrays come in the order ``jax.tree_util`` flattens ``(args, kwargs)`` in
+    (positional first, then keywords sorted by name), the order the jitted body takes.
+    """
+    dyn: list[Any] = []
+
+    def part(x: Any) -> Any:
+        if type(x) in _SCALARS:
+            return (type(x), x)
+        if type(x) in (tuple, list):  # flattened depth-first, as jax.tree_util does
+            return (type(x), tuple(part(y) for y in x))
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            dyn.append(x)
+            return (x.shape, x.dtype, x.weak_type, x.sharding)
+        raise _NotFast
+
     try:
+        key = (
+            kernel,
+            tuple(part(x) for x in args),
+            tuple((name, part(kwargs[name])) for name in sorted(kwargs)),
+        )
         hash(key)
-    except TypeError:
+    except (_NotFast, TypeError):
         return None
-    return key
+    return key, dyn
+
+
+class _NotFast(Exception):
+    pass

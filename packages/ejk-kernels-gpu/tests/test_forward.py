@@ -117,3 +117,73 @@ def test_default_config_and_determinism(rng, make_inputs):
     assert bool(jnp.all(a == b))
     want = reference_attention(q.astype(jnp.float32), k, v, causal=True)
     assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - want))) < 4e-3
+
+
+def test_under_jit_with_traced_offsets_and_seed(rng, make_inputs):
+    import jax
+
+    q, k, v = make_inputs(rng, 1, 30, 30, 2, 2, 16, "float32")
+    cu = jnp.asarray([0, 12, 30], jnp.int32)
+    seed = jnp.asarray(9, jnp.uint32)
+
+    @jax.jit
+    def run(q, k, v, cu, seed):
+        return flash_attention(
+            q, k, v, cu_seqlens_q=cu, causal=True, dropout_rate=0.1, dropout_seed=seed,
+            config=SMALL,
+        )  # fmt: skip
+
+    got = run(q, k, v, cu, seed)
+    want = reference_attention(
+        q, k, v, cu_seqlens_q=cu, causal=True, dropout_rate=0.1, dropout_seed=seed
+    )
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(sliding_window=(1, 2, 3)), ValueError, "sliding_window"),
+        (dict(sliding_window=-1), ValueError, "sliding_window"),
+        (dict(dropout_rate=0.5), ValueError, "dropout_seed"),
+        (dict(dropout_rate=1.0, dropout_seed=1), ValueError, "dropout_rate"),
+        (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+        # Shape errors: ValueError in production, jaxtyping's TypeCheckError (a TypeError)
+        # first when the tests switch runtime shape checks on; both name the argument.
+        (dict(softmax_sinks=jnp.zeros(3)), (ValueError, TypeError), "softmax_sinks"),
+        (dict(bias=jnp.zeros((3, 1, 5, 7))), (ValueError, TypeError), "bias"),
+        (dict(cu_seqlens_k=jnp.asarray([0, 7])), ValueError, "cu_seqlens_q"),
+        (dict(segment_ids=jnp.zeros((1, 5), jnp.int32)), ValueError, "q_len == kv_len"),
+        (dict(config=dict(block_q=16)), TypeError, "config"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, exc, match):
+    q = jnp.zeros((1, 5, 4, 8))
+    k = jnp.zeros((1, 7, 2, 8))
+    with pytest.raises(exc, match=match):
+        flash_attention(q, k, k, **kwargs)
+
+
+def test_bad_shapes_and_dtypes_are_named():
+    q = jnp.zeros((1, 5, 3, 8))
+    k = jnp.zeros((1, 7, 2, 8))
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        flash_attention(q, k, k)
+    with pytest.raises(TypeError, match=r"float16, bfloat16 or float32|parameter 'q'"):
+        flash_attention(q.astype(jnp.int32), k, k)
+    with pytest.raises(ValueError, match="batch 1"):
+        flash_attention(
+            jnp.zeros((2, 5, 2, 8)), jnp.zeros((2, 5, 2, 8)), jnp.zeros((2, 5, 2, 8)),
+            cu_seqlens_q=jnp.asarray([0, 5]),
+        )  # fmt: skip
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="block_q"):
+        FlashConfig(block_q=48)
+    with pytest.raises(ValueError, match="block_k"):
+        FlashConfig(block_k=8)
+    with pytest.raises(TypeError, match="num_warps"):
+        FlashConfig(num_warps=4.0)
+    with pytest.raises(ValueError, match="num_stages"):
+        FlashConfig(num_stages=0)

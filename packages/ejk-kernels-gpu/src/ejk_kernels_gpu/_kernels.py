@@ -2,6 +2,8 @@
 
 import triton
 
+from ._backward import dkdv_kernel as dkdv_kernel
+from ._backward import dq_kernel as dq_kernel
 from ._forward import fwd_kernel as fwd_kernel
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from . import _masks
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block
@@ -76,16 +77,16 @@ def _dummy(dtype: object = jnp.int32) -> Array:
 class _Tables:
     """Integer side inputs of the kernels (not differentiated)."""
 
-    q_sid: Array
-    k_sid: Array
-    q_pos: Array
-    k_pos: Array
-    q_seg: Array
-    k_seg: Array
-    fwd_ranges: Array
-    dq_ranges: Array
-    dkdv_ranges: Array
-    seed: Array
+    q_sid: Any  # jax arrays; float0 zeros when JAX builds their tangents
+    k_sid: Any
+    q_pos: Any
+    k_pos: Any
+    q_seg: Any
+    k_seg: Any
+    fwd_ranges: Any
+    dq_ranges: Any
+    dkdv_ranges: Any
+    seed: Any
 
 
 jax.tree_util.register_dataclass(
@@ -227,7 +228,7 @@ def flash_attention(
     cu_seqlens_q: Int[AnyArray, " L"] | None = None,
     cu_seqlens_k: Int[AnyArray, " L"] | None = None,
     dropout_rate: float = 0.0,
-    dropout_seed: int | Int[ArrayLike, ""] | None = None,
+    dropout_seed: int | Integer[ArrayLike, ""] | None = None,
     return_lse: bool = False,
     config: FlashConfig | None = None,
     bwd_config: FlashConfig | None = None,

@@ -1,0 +1,174 @@
+"""Ahead-of-time compilation of the kernels for a Hopper GPU, without a GPU.
+
+``python -m ejk_kernels_gpu._aot`` compiles every kernel for every config of its
+search space for ``GPUTarget("cuda", 90, 32)`` (ptxas ships with triton) and
+prints one JSON line per build with its shared memory. It must run in a process
+where Triton's interpreter is off, so the tests start it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._config import (
+    SHARED_MEMORY_LIMIT,
+    FlashConfig,
+    bwd_heuristic,
+    bwd_search_space,
+    fwd_heuristic,
+    fwd_search_space,
+)
+
+__all__ = ["compile_kernel", "main"]
+
+_TRITON_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+# Pointer arguments by name: which element type each one has ("data" = the input dtype).
+_POINTER_TYPES = {
+    "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "bias_ptr": "data", "o_ptr": "data",
+    "do_ptr": "data", "dq_ptr": "data", "dk_ptr": "data", "dv_ptr": "data",
+    "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
+    "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
+    "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "seed_ptr": "u32",
+}  # fmt: skip
+
+# Features switched on for the compile: the heaviest variant (every mask branch) and the plain one.
+VARIANTS = {
+    "plain": dict(causal=False),
+    "causal": dict(causal=True),
+    "all": dict(
+        causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
+        bias=True, sinks=True,
+    ),
+}  # fmt: skip
+
+
+def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str):
+    from ._ops import _common_constexprs, _Static
+
+    feats = dict(VARIANTS[variant])
+    bias = feats.pop("bias", False)
+    sinks = feats.pop("sinks", False)
+    st = _Static(
+        scale=head_dim**-0.5,
+        causal=feats.get("causal", False),
+        window=feats.get("window"),
+        soft_cap=feats.get("soft_cap", 0.0),
+        dropout_rate=feats.get("dropout_rate", 0.0),
+        has_seg=feats.get("has_seg", False),
+        varlen=feats.get("varlen", False),
+        fwd_cfg=cfg,
+        bwd_cfg=cfg,
+    )
+    batch, seq, heads, kv_heads = 2, 4096, 16, 4
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype))
+    k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
+    b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
+    consts = _common_constexprs(st, q, k, b, sinks)
+    consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False)
+    return consts
+
+
+def compile_kernel(
+    kernel: str, cfg: FlashConfig, head_dim: int, dtype: str = "bfloat16", variant: str = "plain"
+) -> dict[str, Any]:
+    """Compile one kernel for sm_90 and report its resources.
+
+    Returns:
+        dict with the kernel, config, shared memory bytes, registers, spills, seconds.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    module = importlib.import_module("ejk_kernels_gpu._kernels")
+    if module.INTERPRET:
+        raise RuntimeError("compile_kernel needs TRITON_INTERPRET unset (run it in a subprocess)")
+    fn = getattr(module, kernel)
+    consts = _constexprs(kernel, cfg, head_dim, dtype, variant)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    data = _TRITON_DTYPE[dtype]
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        else:
+            kind = _POINTER_TYPES[name]
+            signature[name] = "*" + (data if kind == "data" else kind)
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name] != "constexpr"
+    }
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    start = time.perf_counter()
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+    meta = compiled.metadata
+    return dict(
+        kernel=kernel,
+        variant=variant,
+        head_dim=head_dim,
+        dtype=dtype,
+        config=dict(
+            block_q=cfg.block_q,
+            block_k=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+        shared=int(meta.shared),
+        fits=int(meta.shared) <= SHARED_MEMORY_LIMIT,
+        n_regs=getattr(compiled, "n_regs", None),
+        n_spills=getattr(compiled, "n_spills", None),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+
+
+KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--variants", default="plain,all")
+    parser.add_argument("--space", choices=["heuristic", "full"], default="heuristic")
+    parser.add_argument("--kernels", default="fwd_kernel,dq_kernel,dkdv_kernel")
+    args = parser.parse_args(argv)
+    wanted = set(args.kernels.split(","))
+    failed = 0
+    for head_dim in (int(h) for h in args.head_dims.split(",")):
+        itemsize = jnp.dtype(args.dtype).itemsize
+        for group, names in KERNELS.items():
+            if args.space == "full":
+                space = (fwd_search_space if group == "fwd" else bwd_search_space)(
+                    head_dim, itemsize
+                )
+            else:
+                space = ((fwd_heuristic if group == "fwd" else bwd_heuristic)(head_dim, itemsize),)
+            for name in names:
+                if name not in wanted:
+                    continue
+                for cfg in space:
+                    for variant in args.variants.split(","):
+                        try:
+                            row = compile_kernel(name, cfg, head_dim, args.dtype, variant)
+                        except Exception as exc:  # report every failure, then fail the run
+                            row = dict(kernel=name, variant=variant, head_dim=head_dim,
+                                       config=str(cfg), error=f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
+                        failed += "error" in row or not row.get("fits", False)
+                        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

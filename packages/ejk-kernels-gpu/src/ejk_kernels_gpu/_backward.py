@@ -1,0 +1,196 @@
+"""The backward flash-attention kernels (FlashAttention-2, Alg. 2), Triton bodies only.
+
+``dq_kernel``: one program per (query block, batch, query head), looping over key
+blocks. ``dkdv_kernel``: one program per (key block, batch, kv head), looping over
+the query heads of its GQA group and their query blocks, so k/v gradients are
+summed over the group in registers; it also writes the logits gradient for
+``dbias`` when there is a bias. Both skip blocks through the same range tables
+as the forward (rows for dq, columns for dk/dv).
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import grad_logits, load_rows, load_tile, store_tile
+
+
+@triton.jit
+def _dq_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+              KV_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d = ctx
+    S: tl.constexpr = F[1]
+    H: tl.constexpr = F[2]
+    BLOCK_D: tl.constexpr = F[3]
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
+    v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
+    _, ds = grad_logits(
+        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED
+    )
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _dq_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+             KV_STRIDE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    if INTERPRET:  # see _forward._fwd_loop
+        start_n = start
+        while start_n < end:
+            dq = _dq_block(dq, start_n, ctx, P, F, BLOCK_N, KV_STRIDE, MASKED)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            dq = _dq_block(dq, start_n, ctx, P, F, BLOCK_N, KV_STRIDE, MASKED)
+    return dq
+
+
+@triton.jit
+def dq_kernel(
+    q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
+    dq_ptr,
+    T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
+    BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)  # fmt: skip
+    P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
+    K: tl.constexpr = N // G
+    pid_m = tl.program_id(0)
+    pid_bn = tl.program_id(1)
+    b = pid_bn // N
+    n = pid_bn % N
+    kh = n // G
+    b64 = b.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_off = b64 * (T * N * H) + n * H
+    q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
+    do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
+    lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True)
+    delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True)
+    k_base = k_ptr + b64 * (S * K * H) + kh * H
+    v_base = v_ptr + b64 * (S * K * H) + kh * H
+    bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
+    seed = tl.load(seed_ptr)
+    ctx = (q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo = tl.load(ranges_ptr + pid_m * 4)
+    full_lo = tl.load(ranges_ptr + pid_m * 4 + 1)
+    full_hi = tl.load(ranges_ptr + pid_m * 4 + 2)
+    hi = tl.load(ranges_ptr + pid_m * 4 + 3)
+    dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
+    dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
+    dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
+    store_tile(dq_ptr + q_off, offs_m, offs_d, dq * SCALE, N * H, T, H)
+
+
+@triton.jit
+def _dkdv_block(dk, dv, start_m, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+                Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    (
+        k,
+        v,
+        q_base,
+        do_base,
+        lse_base,
+        delta_base,
+        bias_base,
+        dbias_base,
+        seed,
+        b,
+        n,
+        offs_n,
+        offs_d,
+    ) = ctx
+    T: tl.constexpr = F[0]
+    S: tl.constexpr = F[1]
+    H: tl.constexpr = F[2]
+    BLOCK_D: tl.constexpr = F[3]
+    HAS_BIAS: tl.constexpr = F[6]
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(q_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    do = load_tile(do_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    lse = load_rows(lse_base, offs_m, T, MASKED)
+    delta = load_rows(delta_base, offs_m, T, MASKED)
+    p, ds = grad_logits(
+        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED
+    )
+    if HAS_BIAS:
+        # The bias gradient is the logits gradient; every (row, column) is visited once.
+        off = offs_m[:, None] * S + offs_n[None, :]
+        tl.store(dbias_base + off, ds, mask=(offs_m[:, None] < T) & (offs_n[None, :] < S))
+    dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+               Q_STRIDE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    if INTERPRET:  # see _forward._fwd_loop
+        start_m = start
+        while start_m < end:
+            dk, dv = _dkdv_block(dk, dv, start_m, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
+            start_m += BLOCK_M
+    else:
+        for start_m in range(start, end, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, start_m, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
+    dk_ptr, dv_ptr, dbias_ptr,
+    T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
+    BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)  # fmt: skip
+    P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
+    K: tl.constexpr = N // G
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = pid_bk // K
+    kh = pid_bk % K
+    b64 = b.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    kv_off = b64 * (S * K * H) + kh * H
+    k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+    v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+    seed = tl.load(seed_ptr)
+    lo = tl.load(ranges_ptr + pid_n * 4)
+    full_lo = tl.load(ranges_ptr + pid_n * 4 + 1)
+    full_hi = tl.load(ranges_ptr + pid_n * 4 + 2)
+    hi = tl.load(ranges_ptr + pid_n * 4 + 3)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in tl.static_range(G):
+        n = kh * G + g
+        q_off = b64 * (T * N * H) + n * H
+        row_off = (b * N + n) * T
+        ctx = (
+            k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
+            bias_ptr + b64 * BIAS_SB + n * BIAS_SN, dbias_ptr + (b64 * N + n) * (T * S),
+            seed, b, n, offs_n, offs_d,
+        )  # fmt: skip
+        dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, BLOCK_M, N * H, True, INTERPRET)
+        dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, BLOCK_M, N * H, False, INTERPRET)
+        dk, dv = _dkdv_loop(dk, dv, full_hi, hi, ctx, P, F, BLOCK_M, N * H, True, INTERPRET)
+    store_tile(dk_ptr + kv_off, offs_n, offs_d, dk * SCALE, K * H, S, H)
+    store_tile(dv_ptr + kv_off, offs_n, offs_d, dv, K * H, S, H)

@@ -1,0 +1,64 @@
+"""The backward pass: launches the dq and dk/dv kernels and reduces bias and sink gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from ._triton import launch
+
+__all__ = ["backward"]
+
+
+def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out) -> tuple[Array, ...]:
+    """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input)."""
+    from ._ops import _common_constexprs, _dummy
+
+    batch, q_len, heads, _ = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    cfg = st.bwd_cfg
+    d_out = d_out.astype(q.dtype)
+    # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    consts = _common_constexprs(st, q, k, bias, sinks is not None)
+    del consts["HAS_SINKS"]
+    consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
+    bias_in = _dummy(q.dtype) if bias is None else bias
+    tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
+    (dq,) = launch(
+        "dq_kernel",
+        (-(-q_len // cfg.block_q), batch * heads),
+        (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dq_ranges, tb.seed),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+        consts,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
+    dk, dv, dlogits = launch(
+        "dkdv_kernel",
+        (-(-kv_len // cfg.block_k), batch * kv_heads),
+        (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dkdv_ranges, tb.seed),
+        (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+        ),
+        consts,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        # Skipped blocks leave the logits gradient untouched: it must start at zero.
+        zeroed=(False, False, bias is not None),
+    )
+    dbias = None
+    if bias is not None:
+        axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+        dbias = jnp.sum(dlogits, axis=axes, keepdims=True).astype(bias.dtype)
+    dsinks = None
+    if sinks is not None:
+        # The sink is a key with no value: its logit gradient is -p_sink * delta, summed
+        # over batch and rows (its lse is finite: the sink alone gives it mass).
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return dq, dk, dv, dbias, dsinks

@@ -47,19 +47,29 @@ class MatMul(Kernel[Cfg, jax.Array]):
         return Cfg()
 
 
-def per_call_us(fn, *args, iters: int, repeats: int = 7) -> float:
-    """Median over ``repeats`` of the mean wall time of ``iters`` back-to-back calls,
-    waiting once at the end (dispatch throughput, the cost a Python loop sees)."""
-    jax.block_until_ready(fn(*args))
-    samples = []
+def one_round(fn, args, iters: int, sync: bool) -> float:
+    """Mean wall time per call of ``iters`` calls in microseconds: waiting for each
+    result (``sync``), or only for the last one (dispatch throughput)."""
+    start = time.perf_counter()
+    out = None
+    for _ in range(iters):
+        out = fn(*args)
+        if sync:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def measure(variants: dict, args, iters: int, sync: bool, repeats: int = 9) -> dict:
+    """Median per-call time of each variant, the variants interleaved round by round
+    so that clock and load drift hit them alike."""
+    for fn in variants.values():
+        jax.block_until_ready(fn(*args))
+    samples: dict = {name: [] for name in variants}
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+        for name, fn in variants.items():
+            samples[name].append(one_round(fn, args, iters, sync))
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*\S+\s+([\w-]+)\(", re.M)
@@ -89,26 +99,26 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, device {device.device_kind} ({device.platform})")
     results = []
+    variants = {
+        "direct": direct,
+        "executor": lambda a, b: ex(kernel, a, b),
+        "executor-keyed": keyed,
+        "jit(executor)": jitted_ex,
+    }
     for n in args.sizes:
         a = jnp.ones((n, n), jnp.float32)
         b = jnp.ones((n, n), jnp.float32)
-        row = {"n": n}
-        for label, fn in (
-            ("direct", direct),
-            ("executor", lambda a, b: ex(kernel, a, b)),
-            ("executor-keyed", keyed),
-            ("jit(executor)", jitted_ex),
-        ):
-            row[label] = per_call_us(fn, a, b, iters=args.iters)
         same = hlo_ops(direct.lower(a, b).compile()) == hlo_ops(jitted_ex.lower(a, b).compile())
-        row["same_hlo_ops"] = same
-        results.append(row)
-        print(
-            f"n={n:5d}  direct {row['direct']:8.1f} us  executor {row['executor']:8.1f} us "
-            f"(+{row['executor'] - row['direct']:.1f})  executor-keyed {row['executor-keyed']:8.1f} us "
-            f"(+{row['executor-keyed'] - row['direct']:.1f})  jit(executor) {row['jit(executor)']:8.1f} us"
-            f"  same compiled ops: {same}"
-        )
+        for sync in (False, True):
+            row = {"n": n, "mode": "sync" if sync else "async", "same_hlo_ops": same}
+            row.update(measure(variants, (a, b), args.iters, sync))
+            results.append(row)
+            print(
+                f"n={n:5d} {row['mode']:5s} direct {row['direct']:7.1f} us | executor "
+                f"{row['executor']:7.1f} (+{row['executor'] - row['direct']:.1f}) | keyed "
+                f"{row['executor-keyed']:7.1f} (+{row['executor-keyed'] - row['direct']:.1f}) | "
+                f"jit(executor) {row['jit(executor)']:7.1f} | same compiled ops: {same}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

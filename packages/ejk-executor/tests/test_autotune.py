@@ -25,6 +25,9 @@ from ejk_executor import (
     timer,
 )
 
+# Busy-work matmuls that make a config measurably slower: a few on a CPU, many on an
+# accelerator, where each one takes microseconds.
+SLOW = 10 if jax.default_backend() == "cpu" else 400
 POLICY = AutotunePolicy(on_miss="autotune", num_warmup=1, num_iters=3)
 
 
@@ -34,7 +37,7 @@ def _ab(n=32):
 
 def test_autotune_inside_jit_picks_the_faster_config(tmp_path, kernels):
     MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
-    slow, fast = MatCfg(32, extra=10), MatCfg(64, extra=0)
+    slow, fast = MatCfg(32, extra=SLOW), MatCfg(64, extra=0)
     kernel = MatKernel(space=[slow, fast])
     persistent = PersistentCache(tmp_path)
     ex = Executor(ConfigSelectorChain(persistent=persistent, policy=POLICY))
@@ -81,7 +84,7 @@ def test_failing_candidates_are_skipped_and_logged(kernels, caplog):
 
 def test_autotune_function_on_abstract_args(kernels):
     MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
-    kernel = MatKernel(space=[MatCfg(8, extra=10), MatCfg(16)])
+    kernel = MatKernel(space=[MatCfg(8, extra=SLOW), MatCfg(16)])
     sds = (jax.ShapeDtypeStruct((32, 16), jnp.float32), jax.ShapeDtypeStruct((16, 8), jnp.float32))
     assert autotune(kernel, *sds, num_iters=3) == MatCfg(16)
     assert autotune(kernel, *sds, configs=[MatCfg(3)], num_iters=1) == MatCfg(3)
@@ -89,7 +92,7 @@ def test_autotune_function_on_abstract_args(kernels):
 
 def test_record_then_autotune_recorded(kernels):
     MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
-    kernel = MatKernel(space=[MatCfg(8, extra=10), MatCfg(16)])
+    kernel = MatKernel(space=[MatCfg(8, extra=SLOW), MatCfg(16)])
     clear_invocations()
     ex = Executor(record=True)
     jax.jit(lambda a, b: ex(kernel, a, b))(*_ab(32))

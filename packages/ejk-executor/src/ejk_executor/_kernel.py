@@ -193,7 +193,7 @@ def default_key_builder_with_sharding(
     if device_fp is None:
         _, device_fp = call_devices(jax.tree_util.tree_leaves((args, kwargs)))
     arg_keys = jax.tree_util.tree_map(_leaf_key, (tuple(args), dict(kwargs)))
-    material = stable_json([kernel, arg_keys, device_fp, library_version()])
+    material = stable_json([kernel.name, kernel.version, arg_keys, device_fp, library_version()])
     digest = hashlib.sha256(material.encode()).hexdigest()[:32]
     return f"{kernel.name}/{kernel.version}/{digest}"
 
@@ -201,8 +201,10 @@ def default_key_builder_with_sharding(
 def _leaf_key(leaf: Any) -> Any:
     if not is_dynamic(leaf):
         return leaf
-    shape = tuple(int(d) for d in leaf.shape)
-    return ["array", shape, np.dtype(leaf.dtype).name, sharding_fingerprint(leaf)]
+    # One string in a 1-tuple: cheap to encode, and never equal to a static leaf
+    # (tuples are pytree nodes, so no static leaf is a tuple).
+    shape = ",".join(str(int(d)) for d in leaf.shape)
+    return (f"{np.dtype(leaf.dtype).name}[{shape}]@{sharding_fingerprint(leaf)}",)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -214,8 +216,6 @@ class Invocation(Generic[Cfg, Out]):
         args: positional arguments as given (arrays, tracers or, for recorded
             invocations, ``jax.ShapeDtypeStruct``s).
         kwargs: keyword arguments as given.
-        abstract_args: ``args`` with every array replaced by a ShapeDtypeStruct.
-        abstract_kwargs: ``kwargs`` likewise.
         platform: the dispatch platform ("triton", "pallas" or "xla").
         device_fingerprint: the hardware the call runs on.
         call_key: the cache key (see `default_key_builder_with_sharding`).
@@ -224,8 +224,6 @@ class Invocation(Generic[Cfg, Out]):
     kernel: Kernel[Cfg, Out]
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
-    abstract_args: tuple[Any, ...]
-    abstract_kwargs: Mapping[str, Any]
     platform: str
     device_fingerprint: str
     call_key: str
@@ -248,8 +246,17 @@ class Invocation(Generic[Cfg, Out]):
         if platform is None or device_fp is None:
             platform, device_fp = call_devices(jax.tree_util.tree_leaves((args, kwargs)))
         key = default_key_builder_with_sharding(kernel, args, kwargs, device_fp=device_fp)
-        abstract_args, abstract_kwargs = abstractify((args, kwargs))
-        return cls(kernel, args, kwargs, abstract_args, abstract_kwargs, platform, device_fp, key)
+        return cls(kernel, args, kwargs, platform, device_fp, key)
+
+    @functools.cached_property
+    def abstract_args(self) -> tuple[Any, ...]:
+        """``args`` with every array or tracer replaced by a ``jax.ShapeDtypeStruct``."""
+        return abstractify(self.args)
+
+    @functools.cached_property
+    def abstract_kwargs(self) -> dict[str, Any]:
+        """``kwargs`` likewise."""
+        return abstractify(dict(self.kwargs))
 
     def abstract(self) -> Invocation[Cfg, Out]:
         """This invocation holding only abstract values (no arrays, no tracers)."""

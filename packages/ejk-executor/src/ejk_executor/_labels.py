@@ -31,6 +31,7 @@ _PREFIX = "ejk."
 _SAFE = re.compile(r"[^A-Za-z0-9_-]")
 _LABEL = re.compile(r"(?<![A-Za-z0-9_.-])ejk\.[A-Za-z0-9_-]+(?:\.[0-9a-f]{16})?(?![A-Za-z0-9_-])")
 _registry: dict[str, Any] = {}
+_memo: dict[Any, str] = {}
 _registry_lock = threading.Lock()
 
 
@@ -40,9 +41,17 @@ def _safe(name: str) -> str:
 
 def config_label(kernel_name: str, kernel_version: str, cfg: Any) -> str:
     """The label of a kernel run with ``cfg``, registered for `labels_to_configs`."""
-    token = f"{_PREFIX}{_safe(kernel_name)}.{short_hash([kernel_name, kernel_version, cfg])}"
-    with _registry_lock:
-        _registry.setdefault(token, cfg)
+    memo_key: Any = (kernel_name, kernel_version, type(cfg), cfg)
+    try:
+        token = _memo.get(memo_key)
+    except TypeError:  # an unhashable config: no memo
+        memo_key, token = None, None
+    if token is None:
+        token = f"{_PREFIX}{_safe(kernel_name)}.{short_hash([kernel_name, kernel_version, cfg])}"
+        with _registry_lock:
+            _registry.setdefault(token, cfg)
+            if memo_key is not None and len(_memo) < 65536:
+                _memo[memo_key] = token
     return token
 
 

@@ -5,6 +5,7 @@ from ._config import block_sparse_heuristic as block_sparse_heuristic
 from ._config import block_sparse_search_space as block_sparse_search_space
 from ._config import fits_vmem as fits_vmem
 from ._config import vmem_bytes as vmem_bytes
+from ._kernel import BlockSparseAttention as BlockSparseAttention
 from ._mask_info import MaskInfo as MaskInfo
 from ._mask_info import process_dynamic_mask as process_dynamic_mask
 from ._mask_info import process_dynamic_mask_dkv as process_dynamic_mask_dkv
@@ -21,6 +22,7 @@ from ._ops import blocksparse_attention as blocksparse_attention
 from ._ops import default_interpret as default_interpret
 
 __all__ = [
+    "BlockSparseAttention",
     "BlockSparseConfig",
     "CausalMask",
     "ChunkedCausalMask",

@@ -95,6 +95,10 @@ class Mask:
     def __repr__(self) -> str:
         return f"{type(self).__name__}{self._key()!r}"
 
+    def __ejk_stable_key__(self) -> list:
+        """Plain data for `ejk_config.stable_json` (executor cache keys): the class and value."""
+        return [type(self).__name__, list(self._key())]
+
     def dense(self) -> np.ndarray:
         """The whole mask as a NumPy bool array ``[q_len, kv_len]`` (for tests and small masks)."""
         return self[:, :]

@@ -1,0 +1,41 @@
+"""`BlockSparseAttention`: the block-sparse kernels as an `ejk_executor.Kernel`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ejk_executor import Invocation, Kernel
+
+from ._config import BlockSparseConfig, block_sparse_heuristic, block_sparse_search_space
+from ._ops import blocksparse_attention
+
+__all__ = ["BlockSparseAttention"]
+
+
+class BlockSparseAttention(Kernel[BlockSparseConfig, Any]):
+    """`blocksparse_attention` run through an `ejk_executor.Executor` (config selection, tuning).
+
+    Call as ``executor(BlockSparseAttention(), q, k, v, mask=mask, segment_ids=...,
+    softmax_scale=..., logits_soft_cap=..., softmax_sinks=..., return_lse=...)``; the
+    mask (hashable) and the other non-array arguments are static parts of the cache key.
+    Gradients come from the kernels' own custom_vjp.
+    """
+
+    name = "ejk_kernels_tpu.blocksparse_attention"
+    version = "1"
+    config_type = BlockSparseConfig
+
+    def run(self, q, k, v, *, cfg: BlockSparseConfig, mask, **kwargs: Any) -> Any:
+        return blocksparse_attention(q, k, v, mask, config=cfg, **kwargs)
+
+    @staticmethod
+    def _sizes(inv: Invocation[BlockSparseConfig, Any]) -> tuple[int, int, int, int]:
+        q, k = inv.abstract_args[0], inv.abstract_args[1]
+        return q.shape[1], k.shape[1], q.shape[3], q.dtype.itemsize
+
+    def heuristic_cfg(self, inv: Invocation[BlockSparseConfig, Any]) -> BlockSparseConfig:
+        return block_sparse_heuristic(*self._sizes(inv))
+
+    def config_space(self, inv: Invocation[BlockSparseConfig, Any]) -> Iterable[BlockSparseConfig]:
+        return block_sparse_search_space(*self._sizes(inv))

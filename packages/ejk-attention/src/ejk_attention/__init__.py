@@ -6,6 +6,7 @@ from ._flash import flash_attention as flash_attention
 from ._reference import dropout_keep_mask as dropout_keep_mask
 from ._reference import reference_attention as reference_attention
 from ._reference import visibility_mask as visibility_mask
+from ._ring import ring_attention as ring_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -13,5 +14,6 @@ __all__ = [
     "dropout_keep_mask",
     "flash_attention",
     "reference_attention",
+    "ring_attention",
     "visibility_mask",
 ]

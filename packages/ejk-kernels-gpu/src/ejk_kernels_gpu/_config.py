@@ -90,29 +90,29 @@ def fits_shared_memory(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int
     return _shared_bytes(kind, cfg, head_dim, itemsize) <= SHARED_MEMORY_LIMIT
 
 
-_BLOCKS = (32, 64, 128)
-_WARPS = (4, 8)
-_STAGES = (2, 3, 4)
+# The candidate axes: forward tiles are tall in q (the resident side), backward tiles square-ish.
+_FWD_AXES = dict(block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+_BWD_AXES = dict(block_q=(32, 64), block_k=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
 
 
-def _space(kind: str, head_dim: int, itemsize: int) -> tuple[FlashConfig, ...]:
+def _space(kind: str, axes: dict, head_dim: int, itemsize: int) -> tuple[FlashConfig, ...]:
     cands = (
         FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-        for bq, bk, w, st in itertools.product(_BLOCKS, _BLOCKS, _WARPS, _STAGES)
+        for bq, bk, w, st in itertools.product(*axes.values())
     )
     return tuple(c for c in cands if fits_shared_memory(kind, c, head_dim, itemsize))
 
 
 def fwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
     """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`."""
-    return _space("fwd", head_dim, itemsize)
+    return _space("fwd", _FWD_AXES, head_dim, itemsize)
 
 
 def bwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
     """Every backward config (shared by the dq and dk/dv kernels) that fits both."""
     return tuple(
         c
-        for c in _space("dq", head_dim, itemsize)
+        for c in _space("dq", _BWD_AXES, head_dim, itemsize)
         if fits_shared_memory("dkdv", c, head_dim, itemsize)
     )
 

@@ -1,0 +1,47 @@
+"""Every kernel compiles ahead of time for Hopper (sm_90) on this CPU machine and fits shared memory.
+
+The compile runs in a subprocess: this test process has Triton's interpreter on
+(the conformance tests need it), and interpreted kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ejk_kernels_gpu._config import SHARED_MEMORY_LIMIT
+
+
+def _compile(*args: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ejk_kernels_gpu._aot", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, proc.stderr[-3000:]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["shared"] <= SHARED_MEMORY_LIMIT, row
+        assert row["wgmma"], f"no wgmma in the PTX of {row}"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return rows
+
+
+def test_heuristic_configs_compile_for_hopper_with_every_feature():
+    rows = _compile("--head-dims", "64", "--variants", "all", "--space", "heuristic")
+    assert {r["kernel"] for r in rows} == {"fwd_kernel", "dq_kernel", "dkdv_kernel"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", ["64", "96", "128", "256"])
+def test_whole_search_space_compiles_for_hopper(head_dim):
+    _compile("--head-dims", head_dim, "--variants", "plain,causal", "--space", "full")
+    _compile("--head-dims", head_dim, "--variants", "all", "--space", "heuristic")

@@ -24,6 +24,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Backend",
     "default_order",
+    "pallas_mask",
     "platform_of",
     "resolve_implementation",
     "run_first",
@@ -123,9 +124,11 @@ def _cudnn_run(request: AttentionRequest, config: Any) -> Any:
 # triton: ejk_kernels_gpu.flash_attention (on CPU it runs through Triton's interpreter).
 
 
-def _kernel_refuse(request: AttentionRequest, platform: str) -> str | None:
-    del request, platform
-    return None  # the kernel entry point checks its own limits and raises NotImplementedError
+def _triton_refuse(request: AttentionRequest, platform: str) -> str | None:
+    del platform  # off GPU the kernels run in Triton's interpreter
+    if request.v.shape[-1] != request.q.shape[-1]:
+        return f"the Triton kernel needs v's head_dim {request.v.shape[-1]} == q's {request.q.shape[-1]}"
+    return None  # the kernel checks its own limits and raises NotImplementedError
 
 
 def _triton_run(request: AttentionRequest, config: Any) -> Any:
@@ -140,25 +143,80 @@ def _triton_run(request: AttentionRequest, config: Any) -> Any:
     )
 
 
-# pallas: ejk_kernels_tpu (TPU; interpret mode elsewhere).
+# pallas: ejk_kernels_tpu.blocksparse_attention with the mask causal/window describe
+# (TPU; Pallas' TPU interpreter elsewhere).
+
+
+def _pallas_refuse(request: AttentionRequest, platform: str) -> str | None:
+    del platform  # off TPU the kernel runs in Pallas' interpreter
+    features = request.features()
+    if "bias" in features:
+        return "the block-sparse Pallas kernel has no logits bias"
+    if "dropout" in features:
+        return "the block-sparse Pallas kernel has no dropout"
+    if request.v.shape[-1] != request.q.shape[-1]:
+        return f"the Pallas kernel needs v's head_dim {request.v.shape[-1]} == q's {request.q.shape[-1]}"
+    if "cu_seqlens" in features:
+        if "segment_ids" in features:
+            return "the Pallas kernel takes cu_seqlens or segment_ids, not both"
+        local = request.causal or request.sliding_window is not None
+        if local and request.cu_seqlens_k is not request.cu_seqlens_q:
+            return "causal/window over packed input with cu_seqlens_k != cu_seqlens_q needs local positions"
+    return None
+
+
+def _packed_segment_ids(request: AttentionRequest) -> Any:
+    """``cu_seqlens`` as ``(q_ids, kv_ids)`` ``[1, T]``/``[1, S]`` (sequence index + 1, 0 padding).
+
+    With one cu_seqlens for q and k, causal and window on global positions equal
+    them on positions local to each sequence, so the kernels need no offsets.
+    """
+    from ejk_sequtils import cu_seqlens_to_segment_ids
+
+    _, q_len, kv_len, *_ = request.shape
+    q_ids = cu_seqlens_to_segment_ids(request.cu_seqlens_q, q_len)
+    kv_ids = cu_seqlens_to_segment_ids(request.cu_seqlens_k, kv_len)
+    return q_ids[None].astype(jnp.int32), kv_ids[None].astype(jnp.int32)
+
+
+def pallas_mask(q_len: int, kv_len: int, causal: bool, window: tuple[int, int] | None) -> Any:
+    """The `ejk_kernels_tpu` mask for ``causal`` and ``window`` on a ``(q_len, kv_len)`` grid."""
+    from ejk_kernels_tpu import CausalMask, FullMask, LocalMask
+
+    shape = (q_len, kv_len)
+    if window is not None:
+        left, right = window
+        return LocalMask(shape, (left, 0 if causal else right))
+    return CausalMask(shape) if causal else FullMask(shape)
 
 
 def _pallas_run(request: AttentionRequest, config: Any) -> Any:
     try:
-        from ejk_kernels_tpu import flash_attention as kernel
+        from ejk_kernels_tpu import blocksparse_attention
     except ImportError as err:
-        raise NotImplementedError(
-            f"ejk_kernels_tpu.flash_attention is not available: {err}"
-        ) from None
-    return kernel(
-        request.q, request.k, request.v, request.bias, **request.keyword_arguments(), config=config
+        raise NotImplementedError(f"ejk_kernels_tpu is not available: {err}") from None
+    _, q_len, kv_len, *_ = request.shape
+    segment_ids = request.segment_ids
+    if request.cu_seqlens_q is not None:
+        segment_ids = _packed_segment_ids(request)
+    return blocksparse_attention(
+        request.q,
+        request.k,
+        request.v,
+        pallas_mask(q_len, kv_len, request.causal, request.sliding_window),
+        segment_ids=segment_ids,
+        softmax_scale=request.softmax_scale,
+        logits_soft_cap=request.logits_soft_cap,
+        softmax_sinks=request.softmax_sinks,
+        return_lse=request.return_lse,
+        config=config,
     )
 
 
 BACKENDS: dict[str, Backend] = {
     "xla": Backend("xla", _xla_refuse, _xla_run),
-    "triton": Backend("triton", _kernel_refuse, _triton_run),
-    "pallas": Backend("pallas", _kernel_refuse, _pallas_run),
+    "triton": Backend("triton", _triton_refuse, _triton_run),
+    "pallas": Backend("pallas", _pallas_refuse, _pallas_run),
     "cudnn": Backend("cudnn", _cudnn_refuse, _cudnn_run),
 }
 IMPLEMENTATIONS: tuple[str, ...] = tuple(BACKENDS)

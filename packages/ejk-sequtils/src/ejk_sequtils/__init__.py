@@ -21,6 +21,7 @@ from ._numerics import identity_dtype_convert as identity_dtype_convert
 from ._numerics import log_sum_exp as log_sum_exp
 from ._numerics import safe_divide as safe_divide
 from ._numerics import unchunk_array as unchunk_array
+from ._packing import pack_sequences as pack_sequences
 from ._testing import assert_allclose as assert_allclose
 from ._testing import generate_attention_inputs as generate_attention_inputs
 
@@ -34,6 +35,7 @@ __all__ = [
     "is_segment_representable",
     "log_sum_exp",
     "mask_to_segment_ids",
+    "pack_sequences",
     "position_ids_to_segment_ids",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",

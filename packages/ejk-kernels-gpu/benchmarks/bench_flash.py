@@ -1,0 +1,163 @@
+"""Forward and forward+backward TFLOP/s of ejk's Triton flash attention against JAX baselines.
+
+In one process, on the same bf16 inputs: ejk_kernels_gpu.flash_attention,
+``jax.nn.dot_product_attention`` (implementation 'cudnn' and 'xla') and JAX's
+Pallas GPU attention (``jax.experimental.pallas.ops.gpu.attention.mha``) where it
+imports and supports the shape. FLOPs: 4·B·N·T·S·H, halved when causal; the
+backward counts 2.5x the forward, so forward+backward is 3.5x.
+
+Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
+    python3 packages/ejk-kernels-gpu/benchmarks/bench_flash.py [--only ejk] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ejk_kernels_gpu import FlashConfig, flash_attention
+
+SHAPES = [  # (B, T, N, K, H, causal)
+    (4, 4096, 32, 32, 128, False),
+    (4, 4096, 32, 32, 128, True),
+    (4, 4096, 32, 8, 128, True),
+    (1, 16384, 16, 16, 128, True),
+    (8, 2048, 16, 16, 64, True),
+]
+
+
+def _time(fn, *args, reps=20, rounds=5) -> float:
+    """Median seconds per call (several rounds of ``reps`` calls, synchronised at the end)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    per = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - start) / reps)
+    return statistics.median(per)
+
+
+def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
+    impls = {
+        "ejk": lambda q, k, v: flash_attention(
+            q, k, v, causal=causal, config=fwd_cfg, bwd_config=bwd_cfg
+        ),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        ),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"
+        ),
+    }
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        if heads == kv_heads:
+            impls["pallas"] = lambda q, k, v: pallas_attention.mha(
+                q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal
+            )
+    except Exception as exc:  # pallas GPU attention is optional
+        print(f"# pallas attention unavailable: {type(exc).__name__}: {exc}")
+    return impls
+
+
+def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True):
+    B, T, N, K, H, causal = shape
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
+    d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    flops = 4 * B * N * T * T * H / (2 if causal else 1)
+    rows = []
+    for name, fn in _impls(causal, N, K, fwd_cfg, bwd_cfg).items():
+        if only and name not in only:
+            continue
+        row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
+        try:
+            fwd = jax.jit(fn)
+            row["fwd_ms"] = _time(fwd, q, k, v) * 1e3
+            row["fwd_tflops"] = flops / row["fwd_ms"] * 1e-9
+            if with_bwd:
+
+                @jax.jit
+                def fwd_bwd(q, k, v, d_out, fn=fn):
+                    out, vjp = jax.vjp(fn, q, k, v)
+                    return out, vjp(d_out)
+
+                row["fwdbwd_ms"] = _time(fwd_bwd, q, k, v, d_out) * 1e3
+                row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] * 1e-9
+        except Exception as exc:  # a baseline may not support a shape (or run out of memory)
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _table(rows):
+    print(f"{'shape':<34}{'impl':<8}{'fwd TF/s':>10}{'f+b TF/s':>10}{'fwd ms':>9}{'f+b ms':>9}")
+    for r in rows:
+        shape = f"({r['B']},{r['T']},{r['N']},{r['K']},{r['H']}){' causal' if r['causal'] else ''}"
+        if "error" in r:
+            print(f"{shape:<34}{r['impl']:<8}  error: {r['error'][:60]}")
+            continue
+        fb = r.get("fwdbwd_tflops", float("nan"))
+        fbm = r.get("fwdbwd_ms", float("nan"))
+        print(
+            f"{shape:<34}{r['impl']:<8}{r['fwd_tflops']:>10.1f}{fb:>10.1f}{r['fwd_ms']:>9.3f}{fbm:>9.3f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="comma-separated impls (ejk,cudnn,xla,pallas)")
+    parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
+    parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
+    parser.add_argument("--no-bwd", action="store_true")
+    args = parser.parse_args()
+    print("#", jax.devices(), jax.__version__)
+    only = set(filter(None, args.only.split(",")))
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    rows = []
+    if args.sweep:
+        fwd_cands = [
+            FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+            for bq, bk, w, s in [
+                (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4),
+            ]
+        ]  # fmt: skip
+        bwd_cands = [
+            FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+            for bq, bk, w, s in [
+                (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
+                (64, 128, 4, 2), (64, 64, 4, 1),
+            ]
+        ]  # fmt: skip
+        for shape in shapes:
+            for cfg in fwd_cands:
+                for r in bench_shape(shape, {"ejk"}, fwd_cfg=cfg, with_bwd=False):
+                    r["cfg"] = str(cfg)
+                    rows.append(r)
+            for cfg in bwd_cands:
+                for r in bench_shape(shape, {"ejk"}, bwd_cfg=cfg):
+                    r["cfg"] = "bwd " + str(cfg)
+                    rows.append(r)
+        return 0
+    for shape in shapes:
+        rows += bench_shape(shape, only, with_bwd=not args.no_bwd)
+    _table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -57,6 +57,18 @@ class BlockSparseConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 )
 
 
+def _shared_backward(fwd_q: int, fwd_kv: int, bwd_q: int, bwd_kv: int) -> BlockSparseConfig:
+    """A config whose dq and dkv kernels use the same blocks."""
+    return BlockSparseConfig(
+        block_q=fwd_q,
+        block_kv=fwd_kv,
+        block_q_dq=bwd_q,
+        block_kv_dq=bwd_kv,
+        block_q_dkv=bwd_q,
+        block_kv_dkv=bwd_kv,
+    )
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -123,14 +135,7 @@ def block_sparse_heuristic(
     fwd_q, fwd_kv = min(512, q_cap), min(512, kv_cap)
     bwd_q, bwd_kv = min(256, q_cap), min(256, kv_cap)
     while True:
-        config = BlockSparseConfig(
-            block_q=fwd_q,
-            block_kv=fwd_kv,
-            block_q_dq=bwd_q,
-            block_kv_dq=bwd_kv,
-            block_q_dkv=bwd_q,
-            block_kv_dkv=bwd_kv,
-        )
+        config = _shared_backward(fwd_q, fwd_kv, bwd_q, bwd_kv)
         if fits_vmem(config, head_dim, itemsize) or max(fwd_q, fwd_kv, bwd_q, bwd_kv) == MIN_BLOCK:
             return config
         # Shrink the largest block first.
@@ -155,14 +160,7 @@ def block_sparse_search_space(
     kv_sizes = [b for b in _CANDIDATES if b <= max(MIN_BLOCK, _pow2_at_least(kv_len))]
     space = []
     for fq, fk, bq, bk in itertools.product(q_sizes, kv_sizes, q_sizes, kv_sizes):
-        config = BlockSparseConfig(
-            block_q=fq,
-            block_kv=fk,
-            block_q_dq=bq,
-            block_kv_dq=bk,
-            block_q_dkv=bq,
-            block_kv_dkv=bk,
-        )
+        config = _shared_backward(fq, fk, bq, bk)
         if fits_vmem(config, head_dim, itemsize):
             space.append(config)
     return space

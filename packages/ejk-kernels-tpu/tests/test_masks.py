@@ -113,3 +113,23 @@ def test_bool_context_explains_operators():
 def test_errors(build, exc, match):
     with pytest.raises(exc, match=match):
         build()
+
+
+@pytest.mark.parametrize(
+    ("causal", "window"),
+    [(False, None), (True, None), (False, 3), (True, 4), (False, (2, 5)), (True, (6, 1))],
+)
+def test_attention_mask_matches_the_reference_visibility(causal, window):
+    from ejk_attention import visibility_mask
+    from ejk_kernels_tpu import attention_mask
+
+    got = attention_mask(T, S, causal=causal, sliding_window=window).dense()
+    want = np.asarray(visibility_mask(T, S, causal=causal, sliding_window=window))[0, 0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_attention_mask_rejects_bad_windows():
+    from ejk_kernels_tpu import attention_mask
+
+    with pytest.raises(ValueError, match="sliding_window"):
+        attention_mask(T, S, sliding_window=(1, -2))

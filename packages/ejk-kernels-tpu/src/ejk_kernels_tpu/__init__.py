@@ -18,6 +18,7 @@ from ._masks import LocalMask as LocalMask
 from ._masks import Mask as Mask
 from ._masks import MultiHeadMask as MultiHeadMask
 from ._masks import NumpyMask as NumpyMask
+from ._masks import attention_mask as attention_mask
 from ._ops import blocksparse_attention as blocksparse_attention
 from ._ops import default_interpret as default_interpret
 
@@ -32,6 +33,7 @@ __all__ = [
     "MaskInfo",
     "MultiHeadMask",
     "NumpyMask",
+    "attention_mask",
     "block_sparse_heuristic",
     "block_sparse_search_space",
     "blocksparse_attention",

@@ -21,6 +21,7 @@ __all__ = [
     "Mask",
     "MultiHeadMask",
     "NumpyMask",
+    "attention_mask",
 ]
 
 
@@ -330,3 +331,38 @@ def pad_mask(mask: Mask, q_len: int, kv_len: int) -> Mask:
     if mask.shape == (q_len, kv_len):
         return mask
     return _PaddedMask(mask, (q_len, kv_len))
+
+
+def attention_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+) -> Mask:
+    """The `Mask` for the facade's ``causal`` / ``sliding_window`` options (top-left aligned).
+
+    Args:
+        q_len, kv_len: T and S.
+        causal: query i sees keys ``j <= i``.
+        sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``: keys in ``[i - left, i + right]``.
+
+    Returns:
+        `FullMask`, `CausalMask` or `LocalMask` of shape ``(q_len, kv_len)``.
+    """
+    shape = (q_len, kv_len)
+    if sliding_window is None:
+        return CausalMask(shape) if causal else FullMask(shape)
+    if isinstance(sliding_window, int | np.integer):
+        sliding_window = (int(sliding_window), int(sliding_window))
+    if (
+        not isinstance(sliding_window, tuple | list)
+        or len(sliding_window) != 2
+        or not all(isinstance(w, int | np.integer) and w >= 0 for w in sliding_window)
+    ):
+        raise ValueError(
+            f"sliding_window must be an int or (left, right) ints >= 0, got {sliding_window!r}"
+        )
+    left, right = sliding_window
+    # Causal caps the right side at the diagonal.
+    return LocalMask(shape, window_size=(int(left), 0 if causal else int(right)))

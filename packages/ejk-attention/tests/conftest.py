@@ -9,3 +9,18 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_config_cache(tmp_path_factory):
+    """Point ejk's persistent cache at a fresh directory: no test reads or writes ~/.cache/ejk."""
+    old = os.environ.get("EJK_CACHE_DIR")
+    os.environ["EJK_CACHE_DIR"] = str(tmp_path_factory.mktemp("ejk-cache"))
+    yield
+    if old is None:
+        os.environ.pop("EJK_CACHE_DIR", None)
+    else:
+        os.environ["EJK_CACHE_DIR"] = old

@@ -10,8 +10,15 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import ArrayLike, Float, Int
 
-from ._backends import default_order, platform_of, resolve_implementation, run_first
+from ._backends import (
+    IMPLEMENTATIONS,
+    default_order,
+    platform_of,
+    resolve_implementation,
+    run_first,
+)
 from ._sharding import sharded_call
+from ._tuned import tuned_backend
 from ._validate import AttentionRequest, validate_attention
 
 __all__ = ["flash_attention"]
@@ -23,6 +30,9 @@ SegmentIds = Int[AnyArray, "B T"] | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B
 def _compute(request: AttentionRequest, names: tuple[str, ...] | None, config: Any) -> Any:
     if names is None:
         names = default_order(platform_of(request))
+        tuned = tuned_backend(request)  # what `ejk tune` measured fastest here, if anything
+        if tuned is not None and tuned in IMPLEMENTATIONS:
+            names = (tuned, *(n for n in names if n != tuned))
     return run_first(request, names, config)[1]
 
 
@@ -71,8 +81,8 @@ def flash_attention(
         dropout_rate: probability of dropping an attention weight (ejk's counter-hash mask).
         dropout_seed: an int or int32/uint32 scalar; required when ``dropout_rate > 0``.
         return_lse: also return the float32 log-sum-exp ``[B, N, T]``.
-        implementation: None (the platform's best: triton then cuDNN on GPU, pallas on
-            TPU, xla on CPU), one of ``"xla"``, ``"triton"``, ``"pallas"``, ``"cudnn"``, or
+        implementation: None (the backend ``ejk tune`` stored for this shape, then the
+            platform's order: triton, cuDNN, xla on GPU; pallas, xla on TPU; xla on CPU), one of ``"xla"``, ``"triton"``, ``"pallas"``, ``"cudnn"``, or
             a sequence of them tried in order.
         config: a kernel config (block sizes etc.) for triton/pallas; xla and cuDNN ignore it.
         mesh: run batch/head sharded over this mesh (the facade writes the shard_map).

@@ -1,0 +1,130 @@
+"""The ``ejk`` command end to end, through ``main([...])`` on tiny shapes."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import flash_attention
+from ejk_attention.cli import main
+
+TINY = ["--shape", "1,32,48,4,2,16,causal", "--iters", "1", "--warmup", "0", "--quiet"]
+
+
+def test_info(capsys):
+    assert main(["info", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "ejk-attention" in out and "fingerprint:" in out and "implementation=None tries: xla" in out
+    )
+
+
+def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys):
+    out_dir = tmp_path / "bench-out"
+    code = main(
+        [
+            "bench",
+            *TINY,
+            "--impl",
+            "xla",
+            "--impl",
+            "cudnn",
+            "--impl",
+            "jax-nn",
+            "--out",
+            str(out_dir),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "B1 T32 S48 N4 K2 H16 float32 causal" in table and "refused" in table
+    data = json.loads((out_dir / "bench.json").read_text())
+    rows = {r["implementation"]: r for r in data["results"]}
+    assert rows["xla"]["status"] == "ok" and rows["jax-nn"]["status"] == "ok"
+    assert rows["xla"]["fwd_ms"] > 0 and rows["xla"]["fwd_bwd_ms"] > 0
+    assert rows["cudnn"]["status"] == "refused" and "NVIDIA GPU" in rows["cudnn"]["reason"]
+    assert data["machine"]["backend"] == "cpu"
+    assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_defaults_to_bench_out_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *TINY, "--forward-only", "--no-plot"]) == 0
+    rows = json.loads((tmp_path / "bench-out" / "bench.json").read_text())["results"]
+    assert [r["implementation"] for r in rows] == ["xla", "jax-nn"]
+    assert "fwd_bwd_ms" not in rows[0]
+
+
+def test_bench_fails_on_a_mismatch(tmp_path, monkeypatch):
+    from ejk_attention import _backends
+
+    wrong = _backends.Backend("xla", _backends.BACKENDS["xla"].refuse, lambda req, cfg: req.q * 2)
+    monkeypatch.setitem(_backends.BACKENDS, "xla", wrong)
+    assert main(["bench", *TINY, "--impl", "xla", "--forward-only", "--out", str(tmp_path)]) == 1
+
+
+def test_bad_shape_is_a_usage_error(capsys):
+    assert main(["bench", "--shape", "1,2,3", "--quiet"]) == 2
+    assert "shape must be 'B,T,S,N,K,H[,causal]'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--iters", "0"])
+
+
+def test_tune_then_cache_commands(tmp_path, capsys, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    assert (
+        main(["tune", *TINY, "--impl", "xla", "--impl", "cudnn", "--cache-dir", str(cache_dir)])
+        == 0
+    )
+    assert "B1 T32 S48 N4 K2 H16 float32 causal: xla" in capsys.readouterr().out
+
+    assert main(["cache", "--cache-dir", str(cache_dir), "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "1 entries" in listing and "BackendChoice" in listing
+    key = next(line.split("  ->  ")[0] for line in listing.splitlines() if "  ->  " in line)
+    assert "B1T32S48N4K2H16Hv16|causal" in key
+
+    assert main(["cache", "--cache-dir", str(cache_dir), "show", key]) == 0
+    assert '"implementation":"xla"' in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", str(cache_dir), "show", "nope"]) == 1
+
+    exported = tmp_path / "exported.json"
+    assert main(["cache", "--cache-dir", str(cache_dir), "export", str(exported)]) == 0
+    assert key in json.loads(exported.read_text())["entries"]
+    assert main(["cache", "--cache-dir", str(cache_dir), "clear"]) == 0
+    assert main(["cache", "--cache-dir", str(cache_dir), "list"]) == 0
+    assert "0 entries" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["cache", "--cache-dir", str(cache_dir), "import", str(exported)]) == 0
+    assert main(["cache", "--cache-dir", str(cache_dir), "list"]) == 0
+    assert "1 entries" in capsys.readouterr().out
+
+
+def test_implementation_none_tries_the_tuned_backend_first(monkeypatch):
+    from ejk_attention import _backends
+    from ejk_attention._bench import parse_case, request_for
+    from ejk_attention._tuned import BackendChoice, backend_key, open_cache
+    from ejk_config import device_fingerprint
+
+    calls = []
+
+    def record(request, config):
+        calls.append(request.q.shape)
+        return _backends.BACKENDS["xla"].run(request, config)
+
+    monkeypatch.setitem(
+        _backends.BACKENDS, "pallas", _backends.Backend("pallas", lambda r, p: None, record)
+    )
+    case = parse_case("1,32,48,4,2,16,causal")
+    open_cache().put(
+        backend_key(request_for(case), device_fingerprint()), BackendChoice("pallas", 1.0)
+    )
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 32, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 48, 2, 16)), jnp.float32)
+    flash_attention(q, k, k, causal=True)
+    assert calls == [(1, 32, 4, 16)]
+    flash_attention(q, k, k)  # another key (not causal): the platform order, xla
+    assert len(calls) == 1

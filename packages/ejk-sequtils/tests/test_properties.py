@@ -230,13 +230,15 @@ def test_log_sum_exp_matches_float64(rows):
         assert math.isclose(value, ref, rel_tol=1e-5, abs_tol=1e-4)
 
 
+# Subnormals are left out: XLA on CPU flushes them to zero, so their sign is lost.
+normal_floats = st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
 divide = jax.jit(lambda n, d: es.safe_divide(n, d, 1e-3))
 
 
 @FAST
 @given(
     st.lists(
-        st.tuples(st.floats(-1e3, 1e3, width=32), st.floats(-1e3, 1e3, width=32)),
+        st.tuples(normal_floats, normal_floats),
         min_size=8,
         max_size=8,
     )

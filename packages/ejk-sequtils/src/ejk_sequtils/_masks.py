@@ -4,6 +4,8 @@ Segment ids ``int [*B, T]``: tokens attend only within equal positive ids; an id
 ``<= 0`` (0 and -1 both appear in the wild) is padding and attends to nothing.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,16 +97,20 @@ def segment_ids_to_mask(
         if segment_ids.ndim == 0:
             raise ValueError("segment_ids must have at least one axis, got a scalar")
         q_ids = kv_ids = segment_ids
-    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
-    q_valid, kv_valid = q_ids > 0, kv_ids > 0
-    mask = (q_ids[..., :, None] == kv_ids[..., None, :]) & q_valid[..., :, None]
-    mask = mask.astype(dtype)
+    q_mask, kv_mask, mask = _segment_mask(jnp.asarray(q_ids), jnp.asarray(kv_ids), jnp.dtype(dtype))
     if return_separate_masks:
-        return q_valid.astype(dtype), kv_valid.astype(dtype), mask
+        return q_mask, kv_mask, mask
     return mask
 
 
-@jax.jit
+@partial(jax.jit, static_argnums=2)
+def _segment_mask(q_ids: Array, kv_ids: Array, dtype) -> tuple[Array, Array, Array]:
+    # One fused pass over [*B, T, S]; eagerly each op would write a full-size array.
+    q_valid, kv_valid = q_ids > 0, kv_ids > 0
+    mask = (q_ids[..., :, None] == kv_ids[..., None, :]) & q_valid[..., :, None]
+    return q_valid.astype(dtype), kv_valid.astype(dtype), mask.astype(dtype)
+
+
 def _segment_ids_one(mask: Array) -> tuple[Array, Array]:
     """Segment ids ``(q [Q], kv [K])`` of one bool mask ``[Q, K]``, 0 for padding.
 
@@ -127,8 +133,8 @@ def _segment_ids_one(mask: Array) -> tuple[Array, Array]:
     return q_ids, kv_ids
 
 
-def _mask_segment_ids(mask, per_head: bool) -> tuple[Array, Array, Array]:
-    """``(q_ids, kv_ids, representable)`` with padding id 0, for the public functions."""
+def _mask_segment_ids(mask, per_head: bool, check: bool) -> tuple[Array, Array, Array | None]:
+    """``(q_ids, kv_ids, representable or None)`` with padding id 0, for the public functions."""
     if mask.ndim not in (2, 3, 4):
         raise ValueError(
             f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got mask.shape={tuple(mask.shape)}"
@@ -137,21 +143,27 @@ def _mask_segment_ids(mask, per_head: bool) -> tuple[Array, Array, Array]:
         raise ValueError(
             f"per_head=True needs a [B, H, Q, K] mask, got mask.shape={tuple(mask.shape)}"
         )
-    mask = jnp.asarray(mask) != 0
+    return _mask_segment_ids_jit(jnp.asarray(mask), per_head, check)
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _mask_segment_ids_jit(mask: Array, per_head: bool, check: bool):
+    mask = mask != 0
     # Without per_head a 4-D mask gets one set of ids per batch element, taken from the
     # union over heads; it is representable only if every head equals the rebuilt mask.
-    target = mask
-    if mask.ndim == 4 and not per_head:
-        mask = mask.any(axis=1)
-    batch_shape, (q_len, kv_len) = mask.shape[:-2], mask.shape[-2:]
-    q_ids, kv_ids = jax.vmap(_segment_ids_one)(mask.reshape(-1, q_len, kv_len))
+    merge_heads = mask.ndim == 4 and not per_head
+    ids_mask = mask.any(axis=1) if merge_heads else mask
+    batch_shape, (q_len, kv_len) = ids_mask.shape[:-2], ids_mask.shape[-2:]
+    q_ids, kv_ids = jax.vmap(_segment_ids_one)(ids_mask.reshape(-1, q_len, kv_len))
     q_ids = q_ids.reshape(*batch_shape, q_len)
     kv_ids = kv_ids.reshape(*batch_shape, kv_len)
+    if not check:
+        return q_ids, kv_ids, None
     rebuilt = segment_ids_to_mask((q_ids, kv_ids))
-    if target.ndim == 4 and not per_head:
+    if merge_heads:
         rebuilt = rebuilt[:, None]
-    representable = (rebuilt == target).all(axis=(-2, -1))
-    if target.ndim == 4 and not per_head:
+    representable = (rebuilt == mask).all(axis=(-2, -1))
+    if merge_heads:
         representable = representable.all(axis=1)
     return q_ids, kv_ids, representable
 
@@ -188,7 +200,7 @@ def mask_to_segment_ids(
     """
     if isinstance(padding_id, bool) or not isinstance(padding_id, int) or padding_id > 0:
         raise ValueError(f"padding_id must be an int <= 0, got {padding_id=}")
-    q_ids, kv_ids, _ = _mask_segment_ids(mask, per_head)
+    q_ids, kv_ids, _ = _mask_segment_ids(mask, per_head, check=False)
     if padding_id != 0:
         q_ids = jnp.where(q_ids > 0, q_ids, padding_id)
         kv_ids = jnp.where(kv_ids > 0, kv_ids, padding_id)
@@ -208,4 +220,4 @@ def is_segment_representable(
         bool, one per mask: shape ``[]``, ``[B]``, or ``[B, H]`` with ``per_head``
         (``[B]`` for a 4-D mask without it: every head must match).
     """
-    return _mask_segment_ids(mask, per_head)[2]
+    return _mask_segment_ids(mask, per_head, check=True)[2]

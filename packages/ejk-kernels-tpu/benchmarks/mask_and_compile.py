@@ -24,7 +24,9 @@ from ejk_kernels_tpu import (
 
 
 def mask_rows():
-    print("| mask | T=S | block | process_mask s | process_mask_dkv s | blocks computed | partial tiles stored | SMEM table dtype |")
+    print(
+        "| mask | T=S | block | process_mask s | process_mask_dkv s | blocks computed | partial tiles stored | SMEM table dtype |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for n in (8192, 32768):
         for name, mask in (
@@ -49,13 +51,19 @@ def mask_rows():
 def compile_rows():
     from jax.experimental import topologies
 
-    print("\n| topology | B,T,N,K,H | dtype | heuristic config (fwd / bwd) | fwd+bwd compile s | VMEM est. fwd/dq/dkv MiB |")
+    print(
+        "\n| topology | B,T,N,K,H | dtype | heuristic config (fwd / bwd) | fwd+bwd compile s | VMEM est. fwd/dq/dkv MiB |"
+    )
     print("|---|---|---|---|---|---|")
     for topo_name in ("v5e:2x2", "v6e:2x2"):
         topo = topologies.get_topology_desc(platform="tpu", topology_name=topo_name)
         mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
         sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        for t, h, dtype in ((4096, 128, jnp.bfloat16), (8192, 64, jnp.bfloat16), (2048, 256, jnp.float32)):
+        for t, h, dtype in (
+            (4096, 128, jnp.bfloat16),
+            (8192, 64, jnp.bfloat16),
+            (2048, 256, jnp.float32),
+        ):
             b, n, kh = 1, 8, 2
             q = jax.ShapeDtypeStruct((b, t, n, h), dtype, sharding=sh)
             kv = jax.ShapeDtypeStruct((b, t, kh, h), dtype, sharding=sh)

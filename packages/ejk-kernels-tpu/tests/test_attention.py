@@ -200,8 +200,10 @@ def test_values_and_gradients_match_reference(case):
     _compare(case)
 
 
-def test_bf16_values():
-    _compare(Case("bf16", CausalMask((T, S)), ref=(("causal", True),), dtype=jnp.bfloat16), False)
+def test_bf16_values_and_gradients():
+    mask = LocalMask((T, S), window_size=(100, 20))
+    case = Case("bf16", mask, ref=(("sliding_window", (100, 20)),), dtype=jnp.bfloat16, sinks=True)
+    _compare(case)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

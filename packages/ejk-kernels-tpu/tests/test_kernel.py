@@ -1,5 +1,7 @@
 """BlockSparseAttention through ejk_executor: heuristic, explicit config, jit, grads, cache keys."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from ejk_kernels_tpu import (
     MultiHeadMask,
     NumpyMask,
     block_sparse_heuristic,
+    block_sparse_search_space,
     blocksparse_attention,
 )
 
@@ -40,8 +43,13 @@ def test_executor_runs_the_kernel_with_the_heuristic_and_explicit_configs():
     cfg = BlockSparseConfig(block_q=256)
     out = executor(kernel, q, k, v, mask=mask, cfg=cfg)
     np.testing.assert_allclose(out, direct, atol=1e-6)
-    space = list(kernel.config_space(executor.invocation(kernel, q, k, v, mask=mask)))
-    assert space and all(isinstance(c, BlockSparseConfig) for c in space)
+    inv = executor.invocation(kernel, q, k, v, mask=mask)
+    # Off TPU (the interpreter) only the heuristic config is worth timing.
+    assert list(kernel.config_space(inv)) == [chosen.cfg]
+    on_tpu = dataclasses.replace(inv, platform="pallas")
+    space = list(kernel.config_space(on_tpu))
+    assert space == block_sparse_search_space(T, T, 64, 4)
+    assert len(block_sparse_search_space(1024, 1024, 64, 2)) > 1
 
 
 def test_executor_gradients_inside_jit():

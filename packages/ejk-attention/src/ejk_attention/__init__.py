@@ -1,6 +1,7 @@
 """One attention API over every ejk backend: XLA reference, Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
 
 from ._backends import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._blocksparse import blocksparse_attention as blocksparse_attention
 from ._dpa import dot_product_attention as dot_product_attention
 from ._flash import flash_attention as flash_attention
 from ._reference import dropout_keep_mask as dropout_keep_mask
@@ -10,6 +11,7 @@ from ._ring import ring_attention as ring_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "blocksparse_attention",
     "dot_product_attention",
     "dropout_keep_mask",
     "flash_attention",

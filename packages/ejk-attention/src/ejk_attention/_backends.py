@@ -250,18 +250,30 @@ def resolve_implementation(implementation: Any) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def run_first(request: AttentionRequest, names: Sequence[str], config: Any) -> tuple[str, Any]:
+def run_first(
+    request: AttentionRequest,
+    names: Sequence[str],
+    config: Any,
+    backends: dict[str, Backend] | None = None,
+) -> tuple[str, Any]:
     """Run the first backend in ``names`` that serves ``request``; ``(name, result)``.
+
+    ``backends`` maps names to backends (default: flash attention's `BACKENDS`).
 
     Raises:
         NotImplementedError: none could, with each backend's reason.
     """
+    backends = BACKENDS if backends is None else backends
     platform = platform_of(request)
     reasons = []
     for name in names:
-        backend = BACKENDS[name]
-        reason = backend.refuse(request, platform)
-        if reason is None:
+        backend = backends.get(name)
+        reason = (
+            f"this operation runs on {', '.join(backends)} only"
+            if backend is None
+            else backend.refuse(request, platform)
+        )
+        if backend is not None and reason is None:
             try:
                 return name, backend.run(request, config)
             except NotImplementedError as err:

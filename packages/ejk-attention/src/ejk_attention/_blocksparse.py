@@ -1,0 +1,147 @@
+"""`blocksparse_attention`: attention under an `ejk_kernels_tpu` mask on any platform.
+
+On TPU the Pallas block-sparse kernel skips the blocks the mask leaves empty; on
+other platforms the ``xla`` path applies the same mask densely (``mask.dense()``),
+and ``implementation="pallas"`` runs the kernel in Pallas' TPU interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from jaxtyping import Float, Int
+
+from ._backends import Backend, platform_of, resolve_implementation, run_first
+from ._reference import _masked_softmax, visibility_mask
+from ._validate import AttentionRequest, validate_attention
+
+__all__ = ["blocksparse_attention"]
+
+AnyArray = Array | np.ndarray
+
+
+def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
+    try:
+        from ejk_kernels_tpu import Mask
+    except ImportError as err:  # pragma: no cover - a declared dependency
+        raise NotImplementedError(f"blocksparse_attention needs ejk_kernels_tpu: {err}") from None
+    if not isinstance(mask, Mask):
+        raise TypeError(f"mask must be an ejk_kernels_tpu Mask, got {type(mask).__name__}")
+    shape = tuple(mask.shape)
+    if shape != (q_len, kv_len) and not (
+        len(shape) == 3 and shape[0] in (1, heads) and shape[1:] == (q_len, kv_len)
+    ):
+        raise ValueError(
+            f"mask shape {shape} must be ({q_len}, {kv_len}) or (1|{heads}, {q_len}, {kv_len})"
+        )
+
+
+def _dense(request: AttentionRequest, mask: Any) -> Any:
+    """The xla path: the reference's masked softmax with the mask applied densely.
+
+    The mask joins the visibility (not an additive -inf bias), so the soft cap,
+    which maps -inf to -cap, cannot unmask anything.
+    """
+    _, t, s, n, kh, _ = request.shape
+    f32 = jnp.float32
+    dense = jnp.asarray(mask.dense())
+    dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
+    hi = jax.lax.Precision.HIGHEST
+    kf = jnp.repeat(request.k.astype(f32), n // kh, axis=2)
+    vf = jnp.repeat(request.v.astype(f32), n // kh, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", request.q.astype(f32), kf, precision=hi)
+    logits = logits * request.softmax_scale
+    if request.logits_soft_cap is not None:
+        cap = request.logits_soft_cap
+        logits = cap * jnp.tanh(logits / cap)
+    sinks = None if request.softmax_sinks is None else request.softmax_sinks.astype(f32)
+    # A per-head mask cannot ride in the [B, 1, T, S] visibility: it masks the logits
+    # (after the soft cap) and the softmax treats -inf as unseen.
+    logits = jnp.where(dense, logits, -jnp.inf)
+    visible = visibility_mask(t, s, segment_ids=request.segment_ids)
+    probs, lse = _masked_softmax(logits, visible, sinks)
+    out = jnp.einsum("bnts,bsnh->btnh", probs, vf, precision=hi).astype(request.q.dtype)
+    return (out, lse) if request.return_lse else out
+
+
+def _kernel(request: AttentionRequest, mask: Any, config: Any) -> Any:
+    from ejk_kernels_tpu import blocksparse_attention as kernel
+
+    if request.v.shape[-1] != request.q.shape[-1]:
+        raise NotImplementedError("the Pallas kernel needs v's head_dim equal to q's")
+    return kernel(
+        request.q,
+        request.k,
+        request.v,
+        mask,
+        segment_ids=request.segment_ids,
+        softmax_scale=request.softmax_scale,
+        logits_soft_cap=request.logits_soft_cap,
+        softmax_sinks=request.softmax_sinks,
+        return_lse=request.return_lse,
+        config=config,
+    )
+
+
+def blocksparse_attention(
+    q: Float[AnyArray, "B T N H"],
+    k: Float[AnyArray, "B S K H"],
+    v: Float[AnyArray, "B S K Hv"],
+    mask: Any,
+    *,
+    segment_ids: Int[AnyArray, "B T"]
+    | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
+    | None = None,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_sinks: Float[AnyArray, " N"] | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: Any = None,
+) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
+    """Attention where query i sees key j only where ``mask`` is True (and segment ids agree).
+
+    Args:
+        q: queries ``[B, T, N, H]``.
+        k: keys ``[B, S, K, H]``, ``N % K == 0``.
+        v: values ``[B, S, K, Hv]`` (the Pallas kernel needs ``Hv == H``).
+        mask: an `ejk_kernels_tpu` mask (``CausalMask``, ``LocalMask``, ``ChunkedCausalMask``,
+            ``NumpyMask``, ``FullMask``, ``a & b``, ``a | b``) of shape ``(T, S)``, or a
+            ``MultiHeadMask`` ``(1|N, T, S)``.
+        segment_ids: ``[B, T]`` (T == S) or ``(q_ids [B, T], kv_ids [B, S])``; ids <= 0 are padding.
+        softmax_scale: default ``H ** -0.5``.
+        logits_soft_cap: ``cap * tanh(logits / cap)``.
+        softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
+        return_lse: also return the float32 lse ``[B, N, T]``.
+        implementation: None (pallas on TPU, else xla), ``"pallas"`` (interpreted off TPU),
+            ``"xla"``, or a sequence tried in order.
+        config: an `ejk_kernels_tpu.BlockSparseConfig` for the Pallas kernel.
+
+    Returns:
+        ``out [B, T, N, Hv]`` in q's dtype (and the lse); rows that see no key are zeros.
+    """
+    request = validate_attention(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks,
+        segment_ids=segment_ids,
+        return_lse=return_lse,
+    )
+    _, t, s, n, *_ = request.shape
+    _check_mask(mask, n, t, s)
+    names = resolve_implementation(implementation)
+    if names is None:
+        names = ("pallas", "xla") if platform_of(request) == "tpu" else ("xla",)
+    backends = {
+        "pallas": Backend("pallas", lambda r, p: None, lambda r, c: _kernel(r, mask, c)),
+        "xla": Backend("xla", lambda r, p: None, lambda r, c: _dense(r, mask)),
+    }
+    return run_first(request, names, config, backends)[1]

@@ -27,6 +27,7 @@ __all__ = [
     "pallas_mask",
     "platform_of",
     "resolve_implementation",
+    "run_blocksparse_kernel",
     "run_first",
 ]
 
@@ -190,20 +191,19 @@ def pallas_mask(q_len: int, kv_len: int, causal: bool, window: tuple[int, int] |
     return CausalMask(shape) if causal else FullMask(shape)
 
 
-def _pallas_run(request: AttentionRequest, config: Any) -> Any:
+def run_blocksparse_kernel(
+    request: AttentionRequest, mask: Any, segment_ids: Any, config: Any
+) -> Any:
+    """``ejk_kernels_tpu.blocksparse_attention`` on ``request`` under ``mask``."""
     try:
         from ejk_kernels_tpu import blocksparse_attention
     except ImportError as err:
         raise NotImplementedError(f"ejk_kernels_tpu is not available: {err}") from None
-    _, q_len, kv_len, *_ = request.shape
-    segment_ids = request.segment_ids
-    if request.cu_seqlens_q is not None:
-        segment_ids = _packed_segment_ids(request)
     return blocksparse_attention(
         request.q,
         request.k,
         request.v,
-        pallas_mask(q_len, kv_len, request.causal, request.sliding_window),
+        mask,
         segment_ids=segment_ids,
         softmax_scale=request.softmax_scale,
         logits_soft_cap=request.logits_soft_cap,
@@ -211,6 +211,15 @@ def _pallas_run(request: AttentionRequest, config: Any) -> Any:
         return_lse=request.return_lse,
         config=config,
     )
+
+
+def _pallas_run(request: AttentionRequest, config: Any) -> Any:
+    _, q_len, kv_len, *_ = request.shape
+    segment_ids = request.segment_ids
+    if request.cu_seqlens_q is not None:
+        segment_ids = _packed_segment_ids(request)
+    mask = pallas_mask(q_len, kv_len, request.causal, request.sliding_window)
+    return run_blocksparse_kernel(request, mask, segment_ids, config)
 
 
 BACKENDS: dict[str, Backend] = {

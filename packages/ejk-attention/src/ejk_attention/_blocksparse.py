@@ -16,7 +16,13 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ._backends import Backend, platform_of, resolve_implementation, run_first
+from ._backends import (
+    Backend,
+    platform_of,
+    resolve_implementation,
+    run_blocksparse_kernel,
+    run_first,
+)
 from ._reference import _masked_softmax, visibility_mask
 from ._validate import AttentionRequest, validate_attention
 
@@ -70,22 +76,9 @@ def _dense(request: AttentionRequest, mask: Any) -> Any:
 
 
 def _kernel(request: AttentionRequest, mask: Any, config: Any) -> Any:
-    from ejk_kernels_tpu import blocksparse_attention as kernel
-
     if request.v.shape[-1] != request.q.shape[-1]:
         raise NotImplementedError("the Pallas kernel needs v's head_dim equal to q's")
-    return kernel(
-        request.q,
-        request.k,
-        request.v,
-        mask,
-        segment_ids=request.segment_ids,
-        softmax_scale=request.softmax_scale,
-        logits_soft_cap=request.logits_soft_cap,
-        softmax_sinks=request.softmax_sinks,
-        return_lse=request.return_lse,
-        config=config,
-    )
+    return run_blocksparse_kernel(request, mask, request.segment_ids, config)
 
 
 def blocksparse_attention(

@@ -21,6 +21,7 @@ from ejk_kernels_tpu import (
     blocksparse_attention,
 )
 
+DROPOUT_SEED = 0xDEADBEEF  # above 2**31: the uint32 bits must survive the int32 carrier
 SMALL_BLOCKS = BlockSparseConfig()  # 128 everywhere: several blocks per axis at T=256, S=384
 
 TOL = {  # (atol, rtol) by dtype, for outputs and gradients
@@ -45,6 +46,7 @@ class Case:
     segments: bool = False
     soft_cap: float | None = None
     sinks: bool = False
+    dropout: float = 0.0
     dtype: object = jnp.float32
     config: BlockSparseConfig | None = SMALL_BLOCKS
 
@@ -91,6 +93,8 @@ def _run_kernel(case, q, k, v, sinks, seg):
             segment_ids=seg,
             logits_soft_cap=case.soft_cap,
             softmax_sinks=sinks,
+            dropout_rate=case.dropout,
+            dropout_seed=DROPOUT_SEED if case.dropout else None,
             return_lse=True,
             config=case.config,
         )
@@ -114,6 +118,8 @@ def _run_reference(case, q, k, v, sinks, seg):
             segment_ids=seg,
             logits_soft_cap=case.soft_cap,
             softmax_sinks=sinks,
+            dropout_rate=case.dropout,
+            dropout_seed=DROPOUT_SEED if case.dropout else None,
             return_lse=True,
             **kwargs,
         )
@@ -159,6 +165,14 @@ CASES = [
         segments=True,
         soft_cap=3.0,
         sinks=True,
+    ),
+    Case(
+        "causal_dropout_segments_batch2",
+        CausalMask((T, S)),
+        batch=2,
+        ref=(("causal", True),),
+        segments=True,
+        dropout=0.3,
     ),
     Case(
         "composed_multihead",
@@ -266,6 +280,13 @@ def test_jit_and_determinism():
         ({"softmax_sinks": jnp.zeros(3)}, (ValueError, TypeError), "softmax_sinks"),
         ({"segment_ids": jnp.zeros((1, 9), jnp.int32)}, (ValueError, TypeError), "segment_ids"),
         ({"config": {"block_q": 128}}, TypeError, "config"),
+        ({"dropout_rate": 0.1}, ValueError, "dropout_seed is required"),
+        ({"dropout_rate": 1.0, "dropout_seed": 1}, ValueError, r"dropout_rate must be in \[0, 1\)"),
+        (
+            {"dropout_rate": 0.1, "dropout_seed": jnp.zeros(2, jnp.int32)},
+            (ValueError, TypeError),
+            "dropout_seed",
+        ),
         ({"mask": np.ones((8, 8), bool)}, TypeError, "Mask"),
     ],
 )

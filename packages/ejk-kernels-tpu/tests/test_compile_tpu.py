@@ -36,7 +36,20 @@ def _device(topology: str):
 
 
 def _compile(
-    topology, *, t, s, heads, kv_heads, head_dim, dtype, mask, segments, sinks, cap, config
+    topology,
+    *,
+    t,
+    s,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    mask,
+    segments,
+    sinks,
+    cap,
+    config,
+    dropout=0.0,
 ):
     device = _device(topology)
     mesh = jax.sharding.Mesh([device], ("x",))
@@ -57,6 +70,8 @@ def _compile(
                 segment_ids=seg,
                 softmax_sinks=snk,
                 logits_soft_cap=cap,
+                dropout_rate=dropout,
+                dropout_seed=1234 if dropout else None,
                 return_lse=True,
                 config=config,
                 interpret=False,
@@ -85,6 +100,7 @@ CASES = {
         segments=True,
         sinks=True,
         cap=30.0,
+        dropout=0.1,
     ),
     "v6e_h64_f32_local": dict(
         topology="v6e:2x2",

@@ -21,10 +21,12 @@ from ._common import (
     Static,
     compiler_params,
     div,
+    dropout_scale,
     logits,
     mask_row,
     q_major_inputs,
     rem,
+    smem_inputs,
     split_refs,
     tables,
     tiles_of,
@@ -35,8 +37,12 @@ from ._mask_info import FULL, PARTIAL, MaskInfo
 __all__ = ["dkv", "dq"]
 
 
-def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool):
-    """``P`` and ``dS`` of one tile (``P^T``/``dS^T`` when ``transposed``), f32, pre-scale."""
+def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tuple):
+    """The dropped weights ``P * Z`` and ``dS`` of one tile (transposed for dkv), f32, pre-scale.
+
+    ``origin`` = (batch, query head, first row, first column) of the tile, for dropout's
+    keep mask Z. With dropout, ``O = (P * Z) V``, so ``dP = (dO V^T) * Z`` and D is unchanged.
+    """
     if transposed:
         s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
         visible = visibility(r.get("tile"), r.get("kv_seg"), r.get("q_seg"), masked)
@@ -53,10 +59,15 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool):
         s = jnp.where(visible, s, -jnp.inf)
     # lse is +inf on rows that see nothing, so their P is exactly 0.
     p = jnp.exp(s - r["lse"][...])
+    p_used = p
+    if st.has_dropout:
+        z = dropout_scale(st, r["seed"], *origin, p.shape, transposed)
+        dp = dp * z
+        p_used = p * z
     ds = p * (dp - r["di"][...])
     if t is not None:
         ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
-    return p, ds
+    return p_used, ds
 
 
 def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int):
@@ -69,7 +80,9 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
         r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
 
     def step(masked: bool):
-        _, ds = _probs_and_dscores(r, st, masked, transposed=False)
+        block_q, block_kv = st.dq
+        origin = (pl.program_id(0), h, i * block_q, j * block_kv)
+        _, ds = _probs_and_dscores(r, st, masked, False, origin)
         k = r["k"][...]
         r["acc"][...] += jax.lax.dot_general(
             ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
@@ -84,13 +97,14 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
         r["dq"][...] = (r["acc"][...] * st.scale).astype(r["dq"].dtype)
 
 
-def dq(q, k, v, do, lse, di, q_seg, kv_seg, info: MaskInfo, st: Static) -> jax.Array:
+def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) -> jax.Array:
     """dq ``[B, N, Tp, H]`` in kernel layout.
 
     Args:
         q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         lse, di: f32 ``[B, N, Tp, 1]`` (lse +inf on empty rows; di = rowsum(dO*O) - dlse).
         q_seg, kv_seg: int32 ``[B, Tp, 1]``, ``[B, 1, Sp]`` or None.
+        seed: int32 ``[1]`` dropout seed or None.
         info: `process_mask` tables for ``st.dq`` blocks.
     """
     batch, heads, q_len, head_dim = q.shape
@@ -98,6 +112,7 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, info: MaskInfo, st: Static) -> jax.A
     grid = (batch, heads, q_len // block_q, k.shape[2] // block_kv)
     rows = {"q": (q, head_dim), "do": (do, head_dim), "lse": (lse, 1), "di": (di, 1)}
     names, in_specs, args = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
+    names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
     names += ["dq", "acc"]
     kernel = functools.partial(_dq_kernel, st=st, names=names, table_rows=info.block_mask.shape[0])
     return pl.pallas_call(
@@ -131,7 +146,9 @@ def _dkv_kernel(
         r["dv_acc"][...] = jnp.zeros(r["dv_acc"].shape, jnp.float32)
 
     def step(masked: bool):
-        p, ds = _probs_and_dscores(r, st, masked, transposed=True)
+        block_q, block_kv = st.dkv
+        origin = (pl.program_id(0), h, j * block_kv, i * block_q)
+        p, ds = _probs_and_dscores(r, st, masked, True, origin)
         q, do = r["q"][...], r["do"][...]
         r["dv_acc"][...] += jax.lax.dot_general(
             p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32
@@ -150,13 +167,14 @@ def _dkv_kernel(
         r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
 
 
-def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, info: MaskInfo, st: Static):
+def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInfo, st: Static):
     """dk, dv ``[B, K, Sp, H]`` in kernel layout, summed over each GQA group's query heads.
 
     Args:
         q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         lse_row, di_row: f32 ``[B, N, 1, Tp]`` (as in `dq`, laid out as rows).
         q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
+        seed: int32 ``[1]`` dropout seed or None.
         info: `process_mask_dkv` tables for ``st.dkv`` blocks.
     """
     batch, heads, q_len, head_dim = q.shape
@@ -205,9 +223,11 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, info: MaskInfo, st:
             pl.BlockSpec((None, block_kv, 1), lambda b, kh, j, s, dn, bm, mn: (b, j, 0)),
         ]
         args += [q_seg_row, kv_seg_col]
-    names += ["tile", "dk", "dv", "dk_acc", "dv_acc"]
+    names.append("tile")
     in_specs.append(pl.BlockSpec((None, block_kv, block_q), tile_map))
     args.append(tiles_of(info, (block_kv, block_q)))
+    names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
+    names += ["dk", "dv", "dk_acc", "dv_acc"]
     kernel = functools.partial(_dkv_kernel, st=st, names=names, table_rows=rows, q_blocks=q_blocks)
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
     return pl.pallas_call(

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -29,6 +30,8 @@ class Static:
         scale: softmax scale; soft_cap: the logits soft cap or None.
         has_segments, has_sinks: whether segment ids / sinks are passed.
         interpret: False on TPU, else the `pltpu.InterpretParams` to run with.
+        dropout_rate: probability of dropping a normalised weight (0: no dropout; the seed
+            is then not passed).
     """
 
     mask: Any
@@ -42,6 +45,11 @@ class Static:
     has_segments: bool
     has_sinks: bool
     interpret: Any
+    dropout_rate: float = 0.0
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_rate > 0.0
 
     @property
     def group(self) -> int:
@@ -98,6 +106,52 @@ def visibility(tile_ref: Any, row_ids_ref: Any, col_ids_ref: Any, masked: bool) 
         same = (rows == col_ids_ref[...]) & (rows > 0)
         visible = same if visible is None else visible & same
     return visible
+
+
+def _i32(c: int) -> np.int32:
+    """A uint32 constant as the int32 with the same bits (int32 multiply wraps like uint32)."""
+    return np.uint32(c).view(np.int32)
+
+
+_GOLDEN, _MUR1, _MUR2 = _i32(0x9E3779B1), _i32(0x85EBCA6B), _i32(0xC2B2AE35)
+
+
+def _srl(x: jax.Array, n: int) -> jax.Array:
+    return jax.lax.shift_right_logical(x, jnp.full_like(x, n))
+
+
+def _mix(h: jax.Array, x: jax.Array) -> jax.Array:
+    """One round of the ejk dropout hash, on int32 bits (reference-spec.md, "Dropout")."""
+    h = h ^ (x * _GOLDEN)
+    h = (h ^ _srl(h, 16)) * _MUR1
+    h = (h ^ _srl(h, 13)) * _MUR2
+    return h ^ _srl(h, 16)
+
+
+def dropout_scale(
+    st: Static,
+    seed_ref: Any,
+    batch: jax.Array,
+    head: jax.Array,
+    row0: jax.Array,
+    col0: jax.Array,
+    shape: tuple[int, int],
+    transposed: bool,
+) -> jax.Array:
+    """``keep / (1 - rate)`` (0 where dropped) for one score tile, f32 ``shape``.
+
+    The keep bit of (b, n, query i, key j) is ``mix(mix(mix(mix(seed, b), n), i), j) >> 8
+    >= round(rate * 2**24)``, as every ejk backend computes it. ``row0``/``col0`` are the
+    tile's first row/column; rows are queries, or keys when ``transposed`` (dkv tiles).
+    """
+    rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + row0
+    cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
+    q_idx, k_idx = (cols, rows) if transposed else (rows, cols)
+    h = jnp.full(shape, seed_ref[0], jnp.int32)
+    h = _mix(_mix(_mix(_mix(h, batch), head), q_idx), k_idx)
+    threshold = round(st.dropout_rate * (1 << 24))
+    keep = _srl(h, 8) >= threshold  # < 2**24 after the shift: a signed compare is exact
+    return jnp.where(keep, jnp.float32(1.0 / (1.0 - st.dropout_rate)), jnp.float32(0.0))
 
 
 def split_refs(refs: tuple, names: list[str]) -> dict[str, Any]:
@@ -175,3 +229,15 @@ def q_major_inputs(
 def tables(info: Any) -> list[jax.Array]:
     """The three scalar-prefetch operands, in the order the kernels take them."""
     return [jnp.asarray(info.data_next), jnp.asarray(info.block_mask), jnp.asarray(info.mask_next)]
+
+
+def smem_inputs(names, specs, args, st: Static, **arrays):
+    """Appends the whole-array SMEM operands the kernel takes (of ``sinks``, f32 ``[N]``,
+    and ``seed``, int32 ``[1]``) when the call uses them."""
+    used = {"sinks": st.has_sinks, "seed": st.has_dropout}
+    for name, array in arrays.items():
+        if used[name]:
+            names = [*names, name]
+            specs = [*specs, pl.BlockSpec(memory_space=pltpu.SMEM)]
+            args = [*args, array]
+    return names, specs, args

@@ -18,9 +18,11 @@ from ._common import (
     NN_DIMS,
     Static,
     compiler_params,
+    dropout_scale,
     logits,
     mask_row,
     q_major_inputs,
+    smem_inputs,
     split_refs,
     tables,
     visibility,
@@ -60,6 +62,12 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe)
         l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        if st.has_dropout:
+            # Dropout acts on the normalised weights: l keeps the full sum, the values get
+            # the dropped, rescaled weights (1 / l is applied at the end).
+            block_q, block_kv = st.fwd
+            b = pl.program_id(0)
+            p = p * dropout_scale(st, r["seed"], b, h, i * block_q, j * block_kv, p.shape, False)
         v = r["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
         acc_scr[...] = alpha * acc_scr[...] + pv
@@ -86,6 +94,7 @@ def forward(
     q_seg: jax.Array | None,
     kv_seg: jax.Array | None,
     sinks: jax.Array | None,
+    seed: jax.Array | None,
     info: MaskInfo,
     st: Static,
 ) -> tuple[jax.Array, jax.Array]:
@@ -95,6 +104,7 @@ def forward(
         q: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         q_seg: int32 ``[B, Tp, 1]``; kv_seg: int32 ``[B, 1, Sp]`` (or both None).
         sinks: f32 ``[N]`` or None.
+        seed: int32 ``[1]`` dropout seed (the uint32 seed's bits), or None without dropout.
         info: `process_mask` tables of ``st.mask`` for ``st.fwd`` blocks.
         st: the call's static options.
     """
@@ -104,10 +114,7 @@ def forward(
     names, in_specs, args = q_major_inputs(
         st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg
     )
-    if st.has_sinks:
-        names.append("sinks")
-        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        args.append(sinks)
+    names, in_specs, args = smem_inputs(names, in_specs, args, st, sinks=sinks, seed=seed)
     names += ["o", "lse", "m", "l", "acc"]
     q_map = in_specs[0].index_map
     out_specs = [

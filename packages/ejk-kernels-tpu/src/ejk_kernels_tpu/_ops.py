@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
@@ -32,24 +33,26 @@ def _mask_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> MaskInfo:
     return proc(mask, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, q_seg, kv_seg, sinks, st: Static):
-    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, _mask_info(st.mask, st.fwd, False), st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, q_seg, kv_seg, sinks, seed, st: Static):
+    info = _mask_info(st.mask, st.fwd, False)
+    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, info, st)
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, st: Static):
-    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, st)
-    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, o, lse)
+def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, st: Static):
+    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, seed, st)
+    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, seed, o, lse)
 
 
 def _attention_bwd(st: Static, res, cts):
-    q, k, v, q_seg, kv_seg, sinks, o, lse = res
+    q, k, v, q_seg, kv_seg, sinks, seed, o, lse = res
     do, dlse = cts
     # D_i = rowsum(dO * O) (FlashAttention-2, Alg. 2, line 4), less the lse cotangent:
     # d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij - D_i + dlse_i).
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True) - dlse
     lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: P = exp(-inf) = 0
-    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, _mask_info(st.mask, st.dq, False), st)
+    dq_info = _mask_info(st.mask, st.dq, False)
+    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, dq_info, st)
     batch, heads, q_len, _ = q.shape
     as_row = lambda x: x.reshape(batch, heads, 1, q_len)
     dk, dv = _dkv_kernel(
@@ -61,6 +64,7 @@ def _attention_bwd(st: Static, res, cts):
         as_row(di),
         None if q_seg is None else q_seg.reshape(batch, 1, q_len),
         None if kv_seg is None else kv_seg.reshape(batch, -1, 1),
+        seed,
         _mask_info(st.mask, st.dkv, True),
         st,
     )
@@ -69,10 +73,34 @@ def _attention_bwd(st: Static, res, cts):
         # The sink's weight in row i is exp(sink - lse_i); d out_i / d sink = -weight * out_i.
         weight = jnp.exp(sinks[None, :, None] - lse[..., 0])
         dsinks = -jnp.sum(weight * di[..., 0], axis=(0, 2)).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks
+    return dq, dk, dv, None, None, dsinks, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _dropout_seed(rate: float, seed: Any) -> jax.Array | None:
+    """The seed as int32 ``[1]`` holding its uint32 bits, or None without dropout."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate=!r}")
+    if rate == 0.0:
+        return None
+    if seed is None:
+        raise ValueError(f"dropout_seed is required when dropout_rate={rate} > 0")
+    if isinstance(seed, bool):
+        raise TypeError(f"dropout_seed must be an int or a uint32/int32 scalar, got {seed!r}")
+    if isinstance(seed, int):
+        return jnp.asarray([np.uint32(seed & 0xFFFFFFFF).view(np.int32)])
+    seed = jnp.asarray(seed)
+    if seed.shape != ():
+        raise ValueError(f"dropout_seed must be a scalar, got shape {seed.shape}")
+    if seed.dtype == jnp.uint32:
+        seed = jax.lax.bitcast_convert_type(seed, jnp.int32)
+    elif seed.dtype != jnp.int32:
+        raise TypeError(
+            f"dropout_seed must be an int or a uint32/int32 scalar, got dtype {seed.dtype}"
+        )
+    return seed.reshape(1)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -143,6 +171,8 @@ def blocksparse_attention(
     softmax_scale: float | None = None,
     logits_soft_cap: float | None = None,
     softmax_sinks: Float[Array, " N"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: int | Int[Array, ""] | None = None,
     return_lse: bool = False,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,
@@ -161,7 +191,11 @@ def blocksparse_attention(
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` one logit per query head, in the softmax denominator only.
-        return_lse: also return the float32 log-sum-exp ``[B, N, T]``.
+        dropout_rate: probability in ``[0, 1)`` of dropping a normalised weight (kept ones are
+            scaled by ``1 / (1 - rate)``); the keep mask is ejk's counter hash of
+            (seed, batch, query head, row, column), identical in every backend.
+        dropout_seed: a Python int or a uint32/int32 scalar; required when dropout_rate > 0.
+        return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (dropout leaves it alone).
         config: block sizes; default `block_sparse_heuristic`.
         interpret: False to compile for TPU, or `pltpu.InterpretParams`; default: interpret
             unless the default backend is a TPU.
@@ -171,6 +205,7 @@ def blocksparse_attention(
         A query row that sees no key gives zeros (lse -inf, or the sink's logit).
     """
     _check_inputs(q, k, v, mask, segment_ids, softmax_sinks, logits_soft_cap)
+    seed = _dropout_seed(dropout_rate, dropout_seed)
     _, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if config is None:
@@ -197,6 +232,7 @@ def blocksparse_attention(
         has_segments=segment_ids is not None,
         has_sinks=softmax_sinks is not None,
         interpret=default_interpret() if interpret is None else interpret,
+        dropout_rate=float(dropout_rate),
     )
 
     def to_kernel(x, length):
@@ -211,7 +247,14 @@ def blocksparse_attention(
         kv_seg = jnp.pad(jnp.asarray(kv_ids, jnp.int32), ((0, 0), (0, s_pad - kv_len)))[:, None, :]
     sinks = None if softmax_sinks is None else jnp.asarray(softmax_sinks, jnp.float32)
     o, lse = _attention(
-        to_kernel(q, t_pad), to_kernel(k, s_pad), to_kernel(v, s_pad), q_seg, kv_seg, sinks, st
+        to_kernel(q, t_pad),
+        to_kernel(k, s_pad),
+        to_kernel(v, s_pad),
+        q_seg,
+        kv_seg,
+        sinks,
+        seed,
+        st,
     )
     out = jnp.swapaxes(o[:, :, :q_len], 1, 2)
     return (out, lse[:, :, :q_len, 0]) if return_lse else out

@@ -70,7 +70,7 @@ def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
     return impls
 
 
-def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True):
+def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True, label=None):
     B, T, N, K, H, causal = shape
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
@@ -83,6 +83,8 @@ def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True):
         if only and name not in only:
             continue
         row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
+        if label:
+            row["cfg"] = label
         try:
             fwd = jax.jit(fn)
             row["fwd_ms"] = _time(fwd, q, k, v) * 1e3
@@ -132,26 +134,22 @@ def main() -> int:
         fwd_cands = [
             FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
             for bq, bk, w, s in [
-                (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-                (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4),
+                (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                (64, 64, 4, 3), (64, 128, 4, 3),
             ]
         ]  # fmt: skip
-        bwd_cands = [
+        bwd_cands = [  # block_q: resident rows (q in dq, k in dk/dv); block_k: streamed rows
             FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
             for bq, bk, w, s in [
-                (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2),
-                (64, 128, 4, 2), (64, 64, 4, 1),
+                (64, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3),
+                (64, 32, 4, 3), (128, 64, 8, 3),
             ]
         ]  # fmt: skip
         for shape in shapes:
             for cfg in fwd_cands:
-                for r in bench_shape(shape, {"ejk"}, fwd_cfg=cfg, with_bwd=False):
-                    r["cfg"] = str(cfg)
-                    rows.append(r)
+                rows += bench_shape(shape, {"ejk"}, fwd_cfg=cfg, with_bwd=False, label=str(cfg))
             for cfg in bwd_cands:
-                for r in bench_shape(shape, {"ejk"}, bwd_cfg=cfg):
-                    r["cfg"] = "bwd " + str(cfg)
-                    rows.append(r)
+                rows += bench_shape(shape, {"ejk"}, bwd_cfg=cfg, label="bwd " + str(cfg))
         return 0
     for shape in shapes:
         rows += bench_shape(shape, only, with_bwd=not args.no_bwd)

@@ -72,7 +72,10 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     consts = _common_constexprs(st, q, k, b, sinks)
-    consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False)
+    if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
+        consts.update(BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False)
+    else:
+        consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False)
     return consts
 
 

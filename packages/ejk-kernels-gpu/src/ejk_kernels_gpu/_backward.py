@@ -25,7 +25,7 @@ def _dq_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
     k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     _, ds = grad_logits(
-        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED
+        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, False
     )
     return tl.dot(ds.to(k.dtype), k, dq)
 
@@ -53,14 +53,15 @@ def dq_kernel(
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr,
+    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)  # fmt: skip
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
-    pid_m = tl.program_id(0)
+    # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bn = tl.program_id(1)
     b = pid_bn // N
     n = pid_bn % N
@@ -72,8 +73,8 @@ def dq_kernel(
     q_off = b64 * (T * N * H) + n * H
     q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
     do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True)
-    delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True)
+    lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, 1.4426950408889634)
+    delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
@@ -117,17 +118,18 @@ def _dkdv_block(dk, dv, start_m, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_tile(q_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
     do = load_tile(do_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    lse = load_rows(lse_base, offs_m, T, MASKED)
-    delta = load_rows(delta_base, offs_m, T, MASKED)
-    p, ds = grad_logits(
-        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED
+    lse = load_rows(lse_base, offs_m, T, MASKED, 1.4426950408889634)
+    delta = load_rows(delta_base, offs_m, T, MASKED, 1.0)
+    # Transposed tiles [BLOCK_N, BLOCK_M]: dV += Pᵀ·dO and dK += dSᵀ·q need no register transpose.
+    pt, dst = grad_logits(
+        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, True
     )
     if HAS_BIAS:
         # The bias gradient is the logits gradient; every (row, column) is visited once.
-        off = offs_m[:, None] * S + offs_n[None, :]
-        tl.store(dbias_base + off, ds, mask=(offs_m[:, None] < T) & (offs_n[None, :] < S))
-    dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
-    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
+        off = offs_m[None, :] * S + offs_n[:, None]
+        tl.store(dbias_base + off, dst, mask=(offs_m[None, :] < T) & (offs_n[:, None] < S))
+    dv = tl.dot(pt.to(do.dtype), do, dv)
+    dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -154,11 +156,11 @@ def dkdv_kernel(
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr,
+    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)  # fmt: skip
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)

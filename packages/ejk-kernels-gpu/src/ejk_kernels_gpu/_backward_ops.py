@@ -23,7 +23,10 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out) -> tuple[Array, ...]
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     del consts["HAS_SINKS"]
-    consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
+    # A config names the resident tile (block_q) and the streamed one (block_k): queries
+    # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
+    dq_consts = dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
+    dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
     bias_in = _dummy(q.dtype) if bias is None else bias
     tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
     (dq,) = launch(
@@ -31,21 +34,21 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out) -> tuple[Array, ...]
         (-(-q_len // cfg.block_q), batch * heads),
         (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dq_ranges, tb.seed),
         (jax.ShapeDtypeStruct(q.shape, q.dtype),),
-        consts,
+        dq_consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     dk, dv, dlogits = launch(
         "dkdv_kernel",
-        (-(-kv_len // cfg.block_k), batch * kv_heads),
+        (-(-kv_len // cfg.block_q), batch * kv_heads),
         (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dkdv_ranges, tb.seed),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
         ),
-        consts,
+        dkdv_consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # Skipped blocks leave the logits gradient untouched: it must start at zero.

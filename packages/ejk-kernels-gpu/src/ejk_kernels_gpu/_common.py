@@ -7,8 +7,15 @@ Two tuples travel through every helper so that signatures stay short:
 ``P``, the runtime pointers of the masking tables ``(qsid, ksid, qpos, kpos,
 qseg, kseg)``, and ``F``, the constexpr features
 ``(T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)`` (tuple items keep
-their constexpr-ness when indexed, not when star-unpacked).
+WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)`` (tuple
+items keep their constexpr-ness when indexed, not when star-unpacked).
+
+Softmax runs in base 2 (``exp2`` is the hardware instruction; FlashAttention-2
+and the Triton tutorial do the same): `logits` returns a tile ``x`` whose logits
+in log2 units are ``x * LOG2_FACTOR``. In the plain case (no bias, no soft cap,
+positive scale) ``x`` is the raw ``q·kᵀ`` and the factor is ``scale·log2(e)``, so
+scaling and max-subtraction fuse into one FMA; otherwise ``x`` is the natural
+logit and the factor ``log2(e)``.
 """
 
 import triton
@@ -21,6 +28,24 @@ _MUR2 = tl.constexpr(0xC2B2AE35)
 
 
 @triton.jit
+def along_q(x, TRANS: tl.constexpr):
+    """A per-query vector as a column of a [q, k] tile, or a row of a transposed [k, q] tile."""
+    if TRANS:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def along_k(x, TRANS: tl.constexpr):
+    """A per-key vector as a row of a [q, k] tile, or a column of a transposed [k, q] tile."""
+    if TRANS:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
 def _mix(h, x):
     h = h ^ (x * tl.full([], _GOLDEN, tl.uint32))
     h = (h ^ (h >> 16)) * tl.full([], _MUR1, tl.uint32)
@@ -29,11 +54,11 @@ def _mix(h, x):
 
 
 @triton.jit
-def dropout_keep(seed, b, n, offs_m, offs_n, THRESHOLD: tl.constexpr):
-    """bool [BLOCK_M, BLOCK_N]: keep-mask of rows offs_m, columns offs_n for (batch b, head n)."""
+def dropout_keep(seed, b, n, offs_m, offs_n, THRESHOLD: tl.constexpr, TRANS: tl.constexpr):
+    """bool tile: keep-mask of rows offs_m, columns offs_n for (batch b, head n)."""
     h = _mix(_mix(seed, b.to(tl.uint32)), n.to(tl.uint32))
-    h = _mix(h, offs_m.to(tl.uint32))[:, None]
-    h = _mix(h, offs_n.to(tl.uint32)[None, :])
+    h = along_q(_mix(h, offs_m.to(tl.uint32)), TRANS)
+    h = _mix(h, along_k(offs_n.to(tl.uint32), TRANS))
     return (h >> 8) >= tl.full([], THRESHOLD, tl.uint32)
 
 
@@ -65,8 +90,8 @@ def store_tile(base, rows, offs_d, value, ROW_STRIDE: tl.constexpr, N_ROWS: tl.c
 
 
 @triton.jit
-def visibility(offs_m, offs_n, b, P, F: tl.constexpr):
-    """bool [BLOCK_M, BLOCK_N]: which keys each query sees (reference-spec visibility)."""
+def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
+    """bool [BLOCK_M, BLOCK_N] ([BLOCK_N, BLOCK_M] if TRANS): which keys each query sees."""
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     VARLEN: tl.constexpr = F[7]
@@ -76,49 +101,60 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr):
     WINDOW_RIGHT: tl.constexpr = F[11]
     m_ok = offs_m < T
     n_ok = offs_n < S
-    visible = m_ok[:, None] & n_ok[None, :]
+    visible = along_q(m_ok, TRANS) & along_k(n_ok, TRANS)
     if VARLEN:
         # Packed input: sequence ids (padding rows/columns get ids that never match)
         # and positions local to their sequence.
         qsid = tl.load(P[0] + offs_m, mask=m_ok, other=-1)
         ksid = tl.load(P[1] + offs_n, mask=n_ok, other=-2)
-        visible = visible & (qsid[:, None] == ksid[None, :])
-        pos_q = tl.load(P[2] + offs_m, mask=m_ok, other=0)
-        pos_k = tl.load(P[3] + offs_n, mask=n_ok, other=0)
+        visible = visible & (along_q(qsid, TRANS) == along_k(ksid, TRANS))
+        pos_q = along_q(tl.load(P[2] + offs_m, mask=m_ok, other=0), TRANS)
+        pos_k = along_k(tl.load(P[3] + offs_n, mask=n_ok, other=0), TRANS)
     else:
-        pos_q = offs_m
-        pos_k = offs_n
+        pos_q = along_q(offs_m, TRANS)
+        pos_k = along_k(offs_n, TRANS)
     if CAUSAL:
-        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+        visible = visible & (pos_k <= pos_q)
     if WINDOW_LEFT >= 0:
-        visible = visible & (pos_k[None, :] >= pos_q[:, None] - WINDOW_LEFT)
-        visible = visible & (pos_k[None, :] <= pos_q[:, None] + WINDOW_RIGHT)
+        visible = visible & (pos_k >= pos_q - WINDOW_LEFT) & (pos_k <= pos_q + WINDOW_RIGHT)
     if HAS_SEG:
-        qs = tl.load(P[4] + b * T + offs_m, mask=m_ok, other=0)
-        ks = tl.load(P[5] + b * S + offs_n, mask=n_ok, other=0)
-        visible = visible & (qs[:, None] == ks[None, :]) & (qs[:, None] > 0)
+        qs = along_q(tl.load(P[4] + b * T + offs_m, mask=m_ok, other=0), TRANS)
+        ks = along_k(tl.load(P[5] + b * S + offs_n, mask=n_ok, other=0), TRANS)
+        visible = visible & (qs == ks) & (qs > 0)
     return visible
 
 
 @triton.jit
-def logits(q, k, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_N]: soft-capped ``scale * q·kᵀ + bias``, -inf where not visible."""
+def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.constexpr,
+           TRANS: tl.constexpr):  # fmt: skip
+    """float32 tile ``x`` with logits·log2(e) = ``x * LOG2_FACTOR``; -inf where hidden.
+
+    ``x`` is the soft-capped natural logit ``cap·tanh((scale·q·kᵀ + bias)/cap)``, or just
+    ``q·kᵀ`` when there is neither bias nor soft cap (see the module docstring).
+    ``(a, c)`` is ``(q, k)`` for a [BLOCK_M, BLOCK_N] tile, or ``(k, q)`` with TRANS for
+    its transpose, which the dk/dv kernel uses so that no register tile needs transposing.
+    """
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     SCALE: tl.constexpr = F[4]
     SOFT_CAP: tl.constexpr = F[5]
     HAS_BIAS: tl.constexpr = F[6]
-    s = tl.dot(q, tl.trans(k)) * SCALE
+    LOG2_FACTOR: tl.constexpr = F[14]
+    s = tl.dot(a, tl.trans(c))
+    if LOG2_FACTOR == 1.4426950408889634:  # not the plain case: natural logits
+        s = s * SCALE
     if HAS_BIAS:
         # Masked on both axes even in fully visible blocks: the resident side of a
         # program (rows in fwd/dq, columns in dk/dv) may run past the end.
-        b_off = offs_m[:, None] * S + offs_n[None, :]
-        bmask = (offs_m[:, None] < T) & (offs_n[None, :] < S)
+        qi = along_q(offs_m, TRANS)
+        kj = along_k(offs_n, TRANS)
+        b_off = qi * S + kj
+        bmask = (qi < T) & (kj < S)
         s += tl.load(bias_base + b_off, mask=bmask, other=0.0).to(tl.float32)
     if SOFT_CAP > 0.0:
         s = SOFT_CAP * tanh(s / SOFT_CAP)
     if MASKED:
-        s = tl.where(visibility(offs_m, offs_n, b, P, F), s, float("-inf"))
+        s = tl.where(visibility(offs_m, offs_n, b, P, F, TRANS), s, float("-inf"))
     return s
 
 
@@ -128,36 +164,43 @@ def dropout_weights(p, seed, b, n, offs_m, offs_n, F: tl.constexpr):
     DROPOUT_THRESHOLD: tl.constexpr = F[12]
     DROPOUT_SCALE: tl.constexpr = F[13]
     if DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD)
+        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD, False)
         p = tl.where(keep, p * DROPOUT_SCALE, 0.0)
     return p
 
 
 @triton.jit
 def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P,
-                F: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                F: tl.constexpr, MASKED: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
     """Recompute one tile's probabilities and the gradient of the pre-cap logits.
 
-    FlashAttention-2, Alg. 2: ``P = exp(s - lse)``, ``dP = dO·vᵀ`` (times the
-    dropout scale where kept), ``dS = P ∘ (dP - delta)`` with ``delta = rowsum(dO ∘ O)``;
-    through the soft cap ``d(cap·tanh(x/cap))/dx = 1 - (s/cap)²``.
+    FlashAttention-2, Alg. 2: ``P = exp(s - lse)`` (in base 2: ``lse`` comes in log2
+    units), ``dP = dO·vᵀ`` (times the dropout scale where kept), ``dS = P ∘ (dP - delta)``
+    with ``delta = rowsum(dO ∘ O)``; through the soft cap ``1 - (s/cap)²``.
+    With TRANS every tile is transposed ([BLOCK_N, BLOCK_M]: ``Pᵀ = exp(k·qᵀ ...)``,
+    ``dPᵀ = v·dOᵀ``), as the dk/dv kernel consumes them (FlashAttention-2's dK, dV loop).
 
     Returns:
-        (P after dropout [BLOCK_M, BLOCK_N], dX [BLOCK_M, BLOCK_N]), both float32.
+        (P after dropout, dX), float32 tiles.
     """
     SOFT_CAP: tl.constexpr = F[5]
     DROPOUT_THRESHOLD: tl.constexpr = F[12]
     DROPOUT_SCALE: tl.constexpr = F[13]
-    s = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED)
-    p = tl.exp(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v))
+    LOG2_FACTOR: tl.constexpr = F[14]
+    if TRANS:
+        s = logits(k, q, bias_base, offs_m, offs_n, b, P, F, MASKED, TRANS)
+        dp = tl.dot(v, tl.trans(do))
+    else:
+        s = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, TRANS)
+        dp = tl.dot(do, tl.trans(v))
+    p = tl.math.exp2(s * LOG2_FACTOR - along_q(lse, TRANS))
     if DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD)
+        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD, TRANS)
         p_drop = tl.where(keep, p * DROPOUT_SCALE, 0.0)
         dp = tl.where(keep, dp * DROPOUT_SCALE, 0.0)
     else:
         p_drop = p
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - along_q(delta, TRANS))
     if SOFT_CAP > 0.0:
         t = tl.where(s == float("-inf"), 0.0, s / SOFT_CAP)
         ds = ds * (1.0 - t * t)
@@ -165,10 +208,13 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
 
 
 @triton.jit
-def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr):
-    """Per-row float32 statistics (lse, delta); -inf lse (empty rows) becomes 0 so exp gives 0."""
+def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr, FACTOR: tl.constexpr):
+    """Per-row float32 statistics times ``FACTOR`` (lse in log2 units, delta with 1.0).
+
+    A -inf lse (a row with no visible key) becomes 0, so ``exp2(-inf - 0)`` gives 0.
+    """
     if MASKED:
         x = tl.load(base + offs, mask=offs < N_ROWS, other=0.0)
     else:
         x = tl.load(base + offs)
-    return tl.where(x == float("-inf"), 0.0, x)
+    return tl.where(x == float("-inf"), 0.0, x * FACTOR)

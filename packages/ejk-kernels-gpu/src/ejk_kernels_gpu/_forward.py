@@ -23,13 +23,15 @@ def _fwd_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.cons
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
-    s = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    LOG2_FACTOR: tl.constexpr = F[14]
+    x = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, False)
+    # Running max in log2 units (max commutes with the positive factor).
+    m_new = tl.maximum(m_i, tl.max(x, 1) * LOG2_FACTOR)
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
-    # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
+    # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(x * LOG2_FACTOR - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     p = dropout_weights(p, seed, b, n, offs_m, offs_n, F)
@@ -68,14 +70,15 @@ def fwd_kernel(
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr,
+    DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE)  # fmt: skip
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
-    pid_m = tl.program_id(0)
+    # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bn = tl.program_id(1)
     b = pid_bn // N
     n = pid_bn % N
@@ -95,7 +98,7 @@ def fwd_kernel(
     if HAS_SINKS:
         # The sink is a key with logit `sink` and no value: start the running max at
         # it with mass exp(sink - sink) = 1.
-        sink = tl.load(sinks_ptr + n).to(tl.float32)
+        sink = tl.load(sinks_ptr + n).to(tl.float32) * 1.4426950408889634
         m_i = tl.zeros([BLOCK_M], tl.float32) + sink
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
     else:
@@ -121,7 +124,7 @@ def fwd_kernel(
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has_mass, m_i + tl.log(l_safe), float("-inf"))
+    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
     o_base = o_ptr + b64 * (T * N * H) + n * H
     store_tile(o_base, offs_m, offs_d, out, N * H, T, H)

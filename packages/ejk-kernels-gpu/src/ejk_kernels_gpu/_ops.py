@@ -19,6 +19,7 @@ from ._triton import launch
 __all__ = ["flash_attention"]
 
 AnyArray = Array | np.ndarray
+_LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,8 @@ def _tables(
     exact = not st.has_seg
     fwd = _masks.block_table(rlo, rhi, st.fwd_cfg.block_q, st.fwd_cfg.block_k, exact)
     dq = _masks.block_table(rlo, rhi, st.bwd_cfg.block_q, st.bwd_cfg.block_k, exact)
-    dkdv = _masks.block_table(clo, chi, st.bwd_cfg.block_k, st.bwd_cfg.block_q, exact)
+    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
+    dkdv = _masks.block_table(clo, chi, st.bwd_cfg.block_q, st.bwd_cfg.block_k, exact)
     if packing is None:
         q_sid = k_sid = q_pos = k_pos = _dummy()
     else:
@@ -151,6 +153,10 @@ def _common_constexprs(st: _Static, q: Array, k: Array, bias: Array | None, has_
         WINDOW_RIGHT=right,
         DROPOUT_THRESHOLD=round(st.dropout_rate * (1 << 24)),
         DROPOUT_SCALE=float(1.0 / (1.0 - st.dropout_rate)),
+        # See _common: the plain case folds log2(e) into the scale of q·kᵀ.
+        LOG2_FACTOR=(
+            st.scale * _LOG2E if bias is None and st.soft_cap == 0.0 and st.scale > 0.0 else _LOG2E
+        ),
         BLOCK_D=head_block(head_dim),
     )
 

@@ -108,38 +108,53 @@ class Executor:
 
 _FAST_MAX = 4096
 _SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+_CONCRETE: set[type] = set()  # concrete jax array classes seen so far (found lazily)
 
 
 def _fast_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """(a hashable key, the arrays in call order) for an eager call whose arguments are
-    each a concrete jax array or a plain scalar; None for any other call.
+    each a concrete jax array, a plain scalar, or a tuple/list of those; else None.
 
     The arrays come in the order ``jax.tree_util`` flattens ``(args, kwargs)`` in
     (positional first, then keywords sorted by name), the order the jitted body takes.
     """
     dyn: list[Any] = []
-
-    def part(x: Any) -> Any:
-        if type(x) in _SCALARS:
-            return (type(x), x)
-        if type(x) in (tuple, list):  # flattened depth-first, as jax.tree_util does
-            return (type(x), tuple(part(y) for y in x))
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            dyn.append(x)
-            return (x.shape, x.dtype, x.weak_type, x.sharding)
-        raise _NotFast
-
+    parts: list[Any] = [kernel]
+    if not _parts(args, parts, dyn):
+        return None
+    if kwargs:
+        for name in sorted(kwargs):
+            parts.append(name)
+            if not _parts((kwargs[name],), parts, dyn):
+                return None
+    key = tuple(parts)
     try:
-        key = (
-            kernel,
-            tuple(part(x) for x in args),
-            tuple((name, part(kwargs[name])) for name in sorted(kwargs)),
-        )
         hash(key)
-    except (_NotFast, TypeError):
+    except TypeError:
         return None
     return key, dyn
 
 
-class _NotFast(Exception):
-    pass
+def _parts(values: Any, parts: list[Any], dyn: list[Any]) -> bool:
+    parts.append(len(values))  # delimits this sequence in the flat key
+    for x in values:
+        t = type(x)
+        if t in _CONCRETE or (
+            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and _seen(t)
+        ):
+            dyn.append(x)
+            parts.append((x.shape, x.dtype, x.weak_type, x.sharding))
+        elif t in _SCALARS:
+            parts.append((t, x))
+        elif t is tuple or t is list:  # flattened depth-first, as jax.tree_util does
+            parts.append(t)
+            if not _parts(x, parts, dyn):
+                return False
+        else:
+            return False
+    return True
+
+
+def _seen(t: type) -> bool:
+    _CONCRETE.add(t)
+    return True

@@ -10,9 +10,13 @@ from ._config import bwd_search_space as bwd_search_space
 from ._config import fits_shared_memory as fits_shared_memory
 from ._config import fwd_heuristic as fwd_heuristic
 from ._config import fwd_search_space as fwd_search_space
+from ._kernel import FlashAttentionBackward as FlashAttentionBackward
+from ._kernel import FlashAttentionForward as FlashAttentionForward
 from ._ops import flash_attention as flash_attention
 
 __all__ = [
+    "FlashAttentionBackward",
+    "FlashAttentionForward",
     "FlashConfig",
     "bwd_heuristic",
     "bwd_search_space",

@@ -1,0 +1,69 @@
+"""`ejk_executor.Kernel` wrappers, so the executor can pick, cache and autotune configs.
+
+Two kernels because the forward and backward configs are tuned apart:
+`FlashAttentionForward` times the forward under each forward config;
+`FlashAttentionBackward` times forward + backward under each backward config
+(with the forward config fixed to the heuristic one, or the one passed as
+``config``). Both take exactly `flash_attention`'s arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ejk_executor import Invocation, Kernel
+
+from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
+from ._ops import flash_attention
+
+__all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
+
+
+def _head_dim_and_itemsize(inv: Invocation[Any, Any]) -> tuple[int, int]:
+    q = inv.args[0] if inv.args else inv.kwargs["q"]
+    return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize)
+
+
+class FlashAttentionForward(Kernel[FlashConfig, Any]):
+    """`flash_attention` with its forward config chosen by the executor."""
+
+    name = "ejk_kernels_gpu.flash_attention_fwd"
+    version = "1"
+    config_type = FlashConfig
+
+    def run(self, *args: Any, cfg: FlashConfig, **kwargs: Any) -> Any:
+        return flash_attention(*args, config=cfg, **kwargs)
+
+    def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
+        return fwd_heuristic(*_head_dim_and_itemsize(inv))
+
+    def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
+        return fwd_search_space(*_head_dim_and_itemsize(inv))
+
+
+class FlashAttentionBackward(Kernel[FlashConfig, Any]):
+    """Gradients of ``sum(flash_attention(...) * d_out)`` w.r.t. q, k, v, timed per backward config.
+
+    ``run(q, k, v, d_out, bias=None, **kwargs)`` returns ``(dq, dk, dv)``.
+    """
+
+    name = "ejk_kernels_gpu.flash_attention_bwd"
+    version = "1"
+    config_type = FlashConfig
+
+    def run(self, q, k, v, d_out, bias=None, *, cfg: FlashConfig, **kwargs: Any) -> Any:
+        def fwd(q, k, v):
+            return flash_attention(q, k, v, bias, bwd_config=cfg, **kwargs)
+
+        _, vjp = jax.vjp(fwd, q, k, v)
+        return vjp(d_out.astype(q.dtype))
+
+    def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
+        return bwd_heuristic(*_head_dim_and_itemsize(inv))
+
+    def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
+        return bwd_search_space(*_head_dim_and_itemsize(inv))

@@ -1,0 +1,41 @@
+"""The executor wrappers: heuristic selection, explicit configs, search spaces."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ejk_executor import ConfigCache, ConfigSelectorChain, Executor
+from ejk_kernels_gpu import (
+    FlashAttentionBackward,
+    FlashAttentionForward,
+    FlashConfig,
+    bwd_search_space,
+    fits_shared_memory,
+    flash_attention,
+    fwd_search_space,
+)
+
+
+def test_executor_runs_the_forward_and_backward_kernels(rng, make_inputs):
+    q, k, v = make_inputs(rng, 1, 20, 24, 2, 1, 16, "float32")
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache()))
+    cfg = FlashConfig(block_q=16, block_k=16)
+    out = executor(FlashAttentionForward(), q, k, v, causal=True, cfg=cfg)
+    assert bool(jnp.all(out == flash_attention(q, k, v, causal=True, config=cfg)))
+    d_out = jnp.ones_like(q)
+    dq, dk, dv = executor(FlashAttentionBackward(), q, k, v, d_out, causal=True, cfg=cfg)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not bool(jnp.any(jnp.isnan(dq)))
+
+
+def test_search_spaces_fit_and_hold_the_heuristic():
+    from ejk_kernels_gpu import bwd_heuristic, fwd_heuristic
+
+    for head_dim in (64, 80, 128, 256):
+        fwd = fwd_search_space(head_dim)
+        bwd = bwd_search_space(head_dim)
+        assert fwd and bwd
+        assert all(fits_shared_memory("fwd", c, head_dim) for c in fwd)
+        assert all(fits_shared_memory("dkdv", c, head_dim) for c in bwd)
+        assert fits_shared_memory("fwd", fwd_heuristic(head_dim), head_dim)
+        assert fits_shared_memory("dq", bwd_heuristic(head_dim), head_dim)

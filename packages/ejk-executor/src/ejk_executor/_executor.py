@@ -28,7 +28,7 @@ class Executor:
     Eager calls go through a ``jax.jit`` of the kernel kept per call key and
     config; a repeated eager call with the same shapes, dtypes, shardings and
     static arguments skips the key computation (while the memory cache is
-    unchanged and no overlay or policy override is active). Inside ``jax.jit``
+    unchanged, no overlay or policy override is active and ``record`` is off). Inside ``jax.jit``
     the selection happens once, at trace time, and the compiled program holds
     only the chosen kernel.
 
@@ -65,7 +65,7 @@ class Executor:
 
     def __call__(self, kernel: Kernel[Any, Any], *args: Any, cfg: Any = None, **kwargs: Any) -> Any:
         fast = None
-        if cfg is None and not active_overlays() and not _OVERRIDE.get():
+        if cfg is None and not self.record and not active_overlays() and not _OVERRIDE.get():
             fast = _fast_key(kernel, args, kwargs)
             if fast is not None:
                 hit = self._fast.get(fast[0])

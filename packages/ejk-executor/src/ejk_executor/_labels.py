@@ -65,8 +65,13 @@ class label(contextlib.ContextDecorator):
     def __init__(self, name: str):
         if not isinstance(name, str) or not name:
             raise ValueError(f"label name must be a non-empty str, got name={name!r}")
+        self._given = name
         self.name = f"{_PREFIX}{_safe(name)}"
         self._scopes: list[Any] = []
+
+    def _recreate_cm(self) -> label:
+        # a fresh context per decorated call, so threads tracing at once never share one
+        return label(self._given)
 
     def __enter__(self) -> str:
         scope = jax.named_scope(self.name)

@@ -237,3 +237,33 @@ def test_fast_path_keeps_keys_apart(mat_kernel, kernels):
         np.testing.assert_allclose(ex(k, b.T, a.T), b.T @ a.T, rtol=1e-6)
     assert k.heuristic_calls == 5
     assert len(ex.chooser.cache) == 5
+
+
+def test_memory_cache_threads_and_thread_local_overlays(kernels):
+    import threading
+
+    from ejk_executor._cache import active_overlays
+
+    MatCfg = kernels["MatCfg"]
+    cache = ConfigCache()
+    barrier = threading.Barrier(4)
+    seen = {}
+
+    def work(t):
+        for i in range(200):
+            cache.put(f"{t}-{i}", MatCfg(i + 1))
+        with overlay_cache({"k": MatCfg(t + 1)}):
+            barrier.wait()  # every thread is inside its own overlay now
+            seen[t] = [o.get("k") for o in active_overlays()]
+            barrier.wait()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cache) == 800 and cache.get("3-199") == MatCfg(200)
+    assert seen == {t: [MatCfg(t + 1)] for t in range(4)}  # overlays are thread-local
+    assert active_overlays() == ()
+    with pytest.raises(ValueError, match="cannot cache cfg=None"):
+        cache.put("x", None)

@@ -11,7 +11,7 @@ as the forward (rows for dq, columns for dk/dv).
 import triton
 import triton.language as tl
 
-from ._common import grad_logits, load_rows, load_tile, store_tile
+from ._common import grad_logits, load_ranges, load_rows, load_tile, store_tile
 
 
 @triton.jit
@@ -82,10 +82,7 @@ def dq_kernel(
     ctx = (q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo = tl.load(ranges_ptr + pid_m * 4)
-    full_lo = tl.load(ranges_ptr + pid_m * 4 + 1)
-    full_hi = tl.load(ranges_ptr + pid_m * 4 + 2)
-    hi = tl.load(ranges_ptr + pid_m * 4 + 3)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
     dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
     dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
     dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
@@ -175,10 +172,7 @@ def dkdv_kernel(
     k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
     v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
     seed = tl.load(seed_ptr)
-    lo = tl.load(ranges_ptr + pid_n * 4)
-    full_lo = tl.load(ranges_ptr + pid_n * 4 + 1)
-    full_hi = tl.load(ranges_ptr + pid_n * 4 + 2)
-    hi = tl.load(ranges_ptr + pid_n * 4 + 3)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

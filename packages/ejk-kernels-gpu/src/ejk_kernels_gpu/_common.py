@@ -218,3 +218,10 @@ def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr, FACTOR: tl
     else:
         x = tl.load(base + offs)
     return tl.where(x == float("-inf"), 0.0, x * FACTOR)
+
+
+@triton.jit
+def load_ranges(ranges_ptr, pid):
+    """This program's ``(lo, full_lo, full_hi, hi)`` from the block table (see `_masks.block_table`)."""
+    base = ranges_ptr + pid * 4
+    return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)

@@ -10,7 +10,7 @@ inside ``[full_lo, full_hi)`` are fully visible and run without a mask.
 import triton
 import triton.language as tl
 
-from ._common import dropout_weights, load_tile, logits, store_tile
+from ._common import dropout_weights, load_ranges, load_tile, logits, store_tile
 
 
 @triton.jit
@@ -106,10 +106,7 @@ def fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo = tl.load(ranges_ptr + pid_m * 4)
-    full_lo = tl.load(ranges_ptr + pid_m * 4 + 1)
-    full_hi = tl.load(ranges_ptr + pid_m * 4 + 2)
-    hi = tl.load(ranges_ptr + pid_m * 4 + 3)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
     acc, m_i, l_i = _fwd_loop(
         acc, m_i, l_i, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
     )

@@ -65,6 +65,26 @@ def _ranges(
     return (base + lo).astype(jnp.int32), (base + hi).astype(jnp.int32)
 
 
+def _bounds(
+    causal: bool, window: tuple[int, int] | None, keys_of_queries: bool
+) -> tuple[int | None, int | None]:
+    """(upper, lower): how far past / before its own position an index reaches on the other axis.
+
+    Query i sees keys j with i - left <= j <= i + right (j <= i if causal); so key j is
+    seen by queries j - right <= i <= j + left (i >= j if causal). None is unbounded.
+    """
+    upper = lower = None
+    if window is not None:
+        left, right = window
+        upper, lower = (right, left) if keys_of_queries else (left, right)
+    if causal:
+        if keys_of_queries:
+            upper = 0 if upper is None else min(upper, 0)
+        else:
+            lower = 0 if lower is None else min(lower, 0)
+    return upper, lower
+
+
 def row_ranges(
     q_len: int,
     kv_len: int,
@@ -73,17 +93,11 @@ def row_ranges(
     packing: Packing | None,
 ) -> tuple[Array, Array]:
     """Global key range ``[lo, hi)`` each query row may see. int32 ``[T]`` each."""
-    upper = 0 if causal else None
-    lower = None
-    if window is not None:
-        left, right = window
-        lower = left
-        upper = right if upper is None else min(upper, right)
+    upper, lower = _bounds(causal, window, keys_of_queries=True)
     if packing is None:
         return _ranges(q_len, kv_len, None, None, None, 1, upper, lower)
-    return _ranges(
-        q_len, kv_len, packing.q_seq, packing.q_pos, packing.cu_k, packing.num_seqs, upper, lower
-    )
+    p = packing
+    return _ranges(q_len, kv_len, p.q_seq, p.q_pos, p.cu_k, p.num_seqs, upper, lower)
 
 
 def col_ranges(
@@ -94,18 +108,11 @@ def col_ranges(
     packing: Packing | None,
 ) -> tuple[Array, Array]:
     """Global query range ``[lo, hi)`` that may see each key column. int32 ``[S]`` each."""
-    # Key j is seen by local query rows i with j - right <= i <= j + left, and i >= j if causal.
-    lower = 0 if causal else None
-    upper = None
-    if window is not None:
-        left, right = window
-        upper = left
-        lower = right if lower is None else min(lower, right)
+    upper, lower = _bounds(causal, window, keys_of_queries=False)
     if packing is None:
         return _ranges(kv_len, q_len, None, None, None, 1, upper, lower)
-    return _ranges(
-        kv_len, q_len, packing.k_seq, packing.k_pos, packing.cu_q, packing.num_seqs, upper, lower
-    )
+    p = packing
+    return _ranges(kv_len, q_len, p.k_seq, p.k_pos, p.cu_q, p.num_seqs, upper, lower)
 
 
 def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool) -> Array:

@@ -249,6 +249,25 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients():
     assert (dq[0, :40] == 0).all() and np.isfinite(dq).all()
 
 
+def test_traced_array_mask_matches_the_static_mask():
+    """A bool array mask (here traced under jit) goes through process_dynamic_mask."""
+    t, s = 128, 256
+    mask = MultiHeadMask([CausalMask((t, s)), LocalMask((t, s), window_size=(20, 20))])
+    q, k, v = (
+        jax.random.normal(jax.random.key(i), shape)
+        for i, shape in enumerate([(1, t, 2, 64), (1, s, 1, 64), (1, s, 1, 64)])
+    )
+
+    def value_and_grads(m):
+        loss = lambda q, k, v: jnp.sum(blocksparse_attention(q, k, v, m) ** 2)
+        return jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+
+    want = value_and_grads(mask)
+    got = jax.jit(value_and_grads)(jnp.asarray(mask.dense()))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5)
+
+
 def test_jit_and_determinism():
     case = CASES[0]
     q, k, v, _, _ = _inputs(case)
@@ -287,7 +306,9 @@ def test_jit_and_determinism():
             (ValueError, TypeError),
             "dropout_seed",
         ),
-        ({"mask": np.ones((8, 8), bool)}, TypeError, "Mask"),
+        ({"mask": jnp.ones((8, 8), jnp.int32)}, TypeError, "mask"),
+        ({"mask": jnp.ones((3, 8, 8), bool)}, (ValueError, TypeError), "mask"),
+        ({"mask": "causal"}, TypeError, "mask"),
     ],
 )
 def test_errors(kwargs, exc, match):

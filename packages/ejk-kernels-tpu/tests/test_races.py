@@ -32,6 +32,7 @@ def test_no_races_on_two_cores():
     pltpu.reset_tpu_interpret_mode_state()
     grads = jax.grad(loss, (0, 1, 2, 3))(q, k, v, jnp.zeros(2))
     jax.block_until_ready(grads)
+    # jax 0.10 records races in module state; jax >= 0.11 raises during the call instead.
     assert ipc.races is not None, "the race detector did not run"
     assert not ipc.races.races_found
     assert all(np.isfinite(g).all() for g in grads)
@@ -54,6 +55,11 @@ def test_the_detector_sees_a_planted_race():
         interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2),
     )
     pltpu.reset_tpu_interpret_mode_state()
-    jax.block_until_ready(racy(jnp.zeros((16, 128), jnp.float32)))
-    assert ipc.races.races_found
-    pltpu.reset_tpu_interpret_mode_state()
+    try:
+        jax.block_until_ready(racy(jnp.zeros((16, 128), jnp.float32)))
+    except Exception as e:  # jax >= 0.11 raises from the interpreter's callback
+        assert "RACE DETECTED" in str(e)
+    else:  # jax 0.10 records the race and prints it
+        assert ipc.races.races_found
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()

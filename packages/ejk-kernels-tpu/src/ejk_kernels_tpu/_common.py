@@ -24,7 +24,6 @@ class Static:
     """Trace-time options of one attention call (hashable: a custom_vjp static argument).
 
     Attributes:
-        mask: the padded mask (`Mask` or `MultiHeadMask`) of shape ``(Tp, Sp)``.
         heads, kv_heads: query heads N and kv heads K.
         fwd, dq, dkv: ``(block_q, block_kv)`` of each kernel.
         scale: softmax scale; soft_cap: the logits soft cap or None.
@@ -34,7 +33,6 @@ class Static:
             is then not passed).
     """
 
-    mask: Any
     heads: int
     kv_heads: int
     fwd: tuple[int, int]

@@ -9,14 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ._backward import dkv as _dkv_kernel
 from ._backward import dq as _dq_kernel
-from ._common import Static
+from ._common import Static, tiles_of
 from ._config import BlockSparseConfig, block_sparse_heuristic, effective_block
 from ._forward import forward as _forward_kernel
-from ._mask_info import MaskInfo, process_mask, process_mask_dkv
+from ._mask_info import (
+    MaskInfo,
+    process_dynamic_mask,
+    process_dynamic_mask_dkv,
+    process_mask,
+    process_mask_dkv,
+)
 from ._masks import Mask, MultiHeadMask, pad_mask
 
 __all__ = ["blocksparse_attention", "default_interpret"]
@@ -28,31 +34,47 @@ def default_interpret() -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _mask_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> MaskInfo:
+def _static_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> MaskInfo:
     proc = process_mask_dkv if is_dkv else process_mask
     return proc(mask, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, q_seg, kv_seg, sinks, seed, st: Static):
-    info = _mask_info(st.mask, st.fwd, False)
-    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, info, st)
+def _tables(mask: Any, block: tuple[int, int], is_dkv: bool) -> tuple[jax.Array, ...]:
+    """(data_next, mask_next, block_mask, int8 tiles) of a padded static or dynamic mask.
+
+    Passed to the custom_vjp as (integer, gradient-free) arrays, so static and traced masks
+    take one path; a static mask's tables are constants, computed once per (mask, block).
+    """
+    if isinstance(mask, Mask):
+        info = _static_info(mask, block, is_dkv)
+    else:
+        info = (process_dynamic_mask_dkv if is_dkv else process_dynamic_mask)(mask, block)
+    tile_shape = block[::-1] if is_dkv else block
+    return (*(jnp.asarray(x) for x in info[:3]), tiles_of(info, tile_shape))
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, st: Static):
-    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, seed, st)
-    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, seed, o, lse)
+def _info(tables: tuple[jax.Array, ...]) -> MaskInfo:
+    return MaskInfo(*tables, None, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
+    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, _info(tables[0]), st)
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
+    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, st)
+    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, seed, tables, o, lse)
 
 
 def _attention_bwd(st: Static, res, cts):
-    q, k, v, q_seg, kv_seg, sinks, seed, o, lse = res
+    q, k, v, q_seg, kv_seg, sinks, seed, tables, o, lse = res
     do, dlse = cts
     # D_i = rowsum(dO * O) (FlashAttention-2, Alg. 2, line 4), less the lse cotangent:
     # d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij - D_i + dlse_i).
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True) - dlse
     lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: P = exp(-inf) = 0
-    dq_info = _mask_info(st.mask, st.dq, False)
-    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, dq_info, st)
+    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, _info(tables[1]), st)
     batch, heads, q_len, _ = q.shape
     as_row = lambda x: x.reshape(batch, heads, 1, q_len)
     dk, dv = _dkv_kernel(
@@ -65,7 +87,7 @@ def _attention_bwd(st: Static, res, cts):
         None if q_seg is None else q_seg.reshape(batch, 1, q_len),
         None if kv_seg is None else kv_seg.reshape(batch, -1, 1),
         seed,
-        _mask_info(st.mask, st.dkv, True),
+        _info(tables[2]),
         st,
     )
     dsinks = None
@@ -73,7 +95,7 @@ def _attention_bwd(st: Static, res, cts):
         # The sink's weight in row i is exp(sink - lse_i); d out_i / d sink = -weight * out_i.
         weight = jnp.exp(sinks[None, :, None] - lse[..., 0])
         dsinks = -jnp.sum(weight * di[..., 0], axis=(0, 2)).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks, None
+    return dq, dk, dv, None, None, dsinks, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -132,8 +154,22 @@ def _check_inputs(q, k, v, mask, segment_ids, softmax_sinks, logits_soft_cap):
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a Mask or MultiHeadMask, got {type(mask).__name__}")
-    if isinstance(mask, MultiHeadMask):
+        if not (hasattr(mask, "shape") and hasattr(mask, "dtype")):
+            raise TypeError(
+                f"mask must be a Mask, a MultiHeadMask or a bool array, got {type(mask).__name__}"
+            )
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"an array mask must have dtype bool, got {mask.dtype}")
+        shape = tuple(mask.shape)
+        if (
+            shape[-2:] != (q_len, kv_len)
+            or len(shape) not in (2, 3)
+            or (len(shape) == 3 and shape[0] not in (1, heads))
+        ):
+            raise ValueError(
+                f"an array mask must be [{q_len=}, {kv_len=}] or [1 or {heads=}, T, S], got {shape}"
+            )
+    elif isinstance(mask, MultiHeadMask):
         if mask.shape[0] not in (1, heads) or mask.shape[1:] != (q_len, kv_len):
             raise ValueError(
                 f"MultiHeadMask shape {mask.shape} must be (1 or {heads=}, {q_len=}, {kv_len=})"
@@ -165,7 +201,7 @@ def blocksparse_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
-    mask: Mask,
+    mask: Mask | Bool[Array, "T S"] | Bool[Array, "#N T S"],
     *,
     segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     softmax_scale: float | None = None,
@@ -185,7 +221,10 @@ def blocksparse_attention(
     Args:
         q: queries ``[B, T, N, H]``.
         k, v: keys and values ``[B, S, K, H]``, ``N % K == 0`` (GQA/MQA).
-        mask: a `Mask` of shape ``(T, S)`` for every head, or a `MultiHeadMask` ``(N, T, S)``.
+        mask: a `Mask` of shape ``(T, S)`` for every head, a `MultiHeadMask` ``(N, T, S)``,
+            or a (possibly traced) bool array ``[T, S]`` / ``[1 or N, T, S]``. A static mask
+            stores each distinct partial tile once; an array mask keeps every tile
+            (`process_dynamic_mask`) but still skips its empty blocks.
         segment_ids: int ``[B, T]`` (needs T == S) or ``(q_ids [B, T], kv_ids [B, S])``;
             a query sees a key only when the ids are equal and > 0.
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
@@ -220,8 +259,18 @@ def blocksparse_attention(
     # Pad to whole blocks of every kernel (all block sizes are powers of two).
     t_pad = _round_up(q_len, max(fwd[0], dq[0], dkv[0]))
     s_pad = _round_up(kv_len, max(fwd[1], dq[1], dkv[1]))
+    if isinstance(mask, Mask):
+        mask = pad_mask(mask, t_pad, s_pad)
+    else:
+        mask = jnp.asarray(mask, bool)
+        mask = mask[None] if mask.ndim == 2 else mask
+        mask = jnp.pad(mask, ((0, 0), (0, t_pad - q_len), (0, s_pad - kv_len)))
+    tables = (
+        _tables(mask, fwd, False),
+        _tables(mask, dq, False),
+        _tables(mask, dkv, True),
+    )
     st = Static(
-        mask=pad_mask(mask, t_pad, s_pad),
         heads=heads,
         kv_heads=kv_heads,
         fwd=fwd,
@@ -254,6 +303,7 @@ def blocksparse_attention(
         kv_seg,
         sinks,
         seed,
+        tables,
         st,
     )
     out = jnp.swapaxes(o[:, :, :q_len], 1, 2)

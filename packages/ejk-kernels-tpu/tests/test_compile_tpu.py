@@ -164,3 +164,21 @@ def test_largest_search_space_configs_compile(topology, head_dim):
     case.update(t=t, s=s, mask=CausalMask((t, s)))
     _compile(config=biggest, **case)
     _compile(config=BlockSparseConfig(), **case)
+
+
+def test_traced_array_mask_compiles():
+    """A bool mask passed as a jit argument (dynamic tables, every tile kept) lowers too."""
+    device = _device("v6e:2x2")
+    sh = jax.sharding.NamedSharding(
+        jax.sharding.Mesh([device], ("x",)), jax.sharding.PartitionSpec()
+    )
+    t, heads = 1024, 2
+    q = jax.ShapeDtypeStruct((1, t, heads, 128), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16, sharding=sh)
+    mask = jax.ShapeDtypeStruct((heads, t, t), jnp.bool_, sharding=sh)
+
+    def grads(q, k, v, mask):
+        loss = lambda q, k, v: blocksparse_attention(q, k, v, mask, interpret=False).sum()
+        return jax.grad(lambda *a: loss(*a).astype(jnp.float32), (0, 1, 2))(q, k, v)
+
+    jax.jit(grads).lower(q, kv, kv, mask).compile()

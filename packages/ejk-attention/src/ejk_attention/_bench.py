@@ -30,6 +30,16 @@ __all__ = [
 BASELINE = "jax-nn"
 # Largest |out - reference| accepted, by dtype: f32 must agree closely; f16/bf16 round.
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
+# GPUs and TPUs run float32 dots at reduced precision by default (TF32: a 10-bit
+# mantissa, ~1e-3 relative), as jax.nn's own attention does there.
+_ACCELERATOR_F32_TOLERANCE = 1e-2
+
+
+def tolerance(dtype: str, platform: str) -> float:
+    """The accepted max |out - reference| for ``dtype`` outputs on ``platform``."""
+    if dtype == "float32" and platform != "cpu":
+        return _ACCELERATOR_F32_TOLERANCE
+    return TOLERANCE[dtype]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +153,8 @@ def run_case(
     want = reference_attention(*f32, causal=case.causal)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
     row["max_abs_err"] = err
-    row["status"] = "ok" if err <= TOLERANCE[case.dtype] and math.isfinite(err) else "mismatch"
+    row["tolerance"] = tolerance(case.dtype, out.devices().pop().platform)
+    row["status"] = "ok" if err <= row["tolerance"] and math.isfinite(err) else "mismatch"
     row["fwd_ms"] = _median_ms(fwd, (q, k, v), warmup, iters)
     row["fwd_tflops"] = case.flops(False) / (row["fwd_ms"] * 1e-3) / 1e12
     if backward:

@@ -120,8 +120,8 @@ def _results_table(rows: list[dict[str, Any]], title: str) -> Any:
     table.add_column("status", overflow="fold")
     for r in rows:
         status = r["status"]
-        if status == "refused":
-            status = f"refused: {r['reason'][:60]}"
+        if status == "refused":  # the backend's own reason, past the facade's preamble
+            status = f"refused: {r['reason'].split(': ', 2)[-1][:80]}"
         table.add_row(
             r["case"],
             r["implementation"],

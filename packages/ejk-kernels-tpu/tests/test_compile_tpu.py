@@ -182,3 +182,9 @@ def test_traced_array_mask_compiles():
         return jax.grad(lambda *a: loss(*a).astype(jnp.float32), (0, 1, 2))(q, k, v)
 
     jax.jit(grads).lower(q, kv, kv, mask).compile()
+
+
+def test_float16_is_refused_when_compiling_for_tpu():
+    x = jnp.zeros((1, 128, 1, 64), jnp.float16)
+    with pytest.raises(NotImplementedError, match="float16"):
+        blocksparse_attention(x, x, x, CausalMask((128, 128)), interpret=False)

@@ -270,6 +270,12 @@ def blocksparse_attention(
         _tables(mask, dq, False),
         _tables(mask, dkv, True),
     )
+    interpret = default_interpret() if interpret is None else interpret
+    if interpret is False and q.dtype == jnp.float16:
+        # Mosaic has no float16 matmul path (the deviceless v6e compile fails).
+        raise NotImplementedError(
+            "blocksparse_attention on TPU takes float32 or bfloat16, got float16"
+        )
     st = Static(
         heads=heads,
         kv_heads=kv_heads,
@@ -280,7 +286,7 @@ def blocksparse_attention(
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         has_segments=segment_ids is not None,
         has_sinks=softmax_sinks is not None,
-        interpret=default_interpret() if interpret is None else interpret,
+        interpret=interpret,
         dropout_rate=float(dropout_rate),
     )
 

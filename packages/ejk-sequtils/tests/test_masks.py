@@ -132,3 +132,21 @@ def test_mask_to_segment_ids_errors():
         es.mask_to_segment_ids(jnp.ones((2, 2), bool), per_head=True)
     with pytest.raises(ValueError, match="padding_id must be an int <= 0, got padding_id=1"):
         es.mask_to_segment_ids(jnp.ones((2, 2), bool), padding_id=1)
+
+
+def test_mask_to_segment_ids_on_several_row_blocks():
+    # 600 rows: blocks of 256 rows, the last one overlapping the one before.
+    rng = np.random.default_rng(0)
+    q = np.sort(rng.integers(-1, 40, 600)).astype(np.int32)
+    kv = rng.permutation(np.repeat(np.arange(-1, 40), 13)[:523]).astype(np.int32)
+    mask = es.segment_ids_to_mask((q[None], kv[None]))
+    q_ids, kv_ids = es.mask_to_segment_ids(mask)
+    np.testing.assert_array_equal(es.segment_ids_to_mask((q_ids, kv_ids)), mask)
+    assert bool(es.is_segment_representable(mask)[0])
+    # One extra attended key in the last (overlapping) block breaks it.
+    row = 590
+    col = int(np.flatnonzero(~np.asarray(mask[0, row]))[0])
+    assert not bool(es.is_segment_representable(mask.at[0, row, col].set(True))[0])
+    # And one in the first block.
+    col = int(np.flatnonzero(~np.asarray(mask[0, 3]))[0])
+    assert not bool(es.is_segment_representable(mask.at[0, 3, col].set(True))[0])

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ejk_kernels_tpu import (
     CausalMask,
@@ -211,3 +213,53 @@ def test_dynamic_errors():
         process_dynamic_mask(jnp.ones((1, T, S), bool), (BQ, 40))
     with pytest.raises(TypeError, match="Mask"):
         process_mask(np.ones((T, S), bool), (BQ, BKV))
+
+
+@st.composite
+def _spec(draw):
+    """Plain data of a mask + blocks; the masks are built in the test, not in the strategy."""
+    heads = draw(st.sampled_from([1, 2, 4]))
+    bq, bkv = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
+    nq, nk = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    kinds = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["causal", "local", "chunk", "rand", "full"]),
+                st.integers(0, 2**16),
+            ),
+            min_size=heads,
+            max_size=heads,
+        )
+    )
+    head_shards = draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0]))
+    q_seq_shards = draw(st.sampled_from([d for d in (1, 2, 3, 4, 5) if nq % d == 0]))
+    return kinds, (bq, bkv), (bq * nq, bkv * nk), head_shards, q_seq_shards
+
+
+def _build(kind, seed, t, s):
+    rng = np.random.default_rng(seed)
+    if kind == "causal":
+        return CausalMask((t, s), offset=int(rng.integers(-3, 4)))
+    if kind == "local":
+        return LocalMask((t, s), window_size=(int(rng.integers(0, 5)), int(rng.integers(0, 5))))
+    if kind == "chunk":
+        return ChunkedCausalMask((t, s), chunk_size=int(rng.integers(1, 6)))
+    if kind == "rand":
+        return NumpyMask(rng.random((t, s)) < rng.random())
+    return FullMask((t, s))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_spec(), st.booleans())
+def test_property_tables_describe_the_mask(spec, is_dkv):
+    kinds, block, (t, s), head_shards, q_seq_shards = spec
+    mask = MultiHeadMask([_build(kind, seed, t, s) for kind, seed in kinds])
+    heads = len(kinds)
+    proc = process_mask_dkv if is_dkv else process_mask
+    info = proc(mask, block, head_shards=head_shards, q_seq_shards=q_seq_shards)
+    got = _reconstruct(info, heads, t, s, *block, is_dkv)
+    np.testing.assert_array_equal(got, mask.dense())
+    _check_data_next(info, q_seq_shards if is_dkv else 1)
+    assert info.block_mask.shape[0] in (head_shards, heads)
+    tiles = info.partial_mask_blocks
+    assert len({tile.tobytes() for tile in tiles}) == len(tiles)

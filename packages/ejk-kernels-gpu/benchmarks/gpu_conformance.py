@@ -88,6 +88,7 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cases", default="", help="comma-separated case indices")
     args = parser.parse_args()
     print(jax.devices(), jax.__version__)
     rng = np.random.default_rng(0)
@@ -104,6 +105,8 @@ def main() -> int:
     ]  # fmt: skip
     if args.quick:
         cases = cases[:3]
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     ok = True
     for name, B, T, S, N, K, H, kw in cases:
         try:

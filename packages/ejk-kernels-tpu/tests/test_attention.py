@@ -268,6 +268,19 @@ def test_traced_array_mask_matches_the_static_mask():
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=5e-5)
 
 
+def test_vmap_over_an_extra_axis():
+    t = 128
+    q = jax.random.normal(jax.random.key(0), (3, 1, t, 2, 64))
+    k = jax.random.normal(jax.random.key(1), (3, 1, t, 1, 64))
+    f = lambda q, k: jnp.sum(blocksparse_attention(q, k, k, CausalMask((t, t))) ** 2)
+    values, grads = jax.vmap(jax.value_and_grad(f, (0, 1)))(q, k)
+    for i in range(3):
+        value, grad = jax.value_and_grad(f, (0, 1))(q[i], k[i])
+        np.testing.assert_allclose(values[i], value, rtol=1e-6)
+        for a, b in zip((grads[0][i], grads[1][i]), grad, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_jit_and_determinism():
     case = CASES[0]
     q, k, v, _, _ = _inputs(case)

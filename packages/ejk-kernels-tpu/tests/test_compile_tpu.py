@@ -188,3 +188,17 @@ def test_float16_is_refused_when_compiling_for_tpu():
     x = jnp.zeros((1, 128, 1, 64), jnp.float16)
     with pytest.raises(NotImplementedError, match="float16"):
         blocksparse_attention(x, x, x, CausalMask((128, 128)), interpret=False)
+
+
+def test_vmapped_gradients_compile():
+    device = _device("v6e:2x2")
+    sh = jax.sharding.NamedSharding(
+        jax.sharding.Mesh([device], ("x",)), jax.sharding.PartitionSpec()
+    )
+    t = 512
+    q = jax.ShapeDtypeStruct((3, 1, t, 2, 128), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((3, 1, t, 1, 128), jnp.bfloat16, sharding=sh)
+    mask = CausalMask((t, t))
+    f = lambda q, k, v: blocksparse_attention(q, k, v, mask, interpret=False).sum()
+    g = jax.grad(lambda *a: f(*a).astype(jnp.float32), (0, 1, 2))
+    jax.jit(jax.vmap(g)).lower(q, kv, kv).compile()

@@ -125,7 +125,7 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
             out_specs=pl.BlockSpec((None, None, block_q, head_dim), in_specs[0].index_map),
             scratch_shapes=[pltpu.VMEM((block_q, head_dim), jnp.float32)],
         ),
-        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params(st),
         interpret=st.interpret,
         name="ejk_blocksparse_dq",
     )(*tables(info), *args)
@@ -243,7 +243,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
                 pltpu.VMEM((block_kv, head_dim), jnp.float32),
             ],
         ),
-        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params(st),
         interpret=st.interpret,
         name="ejk_blocksparse_dkv",
     )(*tables(info), *args)

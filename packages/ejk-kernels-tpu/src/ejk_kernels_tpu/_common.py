@@ -72,8 +72,18 @@ def mask_row(head: jax.Array, heads: int, table_rows: int) -> jax.Array:
     return div(head, heads // table_rows)
 
 
-def compiler_params(semantics: tuple[str, ...]) -> pltpu.CompilerParams:
-    return pltpu.CompilerParams(dimension_semantics=semantics)
+def compiler_params(st: Static) -> pltpu.CompilerParams | None:
+    """Grid semantics of every kernel here: (batch, heads, outer blocks) parallel, the
+    reduction axis sequential.
+
+    The single-core interpreter gets none: it does not need them, and under `jax.vmap`
+    Pallas prepends a grid axis the stated semantics would no longer match (jax 0.10).
+    """
+    if st.interpret is not False and getattr(st.interpret, "num_cores_or_threads", 1) == 1:
+        return None
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+    )
 
 
 def logits(

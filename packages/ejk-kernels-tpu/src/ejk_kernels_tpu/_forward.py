@@ -141,7 +141,7 @@ def forward(
             out_specs=out_specs,
             scratch_shapes=scratch,
         ),
-        compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=compiler_params(st),
         interpret=st.interpret,
         name="ejk_blocksparse_fwd",
     )(*tables(info), *args)

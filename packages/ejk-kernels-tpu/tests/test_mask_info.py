@@ -29,19 +29,33 @@ def _dense(mask):
     return d if d.ndim == 3 else d[None]
 
 
-def _reconstruct(info, heads, q_len, kv_len, block_q, block_kv, is_dkv):
-    """The dense mask the tables describe, one head per mask row (tables broadcast)."""
+def _reconstruct(info, heads, q_len, kv_len, block_q, block_kv, is_dkv, q_seq_shards=1):
+    """The dense mask the tables describe, one head per mask row (tables broadcast).
+
+    The block of step (a, b) is (a, data_next[a, b]) (swapped for dkv), so compacted
+    (``shrink_grid``) and plain tables read alike; dkv q indices are shard-relative.
+    """
     bm = np.asarray(info.block_mask)
     mn = np.asarray(info.mask_next)
+    dn = np.asarray(info.data_next)
     tiles = np.asarray(info.partial_mask_blocks)
     if info.is_dynamic_mask:
         tiles = tiles.reshape(-1, *tiles.shape[-2:])
+    shards = q_seq_shards if is_dkv else 1
+    inner_total = (q_len // block_q) if is_dkv else (kv_len // block_kv)
+    steps_per_shard = bm.shape[2] // shards
     out = np.zeros((heads, q_len, kv_len), bool)
+    seen = set()
     for h in range(heads):
         row = h // (heads // bm.shape[0])
         for a in range(bm.shape[1]):
             for b in range(bm.shape[2]):
-                i, j = (b, a) if is_dkv else (a, b)
+                if bm[row, a, b] == 0:
+                    continue
+                inner = (b // steps_per_shard) * (inner_total // shards) + int(dn[row, a, b])
+                assert (h, a, inner) not in seen, "a block is visited twice"
+                seen.add((h, a, inner))
+                i, j = (inner, a) if is_dkv else (a, inner)
                 sl = (
                     h,
                     slice(i * block_q, (i + 1) * block_q),
@@ -49,7 +63,7 @@ def _reconstruct(info, heads, q_len, kv_len, block_q, block_kv, is_dkv):
                 )
                 if bm[row, a, b] == 2:
                     out[sl] = True
-                elif bm[row, a, b] == 1:
+                else:
                     tile = tiles[mn[row, a, b]]
                     out[sl] = tile.T if is_dkv else tile
     return out
@@ -156,6 +170,17 @@ def test_q_seq_shards_make_dkv_indices_shard_relative():
     np.testing.assert_array_equal(fwd.data_next, process_mask(mask, (BQ, BKV)).data_next)
 
 
+def test_shrink_grid_cuts_the_empty_tail():
+    mask = LocalMask((256, 256), window_size=(16, 0))
+    info = process_mask(mask, (16, 16), shrink_grid=True)
+    # Each q block row needs at most two kv blocks (its own and the one before).
+    assert info.block_mask.shape == (1, 16, 2)
+    np.testing.assert_array_equal(_reconstruct(info, 1, 256, 256, 16, 16, False), _dense(mask))
+    dkv = process_mask_dkv(mask, (16, 16), shrink_grid=True)
+    assert dkv.block_mask.shape == (1, 16, 2)
+    np.testing.assert_array_equal(_reconstruct(dkv, 1, 256, 256, 16, 16, True), _dense(mask))
+
+
 def test_downcasting():
     info = process_mask(CausalMask((T, S)), (BQ, BKV))
     assert info.data_next.dtype == np.int8
@@ -249,17 +274,35 @@ def _build(kind, seed, t, s):
     return FullMask((t, s))
 
 
+def _check_compacted(info, q_seq_shards):
+    """Per shard row: non-empty steps first, in increasing block order; then repeats."""
+    bm, dn = np.asarray(info.block_mask), np.asarray(info.data_next)
+    steps = bm.shape[2] // q_seq_shards
+    for r, a, sh in np.ndindex(bm.shape[0], bm.shape[1], q_seq_shards):
+        kinds = bm[r, a, sh * steps : (sh + 1) * steps]
+        nxt = dn[r, a, sh * steps : (sh + 1) * steps]
+        n = int((kinds != 0).sum())
+        assert (kinds[:n] != 0).all() and (kinds[n:] == 0).all()
+        assert (np.diff(nxt[:n]) > 0).all()
+        if n:
+            assert (nxt[n:] == nxt[n - 1]).all()
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_spec(), st.booleans())
-def test_property_tables_describe_the_mask(spec, is_dkv):
+@given(_spec(), st.booleans(), st.booleans())
+def test_property_tables_describe_the_mask(spec, is_dkv, shrink):
     kinds, block, (t, s), head_shards, q_seq_shards = spec
     mask = MultiHeadMask([_build(kind, seed, t, s) for kind, seed in kinds])
     heads = len(kinds)
     proc = process_mask_dkv if is_dkv else process_mask
-    info = proc(mask, block, head_shards=head_shards, q_seq_shards=q_seq_shards)
-    got = _reconstruct(info, heads, t, s, *block, is_dkv)
+    info = proc(mask, block, head_shards=head_shards, q_seq_shards=q_seq_shards, shrink_grid=shrink)
+    shards = q_seq_shards if is_dkv else 1
+    got = _reconstruct(info, heads, t, s, *block, is_dkv, q_seq_shards=shards)
     np.testing.assert_array_equal(got, mask.dense())
-    _check_data_next(info, q_seq_shards if is_dkv else 1)
+    if shrink:
+        _check_compacted(info, shards)
+    else:
+        _check_data_next(info, shards)
     assert info.block_mask.shape[0] in (head_shards, heads)
     tiles = info.partial_mask_blocks
     assert len({tile.tobytes() for tile in tiles}) == len(tiles)

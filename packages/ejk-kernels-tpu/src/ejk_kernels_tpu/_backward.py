@@ -71,7 +71,7 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
 
 
 def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int):
-    del dn_ref, mn_ref
+    del mn_ref
     r = split_refs(refs, names)
     h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
@@ -81,7 +81,8 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
 
     def step(masked: bool):
         block_q, block_kv = st.dq
-        origin = (pl.program_id(0), h, i * block_q, j * block_kv)
+        kv_block = dn_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
+        origin = (pl.program_id(0), h, i * block_q, kv_block * block_kv)
         _, ds = _probs_and_dscores(r, st, masked, False, origin)
         k = r["k"][...]
         r["acc"][...] += jax.lax.dot_general(
@@ -108,8 +109,8 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
         info: `process_mask` tables for ``st.dq`` blocks.
     """
     batch, heads, q_len, head_dim = q.shape
-    block_q, block_kv = st.dq
-    grid = (batch, heads, q_len // block_q, k.shape[2] // block_kv)
+    block_q = st.dq[0]
+    grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
     rows = {"q": (q, head_dim), "do": (do, head_dim), "lse": (lse, 1), "di": (di, 1)}
     names, in_specs, args = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
     names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
@@ -132,13 +133,13 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
 
 
 def _dkv_kernel(
-    dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int, q_blocks: int
+    dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int, q_steps: int
 ):
-    del dn_ref, mn_ref
+    del mn_ref
     r = split_refs(refs, names)
     kh, j, step_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    h = kh * st.group + div(step_id, q_blocks)
-    i = rem(step_id, q_blocks)
+    h = kh * st.group + div(step_id, q_steps)
+    i = rem(step_id, q_steps)  # the step in the table row; its q block is data_next
 
     @pl.when(step_id == 0)
     def _init():
@@ -147,7 +148,8 @@ def _dkv_kernel(
 
     def step(masked: bool):
         block_q, block_kv = st.dkv
-        origin = (pl.program_id(0), h, j * block_kv, i * block_q)
+        q_block = dn_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
+        origin = (pl.program_id(0), h, j * block_kv, q_block * block_q)
         p, ds = _probs_and_dscores(r, st, masked, True, origin)
         q, do = r["q"][...], r["do"][...]
         r["dv_acc"][...] += jax.lax.dot_general(
@@ -177,17 +179,17 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         seed: int32 ``[1]`` dropout seed or None.
         info: `process_mask_dkv` tables for ``st.dkv`` blocks.
     """
-    batch, heads, q_len, head_dim = q.shape
+    batch, heads, _, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_q, block_kv = st.dkv
-    q_blocks = q_len // block_q
+    q_steps = info.block_mask.shape[2]  # q blocks walked per kv block (fewer if shrunk)
     group, rows = st.group, info.block_mask.shape[0]
     # The reduction axis walks (query head of the group, q block) pairs.
-    grid = (batch, kv_heads, kv_len // block_kv, group * q_blocks)
+    grid = (batch, kv_heads, kv_len // block_kv, group * q_steps)
 
     def q_block(kh, j, s, dn):
-        h = kh * group + div(s, q_blocks)
-        return h, dn[mask_row(h, heads, rows), j, rem(s, q_blocks)].astype(jnp.int32)
+        h = kh * group + div(s, q_steps)
+        return h, dn[mask_row(h, heads, rows), j, rem(s, q_steps)].astype(jnp.int32)
 
     def q_map(b, kh, j, s, dn, bm, mn):
         h, i = q_block(kh, j, s, dn)
@@ -201,8 +203,8 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         return b, kh, j, 0
 
     def tile_map(b, kh, j, s, dn, bm, mn):
-        h = kh * group + div(s, q_blocks)
-        return mn[mask_row(h, heads, rows), j, rem(s, q_blocks)].astype(jnp.int32), 0, 0
+        h = kh * group + div(s, q_steps)
+        return mn[mask_row(h, heads, rows), j, rem(s, q_steps)].astype(jnp.int32), 0, 0
 
     names = ["q", "do", "lse", "di", "k", "v"]
     in_specs = [
@@ -228,7 +230,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
     args.append(tiles_of(info, (block_kv, block_q)))
     names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
     names += ["dk", "dv", "dk_acc", "dv_acc"]
-    kernel = functools.partial(_dkv_kernel, st=st, names=names, table_rows=rows, q_blocks=q_blocks)
+    kernel = functools.partial(_dkv_kernel, st=st, names=names, table_rows=rows, q_steps=q_steps)
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
     return pl.pallas_call(
         kernel,

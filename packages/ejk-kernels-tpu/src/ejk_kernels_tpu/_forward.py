@@ -1,6 +1,6 @@
 """The forward kernel: block-sparse online-softmax attention (FlashAttention-2, Alg. 1).
 
-Grid ``(B, N, q_blocks, kv_blocks)``; the kv axis is the sequential reduction. The block
+Grid ``(B, N, q_blocks, kv_steps)``; the kv axis is the sequential reduction. The block
 tables (`MaskInfo`) are scalar-prefetched: each step looks up whether its block is empty
 (skipped), partial (mask tile applied) or full, and which kv block its index map fetches.
 """
@@ -33,7 +33,7 @@ __all__ = ["forward"]
 
 
 def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_rows: int):
-    del dn_ref, mn_ref  # used by the index maps only
+    del mn_ref  # used by the index maps only
     r = split_refs(refs, names)
     h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     row = mask_row(h, st.heads, table_rows)
@@ -67,7 +67,9 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
             # the dropped, rescaled weights (1 / l is applied at the end).
             block_q, block_kv = st.fwd
             b = pl.program_id(0)
-            p = p * dropout_scale(st, r["seed"], b, h, i * block_q, j * block_kv, p.shape, False)
+            kv_block = dn_ref[row, i, j].astype(jnp.int32)  # the step's block (grids shrink)
+            col0 = kv_block * block_kv
+            p = p * dropout_scale(st, r["seed"], b, h, i * block_q, col0, p.shape, False)
         v = r["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
         acc_scr[...] = alpha * acc_scr[...] + pv
@@ -109,8 +111,9 @@ def forward(
         st: the call's static options.
     """
     batch, heads, q_len, head_dim = q.shape
-    block_q, block_kv = st.fwd
-    grid = (batch, heads, q_len // block_q, k.shape[2] // block_kv)
+    block_q = st.fwd[0]
+    # The kv axis walks the table's steps: fewer than S // block_kv when the grid shrank.
+    grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
     names, in_specs, args = q_major_inputs(
         st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg
     )

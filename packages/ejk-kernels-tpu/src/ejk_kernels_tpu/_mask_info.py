@@ -124,6 +124,7 @@ def _tables(
     downcast: bool,
     num_partial: int,
     xp: Any,
+    shrink_grid: bool = False,
 ) -> tuple[Any, Any, Any]:
     """``data_next``, ``mask_next``, ``block_mask`` from ``[h, q_blocks, kv_blocks]`` tables."""
     if is_dkv:
@@ -135,12 +136,24 @@ def _tables(
     per_shard = inner // shards
     # Split the walked axis into shards: each shard fills (and counts) on its own.
     bm = block_mask.reshape(heads, outer, shards, per_shard)
-    data_next = _fill_next(bm != EMPTY, xp)
-    pos = _fill_next(bm == PARTIAL, xp)
     pidx = partial_index.reshape(heads, outer, shards, per_shard)
-    mask_next = xp.take_along_axis(pidx, pos, axis=-1)
-    data_next = data_next.reshape(heads, outer, inner)
-    mask_next = mask_next.reshape(heads, outer, inner)
+    block_index = xp.broadcast_to(xp.arange(per_shard, dtype=xp.int32), bm.shape)
+    if shrink_grid:
+        # Move each row's non-empty steps to the front (in order) and cut the walked axis
+        # to the longest row: the grid then has no all-empty tail steps.
+        active = bm != EMPTY
+        steps = max(1, int(active.sum(axis=-1).max()))
+        order = np.argsort(~active, axis=-1, kind="stable")[..., :steps]
+        valid = np.take_along_axis(active, order, axis=-1)
+        bm = np.where(valid, np.take_along_axis(bm, order, axis=-1), EMPTY)
+        pidx = np.take_along_axis(pidx, order, axis=-1)
+        block_index = order
+    data_next = xp.take_along_axis(block_index, _fill_next(bm != EMPTY, xp), axis=-1)
+    mask_next = xp.take_along_axis(pidx, _fill_next(bm == PARTIAL, xp), axis=-1)
+    walked = shards * bm.shape[-1]
+    data_next = data_next.reshape(heads, outer, walked)
+    mask_next = mask_next.reshape(heads, outer, walked)
+    block_mask = bm.reshape(heads, outer, walked)
     if downcast:
         d_type = smallest_int_dtype(max(per_shard - 1, 0))
         m_type = smallest_int_dtype(max(num_partial - 1, 0))
@@ -191,6 +204,7 @@ def _process(
     downcast_smem_data: bool,
     head_shards: int,
     q_seq_shards: int,
+    shrink_grid: bool,
 ) -> MaskInfo:
     heads_masks = _as_heads(mask)
     heads = len(heads_masks)
@@ -236,6 +250,7 @@ def _process(
         downcast=downcast_smem_data,
         num_partial=len(tiles),
         xp=np,
+        shrink_grid=shrink_grid,
     )
     tile_shape = (block_kv, block_q) if is_dkv else (block_q, block_kv)
     partial = np.stack(tiles) if tiles else np.zeros((0, *tile_shape), bool)
@@ -249,6 +264,7 @@ def process_mask(
     downcast_smem_data: bool = True,
     head_shards: int = 1,
     q_seq_shards: int = 1,
+    shrink_grid: bool = False,
 ) -> MaskInfo:
     """Block tables of a static mask for the forward and dq kernels.
 
@@ -258,9 +274,13 @@ def process_mask(
         downcast_smem_data: store the SMEM tables in the narrowest int type that fits.
         head_shards: number of shards of the head axis the kernel is launched over.
         q_seq_shards: number of shards of the query axis (must divide the q block count).
+        shrink_grid: compact each row's non-empty blocks to the front and cut the walked
+            axis to the longest row, so the kernel's grid has no all-empty tail; the
+            block at step t is then ``data_next[..., t]``.
 
     Returns:
-        `MaskInfo` with tables ``[heads_or_shards, T // block_q, S // block_kv]``.
+        `MaskInfo` with tables ``[heads_or_shards, T // block_q, S // block_kv]`` (the last
+        axis shorter with ``shrink_grid``).
 
     Raises:
         ValueError: a block size does not divide the mask shape, or a shard count is invalid.
@@ -272,6 +292,7 @@ def process_mask(
         downcast_smem_data=downcast_smem_data,
         head_shards=head_shards,
         q_seq_shards=q_seq_shards,
+        shrink_grid=shrink_grid,
     )
 
 
@@ -282,6 +303,7 @@ def process_mask_dkv(
     downcast_smem_data: bool = True,
     head_shards: int = 1,
     q_seq_shards: int = 1,
+    shrink_grid: bool = False,
 ) -> MaskInfo:
     """Block tables of a static mask for the dkv kernel (kv blocks outer, q blocks inner).
 
@@ -290,7 +312,8 @@ def process_mask_dkv(
     transposed to ``[block_kv, block_q]``.
 
     Returns:
-        `MaskInfo` with tables ``[heads_or_shards, S // block_kv, T // block_q]``.
+        `MaskInfo` with tables ``[heads_or_shards, S // block_kv, T // block_q]`` (the last
+        axis shorter with ``shrink_grid``: ``q_seq_shards`` times the longest shard row).
     """
     return _process(
         mask,
@@ -299,6 +322,7 @@ def process_mask_dkv(
         downcast_smem_data=downcast_smem_data,
         head_shards=head_shards,
         q_seq_shards=q_seq_shards,
+        shrink_grid=shrink_grid,
     )
 
 

@@ -36,7 +36,7 @@ def default_interpret() -> Any:
 @functools.lru_cache(maxsize=32)
 def _static_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> MaskInfo:
     proc = process_mask_dkv if is_dkv else process_mask
-    return proc(mask, block)
+    return proc(mask, block, shrink_grid=True)
 
 
 def _tables(mask: Any, block: tuple[int, int], is_dkv: bool) -> tuple[jax.Array, ...]:

@@ -25,9 +25,10 @@ from ejk_kernels_tpu import (
 
 def mask_rows():
     print(
-        "| mask | T=S | block | process_mask s | process_mask_dkv s | blocks computed | partial tiles stored | SMEM table dtype |"
+        "| mask | T=S | block | process_mask s | process_mask_dkv s | blocks computed "
+        "| grid steps with shrink_grid | partial tiles stored | SMEM table dtype |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (8192, 32768):
         for name, mask in (
             ("causal", CausalMask((n, n))),
@@ -42,8 +43,9 @@ def mask_rows():
             t2 = time.perf_counter()
             bm = np.asarray(info.block_mask)
             frac = float((bm != 0).mean())
+            shrunk = process_mask(mask, block, shrink_grid=True).block_mask.shape[2] / bm.shape[2]
             print(
-                f"| {name} | {n} | {block} | {t1 - t0:.2f} | {t2 - t1:.2f} | {frac:.1%} "
+                f"| {name} | {n} | {block} | {t1 - t0:.2f} | {t2 - t1:.2f} | {frac:.1%} | {shrunk:.1%} "
                 f"| {info.partial_mask_blocks.shape[0]} | {info.data_next.dtype} |"
             )
 

@@ -87,3 +87,14 @@ def test_identity_dtype_convert():
     grad = jax.jit(jax.grad(lambda v: to_f32(v).astype(jnp.float32).sum()))(x)
     assert grad.dtype == jnp.float32
     assert _list(grad) == [1.0, 1.0, 1.0]
+
+
+def test_log_sum_exp_and_safe_divide_under_jit():
+    x = jnp.array([[0.0, -jnp.inf, 2.0], [-jnp.inf, -jnp.inf, -jnp.inf]])
+    np.testing.assert_array_equal(
+        jax.jit(lambda v: es.log_sum_exp(v, axis=-1))(x), es.log_sum_exp(x, axis=-1)
+    )
+    d = jnp.array([0.0, -3.0, 1e-12])
+    np.testing.assert_array_equal(
+        jax.jit(es.safe_divide)(jnp.ones(3), d), es.safe_divide(jnp.ones(3), d)
+    )

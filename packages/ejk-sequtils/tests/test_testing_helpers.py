@@ -47,3 +47,15 @@ def test_generate_attention_inputs_errors():
         es.generate_attention_inputs(seq_len=-1)
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         es.generate_attention_inputs(dtype=jnp.int32)
+
+
+def test_generate_attention_inputs_under_jit():
+    make = jax.jit(
+        lambda key: es.generate_attention_inputs(
+            2, 19, 6, 40, jnp.float32, key, kv_seq_len=23, num_kv_heads=2
+        )
+    )
+    jitted = make(jax.random.PRNGKey(0))
+    eager = es.generate_attention_inputs(2, 19, 6, 40, jnp.float32, kv_seq_len=23, num_kv_heads=2)
+    for name in eager:
+        np.testing.assert_allclose(jitted[name], eager[name], rtol=1e-6)

@@ -267,3 +267,36 @@ def test_memory_cache_threads_and_thread_local_overlays(kernels):
     assert active_overlays() == ()
     with pytest.raises(ValueError, match="cannot cache cfg=None"):
         cache.put("x", None)
+
+
+def test_fast_path_with_value_static_objects(kernels):
+    """A static argument of a class with ``__ejk_stable_key__`` (a mask, say) is memoised
+    by value: equal masks share a choice, different ones do not."""
+
+    class Mask:
+        def __init__(self, window):
+            self.window = window
+
+        def __eq__(self, other):
+            return type(other) is Mask and other.window == self.window
+
+        def __hash__(self):
+            return hash(("Mask", self.window))
+
+        def __ejk_stable_key__(self):
+            return ["Mask", self.window]
+
+    class K(kernels["MatKernel"]):
+        name = "masked"
+
+        def run(self, a, b, *, cfg, mask):
+            self.run_calls += 1  # counts traces: the jitted body is reused after that
+            return (a @ b) * mask.window
+
+    k = K()
+    ex = Executor()
+    a, b = _ab()
+    for _ in range(3):
+        np.testing.assert_allclose(ex(k, a, b, mask=Mask(2)), (a @ b) * 2, rtol=1e-6)
+        np.testing.assert_allclose(ex(k, a, b, mask=Mask(3)), (a @ b) * 3, rtol=1e-6)
+    assert k.heuristic_calls == 2 and k.run_calls == 2

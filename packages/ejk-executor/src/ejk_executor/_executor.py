@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any
 
 import jax
+import msgspec
 
 from ._cache import active_overlays
 from ._kernel import Invocation, Kernel
@@ -150,8 +152,24 @@ def _parts(values: Any, parts: list[Any], dyn: list[Any]) -> bool:
             parts.append(t)
             if not _parts(x, parts, dyn):
                 return False
+        elif (
+            t in _VALUE_TYPES
+            or issubclass(t, (msgspec.Struct, enum.Enum))
+            or (hasattr(t, "__ejk_stable_key__") and _value_type(t))
+        ):
+            # static objects compared by value (masks and the like): their __eq__ and
+            # __hash__ must agree with their stable key, as for any dict key
+            parts.append((t, x))
         else:
             return False
+    return True
+
+
+_VALUE_TYPES: set[type] = set()
+
+
+def _value_type(t: type) -> bool:
+    _VALUE_TYPES.add(t)
     return True
 
 

@@ -17,7 +17,7 @@ from ._backends import (
     resolve_implementation,
     run_first,
 )
-from ._sharding import sharded_call
+from ._sharding import inferred_mesh, sharded_call
 from ._tuned import tuned_backend
 from ._validate import AttentionRequest, validate_attention
 
@@ -86,6 +86,8 @@ def flash_attention(
             a sequence of them tried in order.
         config: a kernel config (block sizes etc.) for triton/pallas; xla and cuDNN ignore it.
         mesh: run batch/head sharded over this mesh (the facade writes the shard_map).
+            Without it, a q that already carries a batch/head NamedSharding (concrete, or
+            under jit on an Explicit mesh) is run per shard the same way.
         in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); only B
             and N may be sharded. Default: batch over every mesh axis.
         out_specs: the output's spec; must equal q's (default).
@@ -118,7 +120,22 @@ def flash_attention(
     if mesh is None:
         if in_specs is not None or out_specs is not None:
             raise ValueError("in_specs/out_specs need mesh=")
-        return _compute(request, names, config)
+        inferred = inferred_mesh(request.q) if request.dropout_rate == 0.0 else None
+        if inferred is None:
+            return _compute(request, names, config)
+        # q is already batch/head sharded: run each shard's attention where it lives, so
+        # kernels (custom calls XLA cannot partition) are not gathered onto every device.
+        mesh, in_specs = inferred
+        try:
+            return sharded_call(
+                lambda local: _compute(local, names, config),
+                request,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=None,
+            )
+        except ValueError:  # k/v heads not divisible like q's, say: leave it to XLA
+            return _compute(request, names, config)
     return sharded_call(
         lambda local: _compute(local, names, config),
         request,

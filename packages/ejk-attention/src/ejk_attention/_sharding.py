@@ -15,15 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._validate import AttentionRequest
 
-__all__ = ["shard_map_compat", "sharded_call"]
+__all__ = ["inferred_mesh", "shard_map_compat", "sharded_call"]
 
 
 def shard_map_compat(
-    fn: Callable, *, mesh: Mesh, in_specs: Any, out_specs: Any, check: bool = True
+    fn: Callable, *, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True
 ) -> Callable:
     """``jax.shard_map`` where it exists (jax >= 0.7), else the experimental one."""
     if hasattr(jax, "shard_map"):
@@ -39,13 +39,13 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _shards(mesh: Mesh, entry: Any) -> int:
+def _shards(mesh: Any, entry: Any) -> int:
     return math.prod(mesh.shape[a] for a in _axes(entry))
 
 
 def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any, Any]:
     """The ``(batch, heads)`` entries of a ``[B, T, N, H]`` PartitionSpec, checked."""
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, Mesh | getattr(jax.sharding, "AbstractMesh", Mesh)):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if in_specs is None:
         in_specs = PartitionSpec(tuple(mesh.axis_names))
@@ -78,6 +78,26 @@ def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any,
             f"in_specs={in_specs} splits q heads {n} and k/v heads {kh} into {nh} shards, not evenly"
         )
     return batch_axis, head_axis
+
+
+def inferred_mesh(q: Any) -> tuple[Any, PartitionSpec] | None:
+    """``(mesh, spec)`` when ``q`` is already batch/head sharded by a NamedSharding, else None.
+
+    Concrete arrays carry their sharding; under ``jit`` only Explicit mesh axes show it
+    (``jax.typeof(q).sharding``). A sequence- or head_dim-sharded q is left to XLA.
+    """
+    if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
+        sharding = q.sharding
+    elif hasattr(jax, "typeof"):
+        sharding = getattr(jax.typeof(q), "sharding", None)
+    else:  # pragma: no cover - jax < 0.6
+        return None
+    if not isinstance(sharding, NamedSharding) or getattr(sharding.mesh, "empty", False):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    if spec[1] is not None or spec[3] is not None or (spec[0] is None and spec[2] is None):
+        return None
+    return sharding.mesh, PartitionSpec(spec[0], None, spec[2], None)
 
 
 def sharded_call(

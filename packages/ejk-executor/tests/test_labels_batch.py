@@ -117,6 +117,15 @@ _MULTI = textwrap.dedent(
     ex = Executor()
     for v in placed.values():
         np.testing.assert_allclose(ex(k, v), 2 * x)
+    # autotuning a sharded call times candidates on stand-ins placed the same way
+    from ejk_executor import autotune
+    class T(K):
+        name = "t"
+        def config_space(self, inv):
+            return [1, 2]
+    sds_y = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("y")))
+    assert autotune(T(), sds_y, num_iters=1) in (1, 2)
+    assert autotune(T(), placed[P("x")], num_iters=1) in (1, 2)
     # pmap: the config is chosen for the per-device shape
     out = pmap_with_config(k, executor=ex)(jnp.ones((8, 3, 5)))
     assert out.shape == (8, 3, 5)

@@ -218,7 +218,7 @@ def tune_invocation(
         )
         _, leaves, dyn_index = split_leaves(args, kwargs)
         dyn = [leaves[i] for i in dyn_index]
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in dyn]
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in dyn]
         for index, cfg in enumerate(candidates):
             try:
                 body = make_body(inv.kernel, cfg, inv.platform, args, kwargs, differentiable=False)

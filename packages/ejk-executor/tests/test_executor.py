@@ -300,3 +300,27 @@ def test_fast_path_with_value_static_objects(kernels):
         np.testing.assert_allclose(ex(k, a, b, mask=Mask(2)), (a @ b) * 2, rtol=1e-6)
         np.testing.assert_allclose(ex(k, a, b, mask=Mask(3)), (a @ b) * 3, rtol=1e-6)
     assert k.heuristic_calls == 2 and k.run_calls == 2
+
+
+def test_custom_backward_with_integer_positional_arg():
+    """An integer array passed positionally gets no cotangent, even if backward returns one."""
+
+    class Shift(Kernel):
+        name = "shift"
+
+        def run(self, x, ids, *, cfg):
+            return x * ids.astype(x.dtype)
+
+        def forward_with_residuals(self, x, ids, *, cfg):
+            return self.run(x, ids, cfg=cfg), ids
+
+        def backward(self, ids, dout, *, cfg):
+            return dout * ids.astype(dout.dtype), jnp.zeros_like(ids)
+
+        def heuristic_cfg(self, inv):
+            return 0
+
+    x = jnp.arange(4.0)
+    ids = jnp.array([0, 1, 2, 3], jnp.int32)
+    g = jax.jit(jax.grad(lambda x: Executor()(Shift(), x, ids).sum()))(x)
+    np.testing.assert_allclose(g, [0.0, 1.0, 2.0, 3.0])

@@ -122,7 +122,9 @@ def make_body(
     """A function of the dynamic leaves of ``(args, kwargs)`` running ``kernel`` with
     ``cfg`` on ``platform``, with the kernel's custom backward attached if it has one."""
     treedef, leaves, dyn_index = split_leaves(args, kwargs)
-    template = [None if i in set(dyn_index) else x for i, x in enumerate(leaves)]
+    template = list(leaves)
+    for i in dyn_index:
+        template[i] = None  # keep no array alive in the closure
     run = kernel.method("run", platform)
     if run is None:
         raise NotImplementedError(f"kernel {kernel.name!r} has no run method for {platform!r}")
@@ -139,15 +141,30 @@ def make_body(
 
     if not differentiable or not kernel.has_custom_backward(platform):
         return body
-    return _with_custom_backward(kernel, cfg, platform, args, kwargs, body, rebuild, dyn_index)
+    inexact = [jnp.issubdtype(leaves[i].dtype, jnp.inexact) for i in dyn_index]
+    return _with_custom_backward(
+        kernel, cfg, platform, args, kwargs, body, rebuild, dyn_index, inexact
+    )
 
 
-def _with_custom_backward(kernel, cfg, platform, args, kwargs, body, rebuild, dyn_index):
+def _with_custom_backward(
+    kernel: Kernel[Any, Any],
+    cfg: Any,
+    platform: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    body: Callable[..., Any],
+    rebuild: Callable[[Sequence[Any]], tuple[tuple[Any, ...], dict[str, Any]]],
+    dyn_index: list[int],
+    inexact: list[bool],
+) -> Callable[..., Any]:
+    """``body`` as a ``jax.custom_vjp`` whose rules are the kernel's
+    ``forward_with_residuals`` and ``backward``; integer and boolean inputs get no
+    cotangent (None), whatever ``backward`` returns for them."""
     fwd = kernel.method("forward_with_residuals", platform)
     bwd = kernel.method("backward", platform)
     arg_defs = [jax.tree_util.tree_structure(a) for a in args]
-    offsets = np.cumsum([0] + [d.num_leaves for d in arg_defs]).tolist()
-    n_arg_leaves = offsets[-1]
+    n_arg_leaves = sum(d.num_leaves for d in arg_defs)
     for name, value in kwargs.items():
         for leaf in jax.tree_util.tree_leaves(value):
             if is_dynamic(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -177,11 +194,10 @@ def _with_custom_backward(kernel, cfg, platform, args, kwargs, body, rebuild, dy
         flat: list[Any] = []
         for d, g in zip(arg_defs, grads, strict=True):
             flat.extend([None] * d.num_leaves if g is None else d.flatten_up_to(g))
-        out = []
-        for i in dyn_index:
-            g = flat[i] if i < n_arg_leaves else None
-            out.append(g)
-        return tuple(out)
+        return tuple(
+            flat[i] if i < n_arg_leaves and differentiable else None
+            for i, differentiable in zip(dyn_index, inexact, strict=True)
+        )
 
     f.defvjp(f_fwd, f_bwd)
     return f

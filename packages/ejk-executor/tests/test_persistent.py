@@ -37,6 +37,10 @@ def test_round_trip_between_instances(tmp_path):
     assert b.get("k3") == FwdParams(num_stages=2)
     on_disk = json.loads(path.read_bytes())  # JSON, not pickle
     assert on_disk["format"] == 1 and sorted(on_disk["entries"]) == ["k1", "k2", "k3"]
+    assert sorted(b.keys()) == ["k1", "k2", "k3"]
+    b.clear()
+    assert not path.exists() and len(b) == 0 and b.get("k1") is None
+    assert PersistentCache(path).get("k1") is None
 
 
 def test_directory_path_and_defaults(tmp_path, monkeypatch):

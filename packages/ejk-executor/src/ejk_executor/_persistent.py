@@ -253,6 +253,26 @@ class PersistentCache:
                         stacklevel=2,
                     )
 
+    def clear(self) -> None:
+        """Remove every entry, in memory and on disk (the file is deleted under the lock)."""
+        with self._lock:
+            self._raw.clear()
+            self._decoded.clear()
+            if self._memory_only or not self.path.exists():
+                return
+            try:
+                with filelock.FileLock(str(self.path) + ".lock", timeout=60):
+                    self.path.unlink(missing_ok=True)
+                    self._stamp = None
+            except OSError as e:
+                self._memory_only = True
+                warnings.warn(
+                    f"cannot clear config cache {self.path} ({e}); keeping configs in "
+                    "memory only for this process",
+                    CacheWarning,
+                    stacklevel=2,
+                )
+
     def _write(self, new: dict[str, _Entry]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)

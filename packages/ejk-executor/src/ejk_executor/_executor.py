@@ -48,7 +48,7 @@ class Executor:
         self.record = record
         self._lock = threading.Lock()
         self._bodies: dict[tuple[str, str], Any] = {}
-        self._fast: dict[Any, tuple[int, Any]] = {}
+        self._fast: dict[Any, tuple[Any, int, Any]] = {}
 
     def __repr__(self) -> str:
         return f"Executor({self.chooser!r}, record={self.record})"
@@ -71,8 +71,9 @@ class Executor:
             fast = _fast_key(kernel, args, kwargs)
             if fast is not None:
                 hit = self._fast.get(fast[0])
-                if hit is not None and hit[0] == self.chooser.cache.version:
-                    return hit[1](*fast[1])
+                cache = self.chooser.cache
+                if hit is not None and hit[0] is cache and hit[1] == cache.version:
+                    return hit[2](*fast[1])
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be an ejk_executor.Kernel, got {type(kernel).__name__}")
         _, leaves, dyn_index = split_leaves(args, kwargs)
@@ -85,7 +86,8 @@ class Executor:
             with self._lock:
                 if len(self._fast) >= _FAST_MAX:  # e.g. NaN statics never hit: stay bounded
                     self._fast.clear()
-                self._fast[fast[0]] = (self.chooser.cache.version, fn)
+                cache = self.chooser.cache
+                self._fast[fast[0]] = (cache, cache.version, fn)
         return fn(*[leaves[i] for i in dyn_index])
 
     def _body(self, inv: Invocation[Any, Any], cfg: Any) -> Any:

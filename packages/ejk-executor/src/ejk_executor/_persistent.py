@@ -87,7 +87,7 @@ class PersistentCache:
             self.register(cls)
         self._raw: dict[str, _Entry] = {}
         self._decoded: dict[str, Any] = {}
-        self._stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
+        self._stamp: tuple[int, int, int] | None = None  # (inode, mtime, size) last read
         self._loaded = False
         self._memory_only = False
 
@@ -117,12 +117,12 @@ class PersistentCache:
 
     # reading
 
-    def _stat(self) -> tuple[int, int] | None:
+    def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = self.path.stat()
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size)
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _read_file(self) -> dict[str, _Entry]:
         """The entries on disk; a damaged file is moved aside (one warning) and counts as empty."""
@@ -159,7 +159,9 @@ class PersistentCache:
         if self._loaded and not force and stamp == self._stamp:
             return
         entries = self._read_file() if stamp is not None else {}
-        self._stamp = self._stat()
+        # the stamp taken before reading: a file replaced meanwhile differs from it
+        # and is read again at the next miss
+        self._stamp = stamp
         for key, entry in entries.items():
             if self._raw.get(key) != entry:
                 self._raw[key] = entry

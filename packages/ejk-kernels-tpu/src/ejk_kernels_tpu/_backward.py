@@ -19,6 +19,7 @@ from ._common import (
     NN_DIMS,
     NT_DIMS,
     Static,
+    by_block_kind,
     compiler_params,
     div,
     dropout_scale,
@@ -32,7 +33,7 @@ from ._common import (
     tiles_of,
     visibility,
 )
-from ._mask_info import FULL, PARTIAL, MaskInfo
+from ._mask_info import MaskInfo
 
 __all__ = ["dkv", "dq"]
 
@@ -90,8 +91,7 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
         )
 
     kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
-    pl.when(kind == PARTIAL)(lambda: step(True))
-    pl.when(kind == FULL)(lambda: step(False))
+    by_block_kind(kind, step)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -160,8 +160,7 @@ def _dkv_kernel(
         )
 
     kind = bm_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
-    pl.when(kind == PARTIAL)(lambda: step(True))
-    pl.when(kind == FULL)(lambda: step(False))
+    by_block_kind(kind, step)
 
     @pl.when(step_id == pl.num_programs(3) - 1)
     def _finish():

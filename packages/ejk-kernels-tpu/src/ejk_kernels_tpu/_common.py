@@ -15,6 +15,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ._mask_info import FULL, PARTIAL
+
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T: contract the last axes of both tiles
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 
@@ -160,6 +162,13 @@ def dropout_scale(
     threshold = round(st.dropout_rate * (1 << 24))
     keep = _srl(h, 8) >= threshold  # < 2**24 after the shift: a signed compare is exact
     return jnp.where(keep, jnp.float32(1.0 / (1.0 - st.dropout_rate)), jnp.float32(0.0))
+
+
+def by_block_kind(kind: jax.Array, step: Any) -> None:
+    """Runs ``step(masked=True)`` on a partial block, ``step(masked=False)`` on a full one,
+    nothing on an empty one."""
+    pl.when(kind == PARTIAL)(lambda: step(True))
+    pl.when(kind == FULL)(lambda: step(False))
 
 
 def split_refs(refs: tuple, names: list[str]) -> dict[str, Any]:

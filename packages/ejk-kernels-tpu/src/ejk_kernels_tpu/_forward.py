@@ -17,6 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ._common import (
     NN_DIMS,
     Static,
+    by_block_kind,
     compiler_params,
     dropout_scale,
     logits,
@@ -27,7 +28,7 @@ from ._common import (
     tables,
     visibility,
 )
-from ._mask_info import FULL, PARTIAL, MaskInfo
+from ._mask_info import MaskInfo
 
 __all__ = ["forward"]
 
@@ -76,8 +77,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         m_scr[...] = m_new
 
     kind = bm_ref[row, i, j].astype(jnp.int32)
-    pl.when(kind == PARTIAL)(lambda: step(True))
-    pl.when(kind == FULL)(lambda: step(False))
+    by_block_kind(kind, step)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():

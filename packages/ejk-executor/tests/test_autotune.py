@@ -140,3 +140,33 @@ def test_benchmark_and_timer():
     with timer("t") as t:
         f(x).block_until_ready()
     assert t.ms > 0 and t.seconds == t.ms / 1e3
+
+
+def test_concurrent_misses_tune_once(kernels):
+    MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
+
+    class Counted(MatKernel):
+        name = "counted"
+        spaces = 0
+
+        def config_space(self, inv):
+            type(self).spaces += 1
+            return super().config_space(inv)
+
+    kernel = Counted(space=[MatCfg(8), MatCfg(16)])
+    ex = Executor(ConfigSelectorChain(policy=POLICY))
+    a, b = _ab()
+    barrier = threading.Barrier(4)
+    results = []
+
+    def work():
+        barrier.wait()
+        results.append(ex.choose(kernel, a, b).cfg)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Counted.spaces == 1
+    assert len(set(results)) == 1

@@ -195,12 +195,26 @@ class ConfigSelectorChain:
             self._check(inv, cfg, "heuristic_cfg")
             self.cache.put(inv.call_key, cfg)
             return Selection(cfg, "heuristic")
-        return Selection(self.tune(inv, policy), "autotune")
+        return Selection(self.tune(inv, policy, if_missing=True), "autotune")
 
-    def tune(self, inv: Invocation[Any, Any], policy: AutotunePolicy | None = None) -> Any:
-        """Time ``inv``'s config space, cache the winner (memory and persistent), return it."""
+    def tune(
+        self,
+        inv: Invocation[Any, Any],
+        policy: AutotunePolicy | None = None,
+        *,
+        if_missing: bool = False,
+    ) -> Any:
+        """Time ``inv``'s config space, cache the winner (memory and persistent), return it.
+
+        With ``if_missing``, a config that reached the memory cache while this call
+        waited for the tuning lock is returned instead of tuning again.
+        """
         policy = self.effective_policy() if policy is None else policy
         with self._tune_lock:  # one tuning at a time: timings taken together would be noise
+            if if_missing:  # another thread may have tuned this key while we waited
+                cached = self.cache.get(inv.call_key)
+                if cached is not None:
+                    return cached
             candidates = list(inv.kernel.config_space(inv))
             if policy.max_candidates is not None:
                 candidates = candidates[: policy.max_candidates]

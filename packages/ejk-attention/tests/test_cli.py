@@ -128,3 +128,24 @@ def test_implementation_none_tries_the_tuned_backend_first(monkeypatch):
     assert calls == [(1, 32, 4, 16)]
     flash_attention(q, k, k)  # another key (not causal): the platform order, xla
     assert len(calls) == 1
+
+
+def test_tune_kernel_configs_through_the_executor(capsys):
+    from ejk_attention._backends import kernel_executor
+    from ejk_attention._bench import inputs_for, parse_case
+    from ejk_attention._validate import validate_attention
+    from ejk_attention.cli import _invocation
+    from ejk_kernels_gpu import FlashAttentionForward
+
+    args = ["tune", "--shape", "1,16,16,2,1,16", "--iters", "1", "--warmup", "0", "--quiet"]
+    args += ["--impl", "xla", "--kernels", "--max-candidates", "2"]  # the default cache dir
+    assert main(args) == 0
+    assert "triton forward config FlashConfig(" in capsys.readouterr().out
+    assert main(["cache", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "FlashConfig" in listing and "BackendChoice" in listing
+    # The facade's executor finds the tuned config under the key it builds itself.
+    case = parse_case("1,16,16,2,1,16")
+    request = validate_attention(*inputs_for(case), causal=case.causal)
+    chosen = kernel_executor().chooser.lookup(_invocation(FlashAttentionForward(), request))
+    assert chosen is not None and type(chosen.cfg).__name__ == "FlashConfig"

@@ -10,6 +10,7 @@ import time, so the facade works with whichever of them is installed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,11 +25,13 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Backend",
     "default_order",
+    "kernel_executor",
     "pallas_mask",
     "platform_of",
     "resolve_implementation",
     "run_blocksparse_kernel",
     "run_first",
+    "triton_through",
 ]
 
 
@@ -132,13 +135,35 @@ def _triton_refuse(request: AttentionRequest, platform: str) -> str | None:
     return None  # the kernel checks its own limits and raises NotImplementedError
 
 
+@functools.cache
+def kernel_executor() -> Any:
+    """The executor that picks kernel configs: explicit, memory, then the persistent cache
+    (where ``ejk tune`` stores autotuned ones), else the kernel's heuristic."""
+    from ejk_executor import ConfigSelectorChain, Executor
+
+    from ._tuned import open_cache
+
+    return Executor(ConfigSelectorChain(persistent=open_cache()))
+
+
+def triton_through(executor: Any, request: AttentionRequest, kernel_class: Any) -> Any:
+    """The Triton forward under ``executor``'s config choice (``ejk tune`` uses the same
+    call, so the cache keys it writes are the ones the facade reads)."""
+    return executor(
+        kernel_class(), request.q, request.k, request.v, request.bias, **request.keyword_arguments()
+    )
+
+
 def _triton_run(request: AttentionRequest, config: Any) -> Any:
     try:
+        from ejk_kernels_gpu import FlashAttentionForward
         from ejk_kernels_gpu import flash_attention as kernel
     except ImportError as err:
         raise NotImplementedError(
             f"ejk_kernels_gpu.flash_attention is not available: {err}"
         ) from None
+    if config is None:  # the forward config through the executor's selection chain
+        return triton_through(kernel_executor(), request, FlashAttentionForward)
     return kernel(
         request.q, request.k, request.v, request.bias, **request.keyword_arguments(), config=config
     )

@@ -22,6 +22,7 @@ __all__ = [
     "BASELINE",
     "BenchCase",
     "bench_implementations",
+    "inputs_for",
     "parse_case",
     "run_case",
 ]
@@ -92,7 +93,7 @@ def bench_implementations(platform: str | None = None) -> tuple[str, ...]:
     return (*default_order(platform or jax.default_backend()), BASELINE)
 
 
-def _inputs(case: BenchCase, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+def inputs_for(case: BenchCase, seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(case.dtype)
     shapes = (
@@ -112,6 +113,7 @@ def _attention_fn(implementation: str, causal: bool) -> Callable:
 
 
 def _median_ms(fn: Callable, args: Sequence[Any], warmup: int, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile, never timed
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
@@ -142,7 +144,7 @@ def run_case(
         **dataclasses.asdict(case),
         "implementation": implementation,
     }
-    q, k, v = _inputs(case)
+    q, k, v = inputs_for(case)
     attend = _attention_fn(implementation, case.causal)
     fwd = jax.jit(attend)
     try:

@@ -218,6 +218,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    import jax
+
     from ejk_config import device_fingerprint
 
     from ._bench import BASELINE, request_for, run_all
@@ -253,8 +255,46 @@ def _tune(args: argparse.Namespace) -> int:
         console.print(
             f"{case.label}: {best['implementation']} ({best['fwd_bwd_ms']:.2f} ms fwd+bwd)"
         )
+    if args.kernels or (
+        args.kernels is None and jax.default_backend() == "gpu" and "triton" in impls
+    ):
+        _tune_kernel_configs(args, cases, cache, console)
     console.print(f"stored in {cache.path}")
     return 0
+
+
+def _tune_kernel_configs(
+    args: argparse.Namespace, cases: list[Any], cache: Any, console: Any
+) -> None:
+    """Autotune the Triton forward config of each case into ``cache`` (ejk_executor)."""
+    import jax
+
+    from ejk_executor import AutotunePolicy, ConfigSelectorChain, Executor
+    from ejk_kernels_gpu import FlashAttentionForward
+
+    from ._backends import triton_through
+    from ._bench import inputs_for
+    from ._validate import validate_attention
+
+    policy = AutotunePolicy(
+        on_miss="autotune",
+        num_warmup=args.warmup,
+        num_iters=args.iters,
+        max_candidates=args.max_candidates,
+    )
+    executor = Executor(ConfigSelectorChain(persistent=cache, policy=policy))
+    for case in _progress(args, "tune triton configs")(cases):
+        request = validate_attention(*inputs_for(case), causal=case.causal)
+        jax.block_until_ready(triton_through(executor, request, FlashAttentionForward))
+        chosen = executor.chooser.lookup(_invocation(FlashAttentionForward(), request))
+        console.print(f"{case.label}: triton forward config {chosen.cfg if chosen else '?'}")
+
+
+def _invocation(kernel: Any, request: Any) -> Any:
+    from ejk_executor import Invocation
+
+    args = (request.q, request.k, request.v, request.bias)
+    return Invocation.make(kernel, args, request.keyword_arguments())
 
 
 # ejk cache
@@ -374,6 +414,18 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(
                 "--cache-dir", default=None, help="config cache location (default: ejk_executor's)"
+            )
+            p.add_argument(
+                "--kernels",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="also autotune the Triton forward config per shape (default: on GPU)",
+            )
+            p.add_argument(
+                "--max-candidates",
+                type=int,
+                default=None,
+                help="configs tried per shape (default: all)",
             )
 
     cache = sub.add_parser("cache", help="inspect and move the persistent config cache")

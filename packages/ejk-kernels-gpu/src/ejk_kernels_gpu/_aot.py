@@ -139,6 +139,17 @@ def compile_kernel(
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 
 
+def _report(name: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str) -> bool:
+    """Compile one kernel, print its JSON line; True if it failed or does not fit."""
+    try:
+        row = compile_kernel(name, cfg, head_dim, dtype, variant)
+    except Exception as exc:  # report every failure, then fail the run
+        row = dict(kernel=name, variant=variant, head_dim=head_dim, config=str(cfg),
+                   error=f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return "error" in row or not row.get("fits", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--head-dims", default="64,128,256")
@@ -149,27 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = set(args.kernels.split(","))
     failed = 0
+    itemsize = jnp.dtype(args.dtype).itemsize
     for head_dim in (int(h) for h in args.head_dims.split(",")):
-        itemsize = jnp.dtype(args.dtype).itemsize
-        for group, names in KERNELS.items():
-            if args.space == "full":
-                space = (fwd_search_space if group == "fwd" else bwd_search_space)(
-                    head_dim, itemsize
-                )
-            else:
-                space = ((fwd_heuristic if group == "fwd" else bwd_heuristic)(head_dim, itemsize),)
-            for name in names:
-                if name not in wanted:
-                    continue
-                for cfg in space:
-                    for variant in args.variants.split(","):
-                        try:
-                            row = compile_kernel(name, cfg, head_dim, args.dtype, variant)
-                        except Exception as exc:  # report every failure, then fail the run
-                            row = dict(kernel=name, variant=variant, head_dim=head_dim,
-                                       config=str(cfg), error=f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
-                        failed += "error" in row or not row.get("fits", False)
-                        print(json.dumps(row), flush=True)
+        for variant in args.variants.split(","):
+            side = variant == "all"  # the variant with bias, segments, packing and dropout
+            for group, names in KERNELS.items():
+                if args.space == "full":
+                    pick = fwd_search_space if group == "fwd" else bwd_search_space
+                    space = pick(head_dim, itemsize, side)
+                else:
+                    pick = fwd_heuristic if group == "fwd" else bwd_heuristic
+                    space = (pick(head_dim, itemsize, side),)
+                for name in (n for n in names if n in wanted):
+                    for cfg in space:
+                        failed += _report(name, cfg, head_dim, args.dtype, variant)
     return 1 if failed else 0
 
 

@@ -70,12 +70,16 @@ def head_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def _shared_bytes(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int) -> int:
+def _shared_bytes(
+    kind: str, cfg: FlashConfig, head_dim: int, itemsize: int, side_inputs: bool
+) -> int:
     """An estimate of the shared memory one program of ``kind`` needs.
 
     Pipelined operands are buffered ``num_stages`` times; the resident tile once.
     fwd: q resident, k and v streamed. dq: q, do resident, k, v streamed.
     dkdv: k, v resident (block_q rows), q and do streamed (block_k rows).
+    Side inputs (bias, segment ids, packed offsets, dropout) add about one float32
+    score tile of layout conversions (AOT-measured: 35 KiB at 128x128 in the forward).
     """
     d = head_block(head_dim)
     stages = max(cfg.num_stages, 1)
@@ -85,12 +89,19 @@ def _shared_bytes(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int) -> 
         resident, streamed = 2 * cfg.block_q * d, 2 * cfg.block_k * d
     else:
         raise ValueError(f"kind must be 'fwd', 'dq' or 'dkdv', got {kind=}")
-    return (resident + stages * streamed) * itemsize
+    extra = cfg.block_q * cfg.block_k * 4 + 4096 if side_inputs else 0
+    return (resident + stages * streamed) * itemsize + extra
 
 
-def fits_shared_memory(kind: str, cfg: FlashConfig, head_dim: int, itemsize: int = 2) -> bool:
-    """The search-space predicate: whether ``cfg`` fits Hopper's shared memory for ``kind``."""
-    return _shared_bytes(kind, cfg, head_dim, itemsize) <= SHARED_MEMORY_LIMIT
+def fits_shared_memory(
+    kind: str, cfg: FlashConfig, head_dim: int, itemsize: int = 2, side_inputs: bool = True
+) -> bool:
+    """The search-space predicate: whether ``cfg`` fits Hopper's shared memory for ``kind``.
+
+    ``side_inputs``: whether the call has a bias, segment ids, packed offsets or dropout
+    (their tiles need room too); True is the safe default.
+    """
+    return _shared_bytes(kind, cfg, head_dim, itemsize, side_inputs) <= SHARED_MEMORY_LIMIT
 
 
 # The candidate axes: forward tiles are tall in q (the resident side), backward tiles square-ish.
@@ -98,41 +109,52 @@ _FWD_AXES = dict(block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8), num
 _BWD_AXES = dict(block_q=(64, 128), block_k=(32, 64), num_warps=(4, 8), num_stages=(1, 2, 3))
 
 
-def _space(kind: str, axes: dict, head_dim: int, itemsize: int) -> tuple[FlashConfig, ...]:
+def _space(
+    kinds: tuple[str, ...], axes: dict, head_dim: int, itemsize: int, side_inputs: bool
+) -> tuple[FlashConfig, ...]:
     cands = (
         FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
         for bq, bk, w, st in itertools.product(*axes.values())
     )
-    return tuple(c for c in cands if fits_shared_memory(kind, c, head_dim, itemsize))
-
-
-def fwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
-    """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`."""
-    return _space("fwd", _FWD_AXES, head_dim, itemsize)
-
-
-def bwd_search_space(head_dim: int, itemsize: int = 2) -> tuple[FlashConfig, ...]:
-    """Every backward config (shared by the dq and dk/dv kernels) that fits both."""
     return tuple(
         c
-        for c in _space("dq", _BWD_AXES, head_dim, itemsize)
-        if fits_shared_memory("dkdv", c, head_dim, itemsize)
+        for c in cands
+        if all(fits_shared_memory(k, c, head_dim, itemsize, side_inputs) for k in kinds)
     )
 
 
-def fwd_heuristic(head_dim: int, itemsize: int = 2) -> FlashConfig:
-    """A good forward config without timing (measured on an H100, docs/perf)."""
+def fwd_search_space(
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True
+) -> tuple[FlashConfig, ...]:
+    """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`."""
+    return _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
+
+
+def bwd_search_space(
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True
+) -> tuple[FlashConfig, ...]:
+    """Every backward config (shared by the dq and dk/dv kernels) that fits both."""
+    return _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
+
+
+def fwd_heuristic(head_dim: int, itemsize: int = 2, side_inputs: bool = True) -> FlashConfig:
+    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/perf)."""
     if head_dim <= 64:
-        return FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
+        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
-        # (128, 128, 8, 3) measured 2-4% faster on plain inputs but needs 224 KiB of shared
-        # memory, which bias/segment/packed variants overflow; autotuning can pick it.
+        if not side_inputs and itemsize <= 2:
+            # 224 KiB of shared memory: only without side-input tiles.
+            return FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
         return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
     return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
-def bwd_heuristic(head_dim: int, itemsize: int = 2) -> FlashConfig:
+def bwd_heuristic(head_dim: int, itemsize: int = 2, side_inputs: bool = True) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed)."""
+    if head_dim <= 64:
+        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+    if head_dim <= 128 and itemsize <= 2:
+        return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
         return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
     return FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)

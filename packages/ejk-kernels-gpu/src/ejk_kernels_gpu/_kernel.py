@@ -23,9 +23,18 @@ from ._ops import flash_attention
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
 
-def _head_dim_and_itemsize(inv: Invocation[Any, Any]) -> tuple[int, int]:
+def _shape_info(inv: Invocation[Any, Any], bias_index: int) -> tuple[int, int, bool]:
+    """(head_dim, itemsize, side_inputs) of a call, as the config helpers take them."""
     q = inv.args[0] if inv.args else inv.kwargs["q"]
-    return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize)
+    bias = inv.args[bias_index] if len(inv.args) > bias_index else inv.kwargs.get("bias")
+    kw = inv.kwargs
+    side = (
+        bias is not None
+        or kw.get("segment_ids") is not None
+        or kw.get("cu_seqlens_q") is not None
+        or (kw.get("dropout_rate") or 0.0) > 0.0
+    )
+    return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize), side
 
 
 class FlashAttentionForward(Kernel[FlashConfig, Any]):
@@ -39,10 +48,10 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
         return flash_attention(*args, config=cfg, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return fwd_heuristic(*_head_dim_and_itemsize(inv))
+        return fwd_heuristic(*_shape_info(inv, 3))
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return fwd_search_space(*_head_dim_and_itemsize(inv))
+        return fwd_search_space(*_shape_info(inv, 3))
 
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):
@@ -63,7 +72,7 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         return vjp(d_out.astype(q.dtype))
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return bwd_heuristic(*_head_dim_and_itemsize(inv))
+        return bwd_heuristic(*_shape_info(inv, 4))
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return bwd_search_space(*_head_dim_and_itemsize(inv))
+        return bwd_search_space(*_shape_info(inv, 4))

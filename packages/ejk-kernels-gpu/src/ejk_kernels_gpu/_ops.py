@@ -344,6 +344,8 @@ def flash_attention(
             )
         cu = (cu_q, cu_k)
 
+    # Tiles of these inputs need shared memory too: the heuristics leave room for them.
+    side_inputs = bias is not None or seg is not None or cu is not None or dropout_rate > 0.0
     st = _Static(
         scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         causal=bool(causal),
@@ -352,8 +354,8 @@ def flash_attention(
         dropout_rate=float(dropout_rate),
         has_seg=seg is not None,
         varlen=cu is not None,
-        fwd_cfg=config or fwd_heuristic(head_dim, q.dtype.itemsize),
-        bwd_cfg=bwd_config or bwd_heuristic(head_dim, q.dtype.itemsize),
+        fwd_cfg=config or fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs),
+        bwd_cfg=bwd_config or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs),
     )
     seed = _seed_array(dropout_seed if dropout_rate > 0.0 else None)
     tb = _tables(st, q_len, kv_len, seg, cu, seed)

@@ -178,6 +178,15 @@ def test_bad_shapes_and_dtypes_are_named():
         )  # fmt: skip
 
 
+def test_unsupported_requests_raise_not_implemented():
+    q = jnp.zeros((1, 5, 2, 8))
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        flash_attention(q, q, jnp.zeros((1, 5, 2, 16)))
+    big = jnp.zeros((1, 5, 1, 320))
+    with pytest.raises(NotImplementedError, match="head_dim <= 256"):
+        flash_attention(big, big, big)
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="block_q"):
         FlashConfig(block_q=48)

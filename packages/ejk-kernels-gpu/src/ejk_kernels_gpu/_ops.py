@@ -220,7 +220,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def flash_attention(
     q: Float[AnyArray, "B T N H"],
     k: Float[AnyArray, "B S K H"],
-    v: Float[AnyArray, "B S K H"],
+    v: Float[AnyArray, "B S K Hv"],
     bias: Float[AnyArray, "#B #N T S"] | None = None,
     *,
     softmax_scale: float | None = None,
@@ -274,8 +274,14 @@ def flash_attention(
         )
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
+    if k.shape[:3] == v.shape[:3] and k.shape[3] != v.shape[3]:
+        raise NotImplementedError(
+            f"the Triton kernels need v's head_dim == k's, got {k.shape=} and {v.shape=}"
+        )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {k.shape=} and {v.shape=}")
+    if head_dim > 256:
+        raise NotImplementedError(f"the Triton kernels take head_dim <= 256, got {head_dim=}")
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"k must be [B, S, K, H] matching q; got {q.shape=} and {k.shape=}")
     if heads % kv_heads != 0:

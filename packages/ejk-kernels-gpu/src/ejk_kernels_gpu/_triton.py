@@ -149,7 +149,12 @@ def launch(
             _interpret_call, kernel, grid, tuple(out_shapes), zeroed, dict(constexprs)
         )
         return tuple(jax.pure_callback(host, tuple(out_shapes), *inputs))
-    jax_triton = importlib.import_module("jax_triton")
+    try:
+        jax_triton = importlib.import_module("jax_triton")
+    except ImportError as err:
+        raise NotImplementedError(
+            f"ejk_kernels_gpu on a GPU needs jax-triton (pip install 'ejk-kernels-gpu[gpu]'): {err}"
+        ) from None
     outs = jax_triton.triton_call(
         *inputs,
         kernel=kernel,

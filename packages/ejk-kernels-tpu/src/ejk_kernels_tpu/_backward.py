@@ -22,6 +22,7 @@ from ._common import (
     by_block_kind,
     compiler_params,
     div,
+    dot,
     dropout_scale,
     logits,
     mask_row,
@@ -47,15 +48,11 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
     if transposed:
         s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
         visible = visibility(r.get("tile"), r.get("kv_seg"), r.get("q_seg"), masked)
-        dp = jax.lax.dot_general(
-            r["v"][...], r["do"][...], NT_DIMS, preferred_element_type=jnp.float32
-        )
+        dp = dot(r["v"][...], r["do"][...], NT_DIMS)
     else:
         s, t = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
         visible = visibility(r.get("tile"), r.get("q_seg"), r.get("kv_seg"), masked)
-        dp = jax.lax.dot_general(
-            r["do"][...], r["v"][...], NT_DIMS, preferred_element_type=jnp.float32
-        )
+        dp = dot(r["do"][...], r["v"][...], NT_DIMS)
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
     # lse is +inf on rows that see nothing, so their P is exactly 0.
@@ -86,9 +83,7 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
         origin = (pl.program_id(0), h, i * block_q, kv_block * block_kv)
         _, ds = _probs_and_dscores(r, st, masked, False, origin)
         k = r["k"][...]
-        r["acc"][...] += jax.lax.dot_general(
-            ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32
-        )
+        r["acc"][...] += dot(ds.astype(k.dtype), k, NN_DIMS)
 
     kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
     by_block_kind(kind, step)
@@ -152,12 +147,8 @@ def _dkv_kernel(
         origin = (pl.program_id(0), h, j * block_kv, q_block * block_q)
         p, ds = _probs_and_dscores(r, st, masked, True, origin)
         q, do = r["q"][...], r["do"][...]
-        r["dv_acc"][...] += jax.lax.dot_general(
-            p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32
-        )
-        r["dk_acc"][...] += jax.lax.dot_general(
-            ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32
-        )
+        r["dv_acc"][...] += dot(p.astype(do.dtype), do, NN_DIMS)
+        r["dk_acc"][...] += dot(ds.astype(q.dtype), q, NN_DIMS)
 
     kind = bm_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
     by_block_kind(kind, step)

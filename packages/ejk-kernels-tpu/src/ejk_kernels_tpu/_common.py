@@ -88,11 +88,18 @@ def compiler_params(st: Static) -> pltpu.CompilerParams | None:
     )
 
 
+def dot(a: jax.Array, b: jax.Array, dims: tuple) -> jax.Array:
+    """A tile matmul accumulated in f32; f32 operands at full f32 precision (HIGHEST), as the
+    f32 reference, rather than TPU's default bf16 passes."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
 def logits(
     a: jax.Array, b: jax.Array, scale: float, soft_cap: float | None
 ) -> tuple[jax.Array, jax.Array | None]:
     """``scale * a @ b.T`` in f32, soft-capped; also ``tanh`` of the capped value (for its gradient)."""
-    s = jax.lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * scale
+    s = dot(a, b, NT_DIMS) * scale
     if soft_cap is None:
         return s, None
     t = jnp.tanh(s / soft_cap)

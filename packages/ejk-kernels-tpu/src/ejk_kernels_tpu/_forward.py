@@ -19,6 +19,7 @@ from ._common import (
     Static,
     by_block_kind,
     compiler_params,
+    dot,
     dropout_scale,
     logits,
     mask_row,
@@ -72,7 +73,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
             col0 = kv_block * block_kv
             p = p * dropout_scale(st, r["seed"], b, h, i * block_q, col0, p.shape, False)
         v = r["v"][...]
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
+        pv = dot(p.astype(v.dtype), v, NN_DIMS)
         acc_scr[...] = alpha * acc_scr[...] + pv
         m_scr[...] = m_new
 

@@ -395,3 +395,43 @@ WIDE = [
 @pytest.mark.parametrize("case", WIDE, ids=lambda c: c.name)
 def test_wide_grid(case):
     _compare(case)
+
+
+def _pallas_grids(jaxpr):
+    """name -> grid of every pallas_call in a (closed) jaxpr, nested ones included."""
+    grids = {}
+
+    def subjaxprs(value):
+        values = value if isinstance(value, tuple | list) else (value,)
+        for v in values:
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                # The kernel name's parameter differs between jax versions.
+                name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
+                grids[str(getattr(name, "name", name))] = tuple(eqn.params["grid_mapping"].grid)
+            for value in eqn.params.values():
+                for sub in subjaxprs(value):
+                    walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return grids
+
+
+def test_grids_walk_only_the_needed_blocks():
+    """A narrow window: every kernel's reduction axis is cut to the blocks a row needs."""
+    t = 1024
+    mask = LocalMask((t, t), window_size=(100, 0))  # a q block needs at most 2 kv blocks
+    q = jnp.zeros((1, t, 4, 64))
+    kv = jnp.zeros((1, t, 2, 64))
+    loss = lambda q, k, v: blocksparse_attention(q, k, v, mask, config=SMALL_BLOCKS).sum()
+    grids = _pallas_grids(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, kv, kv))
+    assert grids["ejk_blocksparse_fwd"] == (1, 4, 8, 2)
+    assert grids["ejk_blocksparse_dq"] == (1, 4, 8, 2)
+    # dkv: a kv block is needed by at most 2 q blocks, for each of the group's 2 heads.
+    assert grids["ejk_blocksparse_dkv"] == (1, 2, 8, 2 * 2)

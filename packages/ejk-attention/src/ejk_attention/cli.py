@@ -8,6 +8,7 @@ tests call it directly.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import sys
@@ -76,6 +77,12 @@ def _info(args: argparse.Namespace) -> int:
     except ImportError as err:  # pragma: no cover - ejk-config is a dependency
         console.print(f"fingerprint: unavailable ({err})")
     order = default_order(jax.default_backend())
+    backends = Table(title="backends")
+    for col in ("implementation", "here"):
+        backends.add_column(col)
+    for name, where in _backends_here(jax.default_backend()).items():
+        backends.add_row(name, where)
+    console.print(backends)
     console.print(f"implementation=None tries: {', '.join(order)}")
     console.print(f"config cache: {open_cache(args.cache_dir, fresh=True).path}")
     if args.json:
@@ -86,9 +93,41 @@ def _info(args: argparse.Namespace) -> int:
                 {"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()
             ],
             "default_order": list(order),
+            "backends": _backends_here(jax.default_backend()),
         }
         console.print_json(json.dumps(payload))
     return 0
+
+
+def _backends_here(platform: str) -> dict[str, str]:
+    """Each backend and how it runs on ``platform`` (or why it does not)."""
+
+    def importable(module: str) -> bool:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return False
+        return True
+
+    gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
+    return {
+        "xla": "reference_attention (dense, float32)",
+        "triton": (
+            "not installed (ejk-kernels-gpu)"
+            if not importable("ejk_kernels_gpu")
+            else "compiled kernels"
+            if gpu
+            else "Triton interpreter (slow; tests only)"
+        ),
+        "cudnn": "jax.nn cuDNN flash attention" if gpu else "needs an NVIDIA GPU",
+        "pallas": (
+            "not installed (ejk-kernels-tpu)"
+            if not importable("ejk_kernels_tpu")
+            else "compiled kernels"
+            if tpu
+            else "Pallas TPU interpreter (slow; tests only)"
+        ),
+    }
 
 
 # ejk bench / ejk tune

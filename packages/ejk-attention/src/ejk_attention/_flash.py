@@ -117,29 +117,17 @@ def flash_attention(
         return_lse=return_lse,
     )
     names = resolve_implementation(implementation)
+
+    def run_local(local: AttentionRequest) -> Any:
+        return _compute(local, names, config)
+
     if mesh is None:
         if in_specs is not None or out_specs is not None:
             raise ValueError("in_specs/out_specs need mesh=")
-        inferred = inferred_mesh(request.q) if request.dropout_rate == 0.0 else None
+        inferred = inferred_mesh(request) if request.dropout_rate == 0.0 else None
         if inferred is None:
-            return _compute(request, names, config)
+            return run_local(request)
         # q is already batch/head sharded: run each shard's attention where it lives, so
         # kernels (custom calls XLA cannot partition) are not gathered onto every device.
         mesh, in_specs = inferred
-        try:
-            return sharded_call(
-                lambda local: _compute(local, names, config),
-                request,
-                mesh=mesh,
-                in_specs=in_specs,
-                out_specs=None,
-            )
-        except ValueError:  # k/v heads not divisible like q's, say: leave it to XLA
-            return _compute(request, names, config)
-    return sharded_call(
-        lambda local: _compute(local, names, config),
-        request,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-    )
+    return sharded_call(run_local, request, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

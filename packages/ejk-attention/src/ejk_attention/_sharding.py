@@ -80,12 +80,14 @@ def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any,
     return batch_axis, head_axis
 
 
-def inferred_mesh(q: Any) -> tuple[Any, PartitionSpec] | None:
-    """``(mesh, spec)`` when ``q`` is already batch/head sharded by a NamedSharding, else None.
+def inferred_mesh(request: AttentionRequest) -> tuple[Any, PartitionSpec] | None:
+    """``(mesh, spec)`` when q already has a batch/head NamedSharding that k and v can follow.
 
     Concrete arrays carry their sharding; under ``jit`` only Explicit mesh axes show it
-    (``jax.typeof(q).sharding``). A sequence- or head_dim-sharded q is left to XLA.
+    (``jax.typeof(q).sharding``). A sequence- or head_dim-sharded q, or one whose split
+    does not divide the k/v heads, is left to XLA (None).
     """
+    q = request.q
     if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
         sharding = q.sharding
     elif hasattr(jax, "typeof"):
@@ -97,7 +99,12 @@ def inferred_mesh(q: Any) -> tuple[Any, PartitionSpec] | None:
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     if spec[1] is not None or spec[3] is not None or (spec[0] is None and spec[2] is None):
         return None
-    return sharding.mesh, PartitionSpec(spec[0], None, spec[2], None)
+    in_specs = PartitionSpec(spec[0], None, spec[2], None)
+    try:
+        _qkv_spec(sharding.mesh, in_specs, request)
+    except ValueError:
+        return None
+    return sharding.mesh, in_specs
 
 
 def sharded_call(

@@ -149,11 +149,17 @@ def fwd_heuristic(head_dim: int, itemsize: int = 2, side_inputs: bool = True) ->
     return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
-def bwd_heuristic(head_dim: int, itemsize: int = 2, side_inputs: bool = True) -> FlashConfig:
-    """A good backward config without timing (block_q resident, block_k streamed)."""
+def bwd_heuristic(
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True, group: int = 1
+) -> FlashConfig:
+    """A good backward config without timing (block_q resident, block_k streamed).
+
+    ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
+    its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
+    """
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
-    if head_dim <= 128 and itemsize <= 2:
+    if head_dim <= 128 and itemsize <= 2 and group == 1:
         return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
         return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)

@@ -72,7 +72,8 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         return vjp(d_out.astype(q.dtype))
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return bwd_heuristic(*_shape_info(inv, 4))
+        q, k = inv.args[0], inv.args[1]
+        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2])
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
         return bwd_search_space(*_shape_info(inv, 4))

@@ -361,7 +361,8 @@ def flash_attention(
         has_seg=seg is not None,
         varlen=cu is not None,
         fwd_cfg=config or fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs),
-        bwd_cfg=bwd_config or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs),
+        bwd_cfg=bwd_config
+        or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, heads // kv_heads),
     )
     seed = _seed_array(dropout_seed if dropout_rate > 0.0 else None)
     tb = _tables(st, q_len, kv_len, seg, cu, seed)

@@ -7,3 +7,27 @@ def test_all_names_resolve():
     module = importlib.import_module("ejk_kernels_gpu")
     for name in module.__all__:
         assert getattr(module, name) is not None, name
+
+
+def test_import_has_no_side_effects_and_a_clear_error_without_interpreter():
+    """Importing sets nothing; a call after triton was imported without the interpreter says why."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "import ejk_kernels_gpu\n"
+        "assert 'TRITON_INTERPRET' not in os.environ and 'triton' not in sys.modules\n"
+        "import triton, jax.numpy as jnp\n"
+        "x = jnp.zeros((1, 4, 1, 16))\n"
+        "try:\n"
+        "    ejk_kernels_gpu.flash_attention(x, x, x)\n"
+        "except RuntimeError as err:\n"
+        "    assert 'TRITON_INTERPRET' in str(err), err\n"
+        "    print('OK')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.stdout.strip() == "OK", proc.stderr[-2000:]

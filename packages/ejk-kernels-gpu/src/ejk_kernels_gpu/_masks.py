@@ -85,34 +85,24 @@ def _bounds(
     return upper, lower
 
 
-def row_ranges(
+def ranges(
     q_len: int,
     kv_len: int,
     causal: bool,
     window: tuple[int, int] | None,
     packing: Packing | None,
+    *,
+    of_queries: bool,
 ) -> tuple[Array, Array]:
-    """Global key range ``[lo, hi)`` each query row may see. int32 ``[T]`` each."""
-    upper, lower = _bounds(causal, window, keys_of_queries=True)
+    """Global ranges ``[lo, hi)``, int32: of keys each query row may see (``of_queries``,
+    ``[T]`` each), or of queries that may see each key column (``[S]`` each)."""
+    upper, lower = _bounds(causal, window, keys_of_queries=of_queries)
+    length, other = (q_len, kv_len) if of_queries else (kv_len, q_len)
     if packing is None:
-        return _ranges(q_len, kv_len, None, None, None, 1, upper, lower)
+        return _ranges(length, other, None, None, None, 1, upper, lower)
     p = packing
-    return _ranges(q_len, kv_len, p.q_seq, p.q_pos, p.cu_k, p.num_seqs, upper, lower)
-
-
-def col_ranges(
-    q_len: int,
-    kv_len: int,
-    causal: bool,
-    window: tuple[int, int] | None,
-    packing: Packing | None,
-) -> tuple[Array, Array]:
-    """Global query range ``[lo, hi)`` that may see each key column. int32 ``[S]`` each."""
-    upper, lower = _bounds(causal, window, keys_of_queries=False)
-    if packing is None:
-        return _ranges(kv_len, q_len, None, None, None, 1, upper, lower)
-    p = packing
-    return _ranges(kv_len, q_len, p.k_seq, p.k_pos, p.cu_q, p.num_seqs, upper, lower)
+    seq, pos, cu_other = (p.q_seq, p.q_pos, p.cu_k) if of_queries else (p.k_seq, p.k_pos, p.cu_q)
+    return _ranges(length, other, seq, pos, cu_other, p.num_seqs, upper, lower)
 
 
 def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool) -> Array:

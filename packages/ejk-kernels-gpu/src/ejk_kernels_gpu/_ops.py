@@ -106,8 +106,8 @@ def _tables(
     seed: Array,
 ) -> _Tables:
     packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
-    rlo, rhi = _masks.row_ranges(q_len, kv_len, st.causal, st.window, packing)
-    clo, chi = _masks.col_ranges(q_len, kv_len, st.causal, st.window, packing)
+    rlo, rhi = _masks.ranges(q_len, kv_len, st.causal, st.window, packing, of_queries=True)
+    clo, chi = _masks.ranges(q_len, kv_len, st.causal, st.window, packing, of_queries=False)
     exact = not st.has_seg
     fwd = _masks.block_table(rlo, rhi, st.fwd_cfg.block_q, st.fwd_cfg.block_k, exact)
     dq = _masks.block_table(rlo, rhi, st.bwd_cfg.block_q, st.bwd_cfg.block_k, exact)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ejk_attention import visibility_mask
 
+from ejk_attention import visibility_mask
 from ejk_kernels_gpu import _masks
 
 CU_Q = [0, 9, 9, 30, 38]

@@ -54,7 +54,7 @@ def test_block_tables_cover_every_visible_pair(kw):
             **kw,
             cu_seqlens_q=None if cu is None else cu[0],
             cu_seqlens_k=None if cu is None else cu[1],
-        )  # fmt: skip
+        )
     )[0, 0]
     packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
     causal = kw.get("causal", False)

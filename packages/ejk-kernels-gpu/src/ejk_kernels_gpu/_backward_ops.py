@@ -11,8 +11,12 @@ from ._triton import launch
 __all__ = ["backward"]
 
 
-def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out) -> tuple[Array, ...]:
-    """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input)."""
+def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple[Array, ...]:
+    """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input).
+
+    ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
+    as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
+    """
     from ._ops import _common_constexprs, _dummy
 
     batch, q_len, heads, _ = q.shape
@@ -21,6 +25,9 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out) -> tuple[Array, ...]
     d_out = d_out.astype(q.dtype)
     # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    if d_lse is not None:
+        # Rows without mass (lse = -inf) have P = 0 everywhere: their d_lse cannot matter.
+        delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     del consts["HAS_SINKS"]
     # A config names the resident tile (block_q) and the streamed one (block_k): queries

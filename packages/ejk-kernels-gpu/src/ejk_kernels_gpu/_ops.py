@@ -209,8 +209,8 @@ def _attention_bwd(st: _Static, res, cts):
     from ._backward_ops import backward
 
     q, k, v, bias, sinks, tb, out, lse = res
-    d_out, _ = cts  # lse is returned for ring attention's merge; its cotangent is not supported
-    dq, dk, dv, dbias, dsinks = backward(st, q, k, v, bias, sinks, tb, out, lse, d_out)
+    d_out, d_lse = cts  # lse feeds ring attention's merge, so its cotangent counts too
+    dq, dk, dv, dbias, dsinks = backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse)
     return dq, dk, dv, dbias, dsinks, None
 
 

@@ -142,3 +142,66 @@ def test_bad_arguments_are_named(kw, exc, match):
         fn = fn.__wrapped__
     with pytest.raises(exc, match=match):
         fn(q, k, v, **kw)
+
+
+@pytest.mark.slow
+def test_random_requests_match_jax_nn():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        b=st.integers(1, 3),
+        t=st.integers(1, 17),
+        s=st.integers(1, 17),
+        k=st.integers(1, 3),
+        group=st.integers(1, 3),
+        h=st.sampled_from([8, 16, 24]),
+        causal=st.booleans(),
+        window=st.one_of(st.none(), st.tuples(st.integers(0, 6), st.integers(0, 6))),
+        use_bias=st.booleans(),
+        use_mask=st.booleans(),
+        use_lengths=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def check(b, t, s, k, group, h, causal, window, use_bias, use_mask, use_lengths, seed):
+        rng = np.random.default_rng(seed)
+        n = k * group
+        q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+        kk = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+        kw = {"is_causal": causal, "local_window_size": window}
+        if use_bias:
+            kw["bias"] = jnp.asarray(rng.standard_normal((1, n, t, s)), jnp.float32)
+        if use_mask:
+            kw["mask"] = jnp.asarray(rng.random((b, 1, t, s)) < 0.8)
+        if use_lengths:
+            kw["query_seq_lengths"] = jnp.asarray(rng.integers(1, t + 1, b), jnp.int32)
+            kw["key_value_seq_lengths"] = jnp.asarray(rng.integers(1, s + 1, b), jnp.int32)
+        got = dot_product_attention(q, kk, v, **kw)
+        want = jax.nn.dot_product_attention(q, kk, v, implementation="xla", **kw)
+        # Rows that see no key: zeros here, jax.nn's average there (documented difference).
+        seen = _rows_with_a_key(b, t, s, causal, window, kw)
+        np.testing.assert_allclose(
+            np.asarray(got)[seen], np.asarray(want)[seen], rtol=2e-5, atol=2e-5
+        )
+
+    check()
+
+
+def _rows_with_a_key(b, t, s, causal, window, kw):
+    """bool [B, T]: query rows that causality, window, kv lengths and mask leave a key."""
+    i = np.arange(t)[:, None]
+    j = np.arange(s)[None, :]
+    vis = np.ones((t, s), bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= (j >= i - window[0]) & (j <= i + window[1])
+    vis = np.broadcast_to(vis, (b, t, s))
+    if "key_value_seq_lengths" in kw:
+        kv = np.asarray(kw["key_value_seq_lengths"])
+        vis = vis & (j[None] < kv[:, None, None])
+    if "mask" in kw:  # [B, 1, T, S]
+        vis = vis & np.asarray(kw["mask"])[:, 0]
+    return vis.any(-1)

@@ -114,9 +114,9 @@ def dot_product_attention(
     Returns:
         The attention output shaped like ``query`` (and the residual with ``return_residual``).
 
-    One difference from ``jax.nn``'s xla path: a query row that no key may see (by
-    causality, window or sequence length; not by ``mask``) outputs zeros here, where
-    ``jax.nn`` averages every value.
+    One difference from ``jax.nn``'s xla path, on query rows that no key may see: here
+    they output zeros (or, when ``mask`` is what empties them, the average of the values
+    causality, window and lengths allow), where ``jax.nn`` averages every value.
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3

@@ -148,7 +148,9 @@ def launch(
         host: Callable[..., tuple[np.ndarray, ...]] = functools.partial(
             _interpret_call, kernel, grid, tuple(out_shapes), zeroed, dict(constexprs)
         )
-        return tuple(jax.pure_callback(host, tuple(out_shapes), *inputs))
+        # vmap runs the interpreted kernel once per batch element.
+        outs = jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
+        return tuple(outs)
     try:
         jax_triton = importlib.import_module("jax_triton")
     except ImportError as err:

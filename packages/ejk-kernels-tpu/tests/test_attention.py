@@ -94,7 +94,7 @@ def _run_kernel(case, q, k, v, sinks, seg):
             logits_soft_cap=case.soft_cap,
             softmax_sinks=sinks,
             dropout_rate=case.dropout,
-            dropout_seed=DROPOUT_SEED if case.dropout else None,
+            dropout_seed=jnp.uint32(DROPOUT_SEED) if case.dropout else None,
             return_lse=True,
             config=case.config,
         )

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from jax import Array
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import ArrayLike, Float, Int
+from jaxtyping import ArrayLike, Float, Int, Integer
 
 from ._backends import (
     IMPLEMENTATIONS,
@@ -51,7 +51,7 @@ def flash_attention(
     cu_seqlens_q: Int[AnyArray, " L"] | None = None,
     cu_seqlens_k: Int[AnyArray, " L"] | None = None,
     dropout_rate: float = 0.0,
-    dropout_seed: int | Int[ArrayLike, ""] | None = None,
+    dropout_seed: int | Integer[ArrayLike, ""] | None = None,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,

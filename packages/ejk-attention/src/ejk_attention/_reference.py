@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
 __all__ = ["dropout_keep_mask", "reference_attention", "visibility_mask"]
 
@@ -207,7 +207,7 @@ def reference_attention(
     cu_seqlens_q: Int[AnyArray, " L"] | None = None,
     cu_seqlens_k: Int[AnyArray, " L"] | None = None,
     dropout_rate: float = 0.0,
-    dropout_seed: int | Int[ArrayLike, ""] | None = None,
+    dropout_seed: int | Integer[ArrayLike, ""] | None = None,
     return_lse: bool = False,
 ) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
     """Multi-head attention in float32 jnp, the definition every ejk backend matches.

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Integer
 
 from ._backward import dkv as _dkv_kernel
 from ._backward import dq as _dq_kernel
@@ -208,7 +208,7 @@ def blocksparse_attention(
     logits_soft_cap: float | None = None,
     softmax_sinks: Float[Array, " N"] | None = None,
     dropout_rate: float = 0.0,
-    dropout_seed: int | Int[Array, ""] | None = None,
+    dropout_seed: int | Integer[Array, ""] | None = None,
     return_lse: bool = False,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,

@@ -18,7 +18,7 @@ from ejk_attention import flash_attention, reference_attention
 B, T, S, N, K, H = 2, 19, 23, 4, 2, 16
 
 # Which features each backend serves; the others must raise NotImplementedError.
-LACKS = {"xla": set(), "triton": set(), "pallas": {"bias", "dropout"}}
+LACKS = {"xla": set(), "triton": set(), "pallas": {"bias"}}
 # Tolerances keyed by dtype and output (the interpreters compute float32 dots exactly).
 TOL = {"float32": {"out": 2e-5, "lse": 2e-5, "grad": 1e-4}}
 
@@ -53,7 +53,7 @@ def _feature_kwargs(features, t=T, s=S, b=B):
     return kw
 
 
-def _check(implementation, features, packed=False):
+def _check(implementation, features, packed=False, **overrides):
     if packed:
         q, k, v = _inputs(t=16, s=16, b=1)
         kw = {
@@ -63,6 +63,7 @@ def _check(implementation, features, packed=False):
     else:
         q, k, v = _inputs()
         kw = _feature_kwargs(features)
+    kw.update(overrides)
     if set(features) & LACKS[implementation]:
         with pytest.raises(
             NotImplementedError, match=f"implementation='{implementation}' cannot serve"
@@ -109,7 +110,15 @@ def test_refusals_or_support(implementation):
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_packed_causal(implementation):
-    _check(implementation, ("causal",), packed=True)
+    # With dropout: the keep mask's rows and columns are positions in the packed layout.
+    _check(implementation, ("causal", "dropout"), packed=True)
+
+
+def test_pallas_dropout_is_the_reference_keep_mask():
+    """The TPU kernel draws `dropout_keep_mask`'s bits (global batch, head, row, column),
+    so values and gradients equal the reference's, not just in distribution."""
+    features = ("dropout", "segments", "sinks")
+    _check("pallas", features, dropout_rate=0.3, dropout_seed=jnp.uint32(0xDEADBEEF))
 
 
 @pytest.mark.slow

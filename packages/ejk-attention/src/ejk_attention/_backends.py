@@ -178,8 +178,6 @@ def _pallas_refuse(request: AttentionRequest, platform: str) -> str | None:
     features = request.features()
     if "bias" in features:
         return "the block-sparse Pallas kernel has no logits bias"
-    if "dropout" in features:
-        return "the block-sparse Pallas kernel has no dropout"
     if request.v.shape[-1] != request.q.shape[-1]:
         return f"the Pallas kernel needs v's head_dim {request.v.shape[-1]} == q's {request.q.shape[-1]}"
     if "cu_seqlens" in features:
@@ -219,7 +217,11 @@ def pallas_mask(q_len: int, kv_len: int, causal: bool, window: tuple[int, int] |
 def run_blocksparse_kernel(
     request: AttentionRequest, mask: Any, segment_ids: Any, config: Any
 ) -> Any:
-    """``ejk_kernels_tpu.blocksparse_attention`` on ``request`` under ``mask``."""
+    """``ejk_kernels_tpu.blocksparse_attention`` on ``request`` under ``mask``.
+
+    Dropout passes through: the kernels draw the reference's keep mask
+    (`ejk_attention.dropout_keep_mask`) from the same global (batch, head, row, column).
+    """
     try:
         from ejk_kernels_tpu import blocksparse_attention
     except ImportError as err:
@@ -233,6 +235,8 @@ def run_blocksparse_kernel(
         softmax_scale=request.softmax_scale,
         logits_soft_cap=request.logits_soft_cap,
         softmax_sinks=request.softmax_sinks,
+        dropout_rate=request.dropout_rate,
+        dropout_seed=request.dropout_seed,
         return_lse=request.return_lse,
         config=config,
     )

@@ -32,6 +32,12 @@ def _check_shape(shape: Sequence[int], name: str = "shape") -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
+def _check_offset(offset: int) -> int:
+    if not isinstance(offset, int | np.integer):
+        raise TypeError(f"offset must be an int, got {offset!r}")
+    return int(offset)
+
+
 def _index_range(idx: slice | int, size: int) -> np.ndarray:
     if isinstance(idx, slice):
         return np.arange(size, dtype=np.int64)[idx]
@@ -105,6 +111,17 @@ class Mask:
         return self[:, :]
 
 
+class _Shaped(Mask):
+    """A 2-d mask whose ``(q_len, kv_len)`` is given to its constructor."""
+
+    def __init__(self, shape: tuple[int, int]):
+        self._shape = _check_shape(shape)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+
 class _Logical(Mask):
     """``a & b`` or ``a | b`` of two masks of one shape."""
 
@@ -138,15 +155,8 @@ class _Logical(Mask):
         return f"({self.left!r} {sym} {self.right!r})"
 
 
-class FullMask(Mask):
+class FullMask(_Shaped):
     """Every query sees every key."""
-
-    def __init__(self, shape: tuple[int, int]):
-        self._shape = _check_shape(shape)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return np.ones((rows.size, cols.size), bool)
@@ -155,18 +165,12 @@ class FullMask(Mask):
         return (self._shape,)
 
 
-class CausalMask(Mask):
+class CausalMask(_Shaped):
     """Query i sees key j iff ``j <= i + offset`` (``offset=0`` is top-left aligned causal)."""
 
     def __init__(self, shape: tuple[int, int], offset: int = 0):
-        self._shape = _check_shape(shape)
-        if not isinstance(offset, int | np.integer):
-            raise TypeError(f"offset must be an int, got {offset!r}")
-        self.offset = int(offset)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
+        super().__init__(shape)
+        self.offset = _check_offset(offset)
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return cols[None, :] <= rows[:, None] + self.offset
@@ -175,7 +179,7 @@ class CausalMask(Mask):
         return (self._shape, self.offset)
 
 
-class LocalMask(Mask):
+class LocalMask(_Shaped):
     """Query i sees key j iff ``i + offset - left <= j <= i + offset + right``.
 
     ``window_size=(left, right)``; either side may be None for no limit on that side.
@@ -187,7 +191,7 @@ class LocalMask(Mask):
         window_size: tuple[int | None, int | None],
         offset: int = 0,
     ):
-        self._shape = _check_shape(shape)
+        super().__init__(shape)
         if not isinstance(window_size, tuple | list) or len(window_size) != 2:
             raise ValueError(f"window_size must be (left, right), got {window_size!r}")
         for side in window_size:
@@ -195,14 +199,8 @@ class LocalMask(Mask):
                 raise ValueError(
                     f"window_size sides must be ints >= 0 or None, got {window_size!r}"
                 )
-        if not isinstance(offset, int | np.integer):
-            raise TypeError(f"offset must be an int, got {offset!r}")
         self.window_size = tuple(None if s is None else int(s) for s in window_size)
-        self.offset = int(offset)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
+        self.offset = _check_offset(offset)
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         left, right = self.window_size
@@ -218,18 +216,14 @@ class LocalMask(Mask):
         return (self._shape, self.window_size, self.offset)
 
 
-class ChunkedCausalMask(Mask):
+class ChunkedCausalMask(_Shaped):
     """Causal attention inside chunks: i sees j iff ``j <= i`` and ``i // chunk == j // chunk``."""
 
     def __init__(self, shape: tuple[int, int], chunk_size: int):
-        self._shape = _check_shape(shape)
+        super().__init__(shape)
         if not isinstance(chunk_size, int | np.integer) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.chunk_size = int(chunk_size)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         r, c = rows[:, None], cols[None, :]
@@ -301,16 +295,12 @@ class MultiHeadMask(Mask):
         return np.stack([m.dense() for m in self.masks])
 
 
-class _PaddedMask(Mask):
+class _PaddedMask(_Shaped):
     """``mask`` grown to ``shape`` with False (padding rows and columns see nothing)."""
 
     def __init__(self, mask: Mask, shape: tuple[int, int]):
+        super().__init__(shape)
         self.mask = mask
-        self._shape = _check_shape(shape)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self._shape
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         q_len, kv_len = self.mask.shape

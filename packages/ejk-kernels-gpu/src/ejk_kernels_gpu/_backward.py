@@ -90,57 +90,54 @@ def dq_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, start_m, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
                 Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    (
-        k,
-        v,
-        q_base,
-        do_base,
-        lse_base,
-        delta_base,
-        bias_base,
-        dbias_base,
-        seed,
-        b,
-        n,
-        offs_n,
-        offs_d,
-    ) = ctx
+    """Step ``it`` of a range: query head ``it // n_blocks`` of the group, its query block ``it % n_blocks``."""
+    k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, dbias_ptr, seed, b, n0, offs_n, offs_d = ctx
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
     BLOCK_D: tl.constexpr = F[3]
     HAS_BIAS: tl.constexpr = F[6]
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = load_tile(q_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    do = load_tile(do_base, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    lse = load_rows(lse_base, offs_m, T, MASKED, 1.4426950408889634)
-    delta = load_rows(delta_base, offs_m, T, MASKED, 1.0)
+    BIAS_SN: tl.constexpr = F[15]
+    g = it // n_blocks
+    n = n0 + g
+    offs_m = start + (it - g * n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q = load_tile(q_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    do = load_tile(do_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    lse = load_rows(lse_ptr + g * T, offs_m, T, MASKED, 1.4426950408889634)
+    delta = load_rows(delta_ptr + g * T, offs_m, T, MASKED, 1.0)
     # Transposed tiles [BLOCK_N, BLOCK_M]: dV += Pᵀ·dO and dK += dSᵀ·q need no register transpose.
     pt, dst = grad_logits(
-        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, True
-    )
+        q, k, v, do, lse, delta, bias_ptr + g * BIAS_SN, seed, b, n, offs_m, offs_n, P, F,
+        MASKED, True,
+    )  # fmt: skip
     if HAS_BIAS:
         # The bias gradient is the logits gradient; every (row, column) is visited once.
-        off = offs_m[None, :] * S + offs_n[:, None]
-        tl.store(dbias_base + off, dst, mask=(offs_m[None, :] < T) & (offs_n[:, None] < S))
+        off = g * (T * S) + offs_m[None, :] * S + offs_n[:, None]
+        tl.store(dbias_ptr + off, dst, mask=(offs_m[None, :] < T) & (offs_n[:, None] < S))
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                Q_STRIDE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """Query blocks ``start, start + BLOCK_M, ...`` below ``end`` of every query head of the group.
+
+    One flat loop over (head, block) pairs, so a GQA group streams through a single
+    software pipeline instead of G loops that each fill and drain their own.
+    """
+    n_blocks = (end - start + BLOCK_M - 1) // BLOCK_M
     if INTERPRET:  # see _forward._fwd_loop
-        start_m = start
-        while start_m < end:
-            dk, dv = _dkdv_block(dk, dv, start_m, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
-            start_m += BLOCK_M
+        it = 0
+        while it < G * n_blocks:
+            dk, dv = _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
+            it += 1
     else:
-        for start_m in range(start, end, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, start_m, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
+        for it in range(0, G * n_blocks):
+            dk, dv = _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
     return dk, dv
 
 
@@ -157,7 +154,8 @@ def dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
+                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR,
+                       BIAS_SN)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)
@@ -176,17 +174,16 @@ def dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in tl.static_range(G):
-        n = kh * G + g
-        q_off = b64 * (T * N * H) + n * H
-        row_off = (b * N + n) * T
-        ctx = (
-            k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
-            bias_ptr + b64 * BIAS_SB + n * BIAS_SN, dbias_ptr + (b64 * N + n) * (T * S),
-            seed, b, n, offs_n, offs_d,
-        )  # fmt: skip
-        dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, BLOCK_M, N * H, True, INTERPRET)
-        dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, BLOCK_M, N * H, False, INTERPRET)
-        dk, dv = _dkdv_loop(dk, dv, full_hi, hi, ctx, P, F, BLOCK_M, N * H, True, INTERPRET)
+    n0 = kh * G  # the group's first query head; _dkdv_block offsets to the others
+    q_off = b64 * (T * N * H) + n0 * H
+    row_off = (b * N + n0) * T
+    ctx = (
+        k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
+        bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
+        seed, b, n0, offs_n, offs_d,
+    )  # fmt: skip
+    dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
+    dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, G, BLOCK_M, N * H, False, INTERPRET)
+    dk, dv = _dkdv_loop(dk, dv, full_hi, hi, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
     store_tile(dk_ptr + kv_off, offs_n, offs_d, dk * SCALE, K * H, S, H)
     store_tile(dv_ptr + kv_off, offs_n, offs_d, dv, K * H, S, H)

@@ -8,8 +8,6 @@ plain or ``A B^T`` matmul, and folds the query heads of a GQA group into its red
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -20,17 +18,16 @@ from ._common import (
     NT_DIMS,
     Static,
     by_block_kind,
-    compiler_params,
     div,
     dot,
     dropout_scale,
+    launch,
     logits,
     mask_row,
     q_major_inputs,
     rem,
     smem_inputs,
     split_refs,
-    tables,
     tiles_of,
     visibility,
 )
@@ -107,24 +104,20 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
     block_q = st.dq[0]
     grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
     rows = {"q": (q, head_dim), "do": (do, head_dim), "lse": (lse, 1), "di": (di, 1)}
-    names, in_specs, args = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
-    names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
-    names += ["dq", "acc"]
-    kernel = functools.partial(_dq_kernel, st=st, names=names, table_rows=info.block_mask.shape[0])
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, block_q, head_dim), in_specs[0].index_map),
-            scratch_shapes=[pltpu.VMEM((block_q, head_dim), jnp.float32)],
-        ),
-        compiler_params=compiler_params(st),
-        interpret=st.interpret,
-        name="ejk_blocksparse_dq",
-    )(*tables(info), *args)
+    inputs = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
+    inputs = smem_inputs(*inputs, st, seed=seed)
+    out_spec = pl.BlockSpec((None, None, block_q, head_dim), inputs[1][0].index_map)
+    (dq,) = launch(
+        _dq_kernel,
+        "ejk_blocksparse_dq",
+        st,
+        info,
+        grid,
+        inputs,
+        outputs={"dq": (out_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))},
+        scratch={"acc": pltpu.VMEM((block_q, head_dim), jnp.float32)},
+    )
+    return dq
 
 
 def _dkv_kernel(
@@ -218,24 +211,22 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
     names.append("tile")
     in_specs.append(pl.BlockSpec((None, block_kv, block_q), tile_map))
     args.append(tiles_of(info, (block_kv, block_q)))
-    names, in_specs, args = smem_inputs(names, in_specs, args, st, seed=seed)
-    names += ["dk", "dv", "dk_acc", "dv_acc"]
-    kernel = functools.partial(_dkv_kernel, st=st, names=names, table_rows=rows, q_steps=q_steps)
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
-    return pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=[out_spec, out_spec],
-            scratch_shapes=[
-                pltpu.VMEM((block_kv, head_dim), jnp.float32),
-                pltpu.VMEM((block_kv, head_dim), jnp.float32),
-            ],
-        ),
-        compiler_params=compiler_params(st),
-        interpret=st.interpret,
-        name="ejk_blocksparse_dkv",
-    )(*tables(info), *args)
+    dk, dv = launch(
+        _dkv_kernel,
+        "ejk_blocksparse_dkv",
+        st,
+        info,
+        grid,
+        smem_inputs(names, in_specs, args, st, seed=seed),
+        outputs={
+            "dk": (out_spec, jax.ShapeDtypeStruct(k.shape, k.dtype)),
+            "dv": (out_spec, jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        },
+        scratch={
+            "dk_acc": pltpu.VMEM((block_kv, head_dim), jnp.float32),
+            "dv_acc": pltpu.VMEM((block_kv, head_dim), jnp.float32),
+        },
+        q_steps=q_steps,
+    )
+    return dk, dv

@@ -7,6 +7,8 @@ sequence, so a block is a ``[rows, H]`` tile); T and S are padded to whole block
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -250,9 +252,49 @@ def q_major_inputs(
     return names, specs, args
 
 
-def tables(info: Any) -> list[jax.Array]:
-    """The three scalar-prefetch operands, in the order the kernels take them."""
-    return [jnp.asarray(info.data_next), jnp.asarray(info.block_mask), jnp.asarray(info.mask_next)]
+def launch(
+    kernel: Any,
+    name: str,
+    st: Static,
+    info: Any,
+    grid: tuple[int, ...],
+    inputs: tuple[list[str], list[pl.BlockSpec], list[jax.Array]],
+    outputs: dict[str, tuple[pl.BlockSpec, jax.ShapeDtypeStruct]],
+    scratch: dict[str, Any],
+    **static: Any,
+) -> Sequence[jax.Array]:
+    """Runs one of the block-sparse kernels over ``grid``; its outputs, in ``outputs``' order.
+
+    ``info``'s tables (data_next, block_mask, mask_next) are scalar-prefetched: the kernel,
+    called as ``kernel(dn, bm, mn, *refs, st=st, names=..., table_rows=..., **static)``,
+    and every index map get them first. ``refs`` are the inputs (``(names, block specs,
+    arrays)``, as `q_major_inputs` and `smem_inputs` build them), then the outputs
+    (name -> (block spec, shape)), then the scratch buffers (name -> VMEM), and
+    ``names`` names them all, in that order.
+    """
+    in_names, in_specs, args = inputs
+    body = functools.partial(
+        kernel,
+        st=st,
+        names=[*in_names, *outputs, *scratch],
+        table_rows=info.block_mask.shape[0],
+        **static,
+    )
+    tables = (info.data_next, info.block_mask, info.mask_next)
+    return pl.pallas_call(
+        body,
+        out_shape=[shape for _, shape in outputs.values()],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(tables),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=[spec for spec, _ in outputs.values()],
+            scratch_shapes=list(scratch.values()),
+        ),
+        compiler_params=compiler_params(st),
+        interpret=st.interpret,
+        name=name,
+    )(*(jnp.asarray(t) for t in tables), *args)
 
 
 def smem_inputs(names, specs, args, st: Static, **arrays):

@@ -7,8 +7,6 @@ tables (`MaskInfo`) are scalar-prefetched: each step looks up whether its block 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -18,15 +16,14 @@ from ._common import (
     NN_DIMS,
     Static,
     by_block_kind,
-    compiler_params,
     dot,
     dropout_scale,
+    launch,
     logits,
     mask_row,
     q_major_inputs,
     smem_inputs,
     split_refs,
-    tables,
     visibility,
 )
 from ._mask_info import MaskInfo
@@ -115,38 +112,31 @@ def forward(
     block_q = st.fwd[0]
     # The kv axis walks the table's steps: fewer than S // block_kv when the grid shrank.
     grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
-    names, in_specs, args = q_major_inputs(
-        st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg
+    inputs = q_major_inputs(st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg)
+    inputs = smem_inputs(*inputs, st, sinks=sinks, seed=seed)
+    q_map = inputs[1][0].index_map
+    f32 = jnp.float32
+    o, lse = launch(
+        _kernel,
+        "ejk_blocksparse_fwd",
+        st,
+        info,
+        grid,
+        inputs,
+        outputs={
+            "o": (
+                pl.BlockSpec((None, None, block_q, head_dim), q_map),
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+            ),
+            "lse": (
+                pl.BlockSpec((None, None, block_q, 1), q_map),
+                jax.ShapeDtypeStruct((batch, heads, q_len, 1), f32),
+            ),
+        },
+        scratch={
+            "m": pltpu.VMEM((block_q, 1), f32),
+            "l": pltpu.VMEM((block_q, 1), f32),
+            "acc": pltpu.VMEM((block_q, head_dim), f32),
+        },
     )
-    names, in_specs, args = smem_inputs(names, in_specs, args, st, sinks=sinks, seed=seed)
-    names += ["o", "lse", "m", "l", "acc"]
-    q_map = in_specs[0].index_map
-    out_specs = [
-        pl.BlockSpec((None, None, block_q, head_dim), q_map),
-        pl.BlockSpec((None, None, block_q, 1), q_map),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32),
-    ]
-    scratch = [
-        pltpu.VMEM((block_q, 1), jnp.float32),
-        pltpu.VMEM((block_q, 1), jnp.float32),
-        pltpu.VMEM((block_q, head_dim), jnp.float32),
-    ]
-    kernel = functools.partial(_kernel, st=st, names=names, table_rows=info.block_mask.shape[0])
-    o, lse = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        compiler_params=compiler_params(st),
-        interpret=st.interpret,
-        name="ejk_blocksparse_fwd",
-    )(*tables(info), *args)
     return o, lse

@@ -83,21 +83,22 @@ def _loss(out, lse):
     return jnp.sum(out.astype(jnp.float32) * w) + 0.25 * jnp.sum(finite_lse)
 
 
+def _options(case, seg, sinks):
+    """The keyword arguments the kernel and the reference take alike."""
+    return {
+        "segment_ids": seg,
+        "logits_soft_cap": case.soft_cap,
+        "softmax_sinks": sinks,
+        "dropout_rate": case.dropout,
+        "dropout_seed": DROPOUT_SEED if case.dropout else None,
+        "return_lse": True,
+    }
+
+
 def _run_kernel(case, q, k, v, sinks, seg):
     def f(q, k, v, sinks):
-        out, lse = blocksparse_attention(
-            q,
-            k,
-            v,
-            case.mask,
-            segment_ids=seg,
-            logits_soft_cap=case.soft_cap,
-            softmax_sinks=sinks,
-            dropout_rate=case.dropout,
-            dropout_seed=jnp.uint32(DROPOUT_SEED) if case.dropout else None,
-            return_lse=True,
-            config=case.config,
-        )
+        options = _options(case, seg, sinks)
+        out, lse = blocksparse_attention(q, k, v, case.mask, **options, config=case.config)
         return _loss(out, lse), (out, lse)
 
     return f
@@ -112,16 +113,7 @@ def _run_reference(case, q, k, v, sinks, seg):
 
     def f(q, k, v, sinks):
         out, lse = reference_attention(
-            q.astype(jnp.float32),
-            k.astype(jnp.float32),
-            v.astype(jnp.float32),
-            segment_ids=seg,
-            logits_soft_cap=case.soft_cap,
-            softmax_sinks=sinks,
-            dropout_rate=case.dropout,
-            dropout_seed=DROPOUT_SEED if case.dropout else None,
-            return_lse=True,
-            **kwargs,
+            *(x.astype(jnp.float32) for x in (q, k, v)), **_options(case, seg, sinks), **kwargs
         )
         return _loss(out, lse), (out, lse)
 
@@ -287,6 +279,23 @@ def test_jit_and_determinism():
     f = jax.jit(lambda q, k, v: blocksparse_attention(q, k, v, case.mask, config=case.config))
     a, b = f(q, k, v), f(q, k, v)
     np.testing.assert_array_equal(a, b)
+
+
+def test_dropout_seed_carriers_agree():
+    """A seed above 2**31 as a Python int, a uint32 scalar and the int32 with its bits: one mask."""
+    t = 128
+    q, k = (jax.random.normal(jax.random.key(i), (1, t, 2, 64)) for i in range(2))
+    seeds = (
+        DROPOUT_SEED,
+        jnp.uint32(DROPOUT_SEED),
+        jnp.asarray(DROPOUT_SEED, jnp.uint32).view(jnp.int32),
+    )
+    outs = [
+        blocksparse_attention(q, k, k, CausalMask((t, t)), dropout_rate=0.5, dropout_seed=seed)
+        for seed in seeds
+    ]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 @pytest.mark.parametrize(

@@ -35,25 +35,30 @@ def _device(topology: str):
     return topo.devices[0]
 
 
+def _replicated(topology: str):
+    """A sharding that places an abstract input on the topology's first (deviceless) TPU."""
+    mesh = jax.sharding.Mesh([_device(topology)], ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def _compile(
     topology,
     *,
     t,
     s,
+    mask,
+    config,
     heads,
     kv_heads,
     head_dim,
     dtype,
-    mask,
     segments,
     sinks,
     cap,
-    config,
-    dropout=0.0,
+    dropout,
 ):
-    device = _device(topology)
-    mesh = jax.sharding.Mesh([device], ("x",))
-    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    """Compiles forward + backward of one call (batch 2) for ``topology``; checks all three kernels."""
+    sh = _replicated(topology)
     batch = 2
     q = jax.ShapeDtypeStruct((batch, t, heads, head_dim), dtype, sharding=sh)
     kv = jax.ShapeDtypeStruct((batch, s, kv_heads, head_dim), dtype, sharding=sh)
@@ -87,8 +92,15 @@ def _compile(
         assert name in text, name
 
 
+def _case(**kwargs):
+    """``_compile``'s arguments: 2 heads, 1 kv head, head_dim 64, f32, no options, unless given."""
+    shape = dict(heads=2, kv_heads=1, head_dim=64, dtype=jnp.float32)
+    options = dict(segments=False, sinks=False, cap=None, dropout=0.0)
+    return {**shape, **options, **kwargs}
+
+
 CASES = {
-    "v5e_h128_bf16_all_features": dict(
+    "v5e_h128_bf16_all_features": _case(
         topology="v5e:2x2",
         t=1024,
         s=1024,
@@ -102,45 +114,20 @@ CASES = {
         cap=30.0,
         dropout=0.1,
     ),
-    "v6e_h64_f32_local": dict(
-        topology="v6e:2x2",
-        t=512,
-        s=768,
-        heads=2,
-        kv_heads=1,
-        head_dim=64,
-        dtype=jnp.float32,
-        mask=LocalMask((512, 768), window_size=(128, 0)),
-        segments=False,
-        sinks=False,
-        cap=None,
+    "v6e_h64_f32_local": _case(
+        topology="v6e:2x2", t=512, s=768, mask=LocalMask((512, 768), window_size=(128, 0))
     ),
-    "v6e_h256_bf16_multihead": dict(
+    "v6e_h256_bf16_multihead": _case(
         topology="v6e:2x2",
         t=512,
         s=512,
-        heads=2,
         kv_heads=2,
         head_dim=256,
         dtype=jnp.bfloat16,
         mask=MultiHeadMask([CausalMask((512, 512)), LocalMask((512, 512), window_size=(64, 64))]),
-        segments=False,
         sinks=True,
-        cap=None,
     ),
-    "v5e_short_ragged": dict(
-        topology="v5e:2x2",
-        t=19,
-        s=23,
-        heads=2,
-        kv_heads=1,
-        head_dim=64,
-        dtype=jnp.float32,
-        mask=FullMask((19, 23)),
-        segments=False,
-        sinks=False,
-        cap=None,
-    ),
+    "v5e_short_ragged": _case(topology="v5e:2x2", t=19, s=23, mask=FullMask((19, 23))),
 }
 
 
@@ -168,10 +155,7 @@ def test_largest_search_space_configs_compile(topology, head_dim):
 
 def test_traced_array_mask_compiles():
     """A bool mask passed as a jit argument (dynamic tables, every tile kept) lowers too."""
-    device = _device("v6e:2x2")
-    sh = jax.sharding.NamedSharding(
-        jax.sharding.Mesh([device], ("x",)), jax.sharding.PartitionSpec()
-    )
+    sh = _replicated("v6e:2x2")
     t, heads = 1024, 2
     q = jax.ShapeDtypeStruct((1, t, heads, 128), jnp.bfloat16, sharding=sh)
     kv = jax.ShapeDtypeStruct((1, t, 1, 128), jnp.bfloat16, sharding=sh)
@@ -191,10 +175,7 @@ def test_float16_is_refused_when_compiling_for_tpu():
 
 
 def test_vmapped_gradients_compile():
-    device = _device("v6e:2x2")
-    sh = jax.sharding.NamedSharding(
-        jax.sharding.Mesh([device], ("x",)), jax.sharding.PartitionSpec()
-    )
+    sh = _replicated("v6e:2x2")
     t = 512
     q = jax.ShapeDtypeStruct((3, 1, t, 2, 128), jnp.bfloat16, sharding=sh)
     kv = jax.ShapeDtypeStruct((3, 1, t, 1, 128), jnp.bfloat16, sharding=sh)

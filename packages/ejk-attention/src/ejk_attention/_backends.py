@@ -26,7 +26,6 @@ __all__ = [
     "Backend",
     "default_order",
     "kernel_executor",
-    "pallas_mask",
     "platform_of",
     "resolve_implementation",
     "run_blocksparse_kernel",
@@ -203,15 +202,13 @@ def _packed_segment_ids(request: AttentionRequest) -> Any:
     return q_ids[None].astype(jnp.int32), kv_ids[None].astype(jnp.int32)
 
 
-def pallas_mask(q_len: int, kv_len: int, causal: bool, window: tuple[int, int] | None) -> Any:
-    """The `ejk_kernels_tpu` mask for ``causal`` and ``window`` on a ``(q_len, kv_len)`` grid."""
-    from ejk_kernels_tpu import CausalMask, FullMask, LocalMask
-
-    shape = (q_len, kv_len)
-    if window is not None:
-        left, right = window
-        return LocalMask(shape, (left, 0 if causal else right))
-    return CausalMask(shape) if causal else FullMask(shape)
+def _kernels_tpu() -> Any:
+    """The `ejk_kernels_tpu` module (NotImplementedError, with the reason, where it fails to import)."""
+    try:
+        import ejk_kernels_tpu
+    except ImportError as err:
+        raise NotImplementedError(f"ejk_kernels_tpu is not available: {err}") from None
+    return ejk_kernels_tpu
 
 
 def run_blocksparse_kernel(
@@ -222,11 +219,7 @@ def run_blocksparse_kernel(
     Dropout passes through: the kernels draw the reference's keep mask
     (`ejk_attention.dropout_keep_mask`) from the same global (batch, head, row, column).
     """
-    try:
-        from ejk_kernels_tpu import blocksparse_attention
-    except ImportError as err:
-        raise NotImplementedError(f"ejk_kernels_tpu is not available: {err}") from None
-    return blocksparse_attention(
+    return _kernels_tpu().blocksparse_attention(
         request.q,
         request.k,
         request.v,
@@ -247,7 +240,9 @@ def _pallas_run(request: AttentionRequest, config: Any) -> Any:
     segment_ids = request.segment_ids
     if request.cu_seqlens_q is not None:
         segment_ids = _packed_segment_ids(request)
-    mask = pallas_mask(q_len, kv_len, request.causal, request.sliding_window)
+    mask = _kernels_tpu().attention_mask(
+        q_len, kv_len, causal=request.causal, sliding_window=request.sliding_window
+    )
     return run_blocksparse_kernel(request, mask, segment_ids, config)
 
 

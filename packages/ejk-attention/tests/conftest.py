@@ -24,3 +24,19 @@ def _private_config_cache(tmp_path_factory):
         os.environ.pop("EJK_CACHE_DIR", None)
     else:
         os.environ["EJK_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def pallas_calls(monkeypatch):
+    """The facade's pallas backend replaced by xla that records each call's q shape (in this list)."""
+    from ejk_attention import _backends
+
+    calls = []
+
+    def record(request, config):
+        calls.append(request.q.shape)
+        return _backends.BACKENDS["xla"].run(request, config)
+
+    backend = _backends.Backend("pallas", lambda request, platform: None, record)
+    monkeypatch.setitem(_backends.BACKENDS, "pallas", backend)
+    return calls

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -24,21 +23,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ejk_attention import flash_attention, reference_attention, ring_attention
+from ejk_attention._bench import median_ms
 
 
 def _rel(x, y) -> float:
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
-
-
-def _ms(fn, *args, iters=10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e3)
 
 
 def _inputs(b, t, n, k, h, dtype, seed=0):
@@ -53,6 +43,28 @@ def _grads(fn, q, k, v, w):
     )(q, k, v)
 
 
+def _errors(fn, q, k, v, kw, seed):
+    """Relative errors of ``fn``'s output and of its gradients against the float32 reference."""
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = reference_attention(*f32, **kw)
+    w = jnp.asarray(np.random.default_rng(seed).standard_normal(want.shape), jnp.float32)
+    errors = {"out_rel_err": _rel(fn(q, k, v), want)}
+    got = _grads(fn, q, k, v, w)
+    ref = _grads(lambda q, k, v: reference_attention(q, k, v, **kw), *f32, w)
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        errors[f"{name}_rel_err"] = _rel(g, r)
+    return errors
+
+
+def _timings(name, fn, args):
+    """``{name}_fwd_ms`` and ``{name}_fwd_bwd_ms`` of a jitted ``fn``."""
+    grad = jax.jit(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    return {
+        f"{name}_fwd_ms": median_ms(fn, args, warmup=0, iters=10),
+        f"{name}_fwd_bwd_ms": median_ms(grad, args, warmup=0, iters=10),
+    }
+
+
 def check_ring(mesh, shape, dtype, kw, time_it):
     b, t, n, k, h = shape
     q, k_, v = _inputs(b, t, n, k, h, dtype)
@@ -65,36 +77,17 @@ def check_ring(mesh, shape, dtype, kw, time_it):
             out_specs=seq,
         )
     )
-    f32 = [x.astype(jnp.float32) for x in (q, k_, v)]
-    want = reference_attention(*f32, **kw)
-    w = jnp.asarray(np.random.default_rng(1).standard_normal(want.shape), jnp.float32)
     row = {
         "check": "ring",
         "shape": shape,
         "dtype": str(jnp.dtype(dtype)),
         **{k: str(x) for k, x in kw.items()},
+        **_errors(ring, q, k_, v, kw, seed=1),
     }
-    row["out_rel_err"] = _rel(ring(q, k_, v), want)
-    got = _grads(ring, q, k_, v, w)
-    ref = _grads(lambda q, k, v: reference_attention(q, k, v, **kw), *f32, w)
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
-        row[f"{name}_rel_err"] = _rel(g, r)
     if time_it:
         single = jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw))
-        row["ring_fwd_ms"] = _ms(ring, q, k_, v)
-        row["ring_fwd_bwd_ms"] = _ms(
-            jax.jit(jax.grad(lambda *a: ring(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))),
-            q,
-            k_,
-            v,
-        )
-        row["one_device_flash_fwd_ms"] = _ms(single, q, k_, v)
-        row["one_device_flash_fwd_bwd_ms"] = _ms(
-            jax.jit(jax.grad(lambda *a: single(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))),
-            q,
-            k_,
-            v,
-        )
+        row.update(_timings("ring", ring, (q, k_, v)))
+        row.update(_timings("one_device_flash", single, (q, k_, v)))
     return row
 
 
@@ -107,21 +100,13 @@ def check_sharded(mesh, shape, dtype, spec, implementation):
             q, k, v, mesh=mesh, in_specs=spec, implementation=implementation, **kw
         )
     )
-    f32 = [x.astype(jnp.float32) for x in (q, k_, v)]
-    want = reference_attention(*f32, **kw)
-    w = jnp.asarray(np.random.default_rng(3).standard_normal(want.shape), jnp.float32)
-    row = {
+    return {
         "check": f"sharded {spec}",
         "implementation": implementation,
         "shape": shape,
         "dtype": str(jnp.dtype(dtype)),
+        **_errors(fn, q, k_, v, kw, seed=3),
     }
-    row["out_rel_err"] = _rel(fn(q, k_, v), want)
-    got = _grads(fn, q, k_, v, w)
-    ref = _grads(lambda q, k, v: reference_attention(q, k, v, **kw), *f32, w)
-    for name, g, r in zip(("dq", "dk", "dv"), got, ref, strict=True):
-        row[f"{name}_rel_err"] = _rel(g, r)
-    return row
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "BenchCase",
     "bench_implementations",
     "inputs_for",
+    "median_ms",
     "parse_case",
     "run_case",
 ]
@@ -112,7 +113,8 @@ def _attention_fn(implementation: str, causal: bool) -> Callable:
     return functools.partial(flash_attention, causal=causal, implementation=implementation)
 
 
-def _median_ms(fn: Callable, args: Sequence[Any], warmup: int, iters: int) -> float:
+def median_ms(fn: Callable, args: Sequence[Any], warmup: int, iters: int) -> float:
+    """Median wall time of ``fn(*args)`` in ms over ``iters`` runs, after a compile and ``warmup``."""
     jax.block_until_ready(fn(*args))  # compile, never timed
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
@@ -157,7 +159,7 @@ def run_case(
     row["max_abs_err"] = err
     row["tolerance"] = tolerance(case.dtype, out.devices().pop().platform)
     row["status"] = "ok" if err <= row["tolerance"] and math.isfinite(err) else "mismatch"
-    row["fwd_ms"] = _median_ms(fwd, (q, k, v), warmup, iters)
+    row["fwd_ms"] = median_ms(fwd, (q, k, v), warmup, iters)
     row["fwd_tflops"] = case.flops(False) / (row["fwd_ms"] * 1e-3) / 1e12
     if backward:
         grad = jax.jit(
@@ -165,7 +167,7 @@ def run_case(
                 lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)
             )
         )
-        row["fwd_bwd_ms"] = _median_ms(grad, (q, k, v), warmup, iters)
+        row["fwd_bwd_ms"] = median_ms(grad, (q, k, v), warmup, iters)
     return row
 
 

@@ -125,7 +125,17 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
+    parser.add_argument("--fwd-cfg", default="", help="ejk forward config bq,bk,warps,stages[,ws]")
+    parser.add_argument("--bwd-cfg", default="", help="ejk backward config bq,bk,warps,stages")
     args = parser.parse_args()
+
+    def cfg(text):
+        if not text:
+            return None
+        bq, bk, w, st, *ws = (int(x) for x in text.split(","))
+        return FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st,
+                           warp_specialize=bool(ws and ws[0]))  # fmt: skip
+
     print("#", jax.devices(), jax.__version__)
     only = set(filter(None, args.only.split(",")))
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
@@ -152,7 +162,9 @@ def main() -> int:
                 rows += bench_shape(shape, {"ejk"}, bwd_cfg=cfg, label="bwd " + str(cfg))
         return 0
     for shape in shapes:
-        rows += bench_shape(shape, only, with_bwd=not args.no_bwd)
+        rows += bench_shape(
+            shape, only, cfg(args.fwd_cfg), cfg(args.bwd_cfg), with_bwd=not args.no_bwd
+        )
     _table(rows)
     return 0
 

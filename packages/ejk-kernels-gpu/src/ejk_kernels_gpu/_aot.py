@@ -26,6 +26,7 @@ from ._config import (
     fwd_heuristic,
     fwd_search_space,
 )
+from ._launch_fix import SCRATCH_PER_PROGRAM
 
 __all__ = ["compile_kernel", "main"]
 
@@ -35,7 +36,7 @@ _POINTER_TYPES = {
     "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "bias_ptr": "data", "o_ptr": "data",
     "do_ptr": "data", "dq_ptr": "data", "dk_ptr": "data", "dv_ptr": "data",
     "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
-    "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
+    "scratch_ptr": "u8", "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
     "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "seed_ptr": "u32",
 }  # fmt: skip
 
@@ -75,7 +76,9 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
         consts.update(BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False)
     else:
-        consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False)
+        consts.update(
+            BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False, WS=cfg.warp_specialize
+        )
     return consts
 
 
@@ -117,6 +120,7 @@ def compile_kernel(
         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
     meta = compiled.metadata
+    scratch = int(getattr(meta, "global_scratch_size", 0) or 0)
     return dict(
         kernel=kernel,
         variant=variant,
@@ -127,9 +131,13 @@ def compile_kernel(
             block_k=cfg.block_k,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            warp_specialize=cfg.warp_specialize,
         ),
         shared=int(meta.shared),
-        fits=int(meta.shared) <= SHARED_MEMORY_LIMIT,
+        # Global scratch (TMA descriptors) comes from a buffer of SCRATCH_PER_PROGRAM per program.
+        scratch=scratch,
+        warps=int(meta.num_warps),
+        fits=int(meta.shared) <= SHARED_MEMORY_LIMIT and scratch <= SCRATCH_PER_PROGRAM,
         # Hopper's warpgroup matrix instructions (Triton emits them for sm_90 tl.dot).
         wgmma="wgmma" in compiled.asm["ptx"],
         seconds=round(time.perf_counter() - start, 2),
@@ -164,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     for head_dim in (int(h) for h in args.head_dims.split(",")):
         for variant in args.variants.split(","):
             side = variant == "all"  # the variant with bias, segments, packing and dropout
+            ws = variant == "plain"  # every block fully visible: the warp-specialised loop
             for group, names in KERNELS.items():
-                if args.space == "full":
-                    pick = fwd_search_space if group == "fwd" else bwd_search_space
-                    space = pick(head_dim, itemsize, side)
+                if args.space == "full" and group == "fwd":
+                    space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
+                elif args.space == "full":
+                    space = bwd_search_space(head_dim, itemsize, side)
+                elif group == "fwd":
+                    space = (fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws),)
                 else:
-                    pick = fwd_heuristic if group == "fwd" else bwd_heuristic
-                    space = (pick(head_dim, itemsize, side),)
+                    space = (bwd_heuristic(head_dim, itemsize, side),)
                 for name in (n for n in names if n in wanted):
                     for cfg in space:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)

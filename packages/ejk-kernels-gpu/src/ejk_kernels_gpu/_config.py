@@ -20,6 +20,7 @@ __all__ = [
     "fwd_heuristic",
     "fwd_search_space",
     "head_block",
+    "ordinary_config",
 ]
 
 # Hopper (sm_90) allows 227 KiB of shared memory per block (opt-in).
@@ -37,16 +38,29 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             a power of two, >= 16.
         block_k: rows of the streamed tile per loop step: keys (forward, dq) or
             queries (dk/dv); a power of two, >= 16.
-        num_warps: warps per program (power of two).
+        num_warps: warps per program (power of two); with ``warp_specialize``, warps
+            per warpgroup (the program runs three warpgroups).
         num_stages: software-pipelining depth of the loop (>= 1).
+        warp_specialize: forward only, Hopper (sm_90) only: load k/v through TMA
+            descriptors in one warp-specialised loop (Triton makes one producer and two
+            consumer warpgroups). Taken only by calls that are not differentiated and
+            do not return the lse, where every key block is fully visible (no causal,
+            window, segment ids, packing, bias, dropout or soft cap; key length a
+            multiple of ``block_k``; head_dim a power of two); any other call runs the
+            ordinary kernel with the same tiles (see `ordinary_config`).
     """
 
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    warp_specialize: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warp_specialize, bool):
+            raise TypeError(
+                f"FlashConfig.warp_specialize must be a bool, got {self.warp_specialize!r}"
+            )
         for name in ("block_q", "block_k", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -123,11 +137,40 @@ def _space(
     )
 
 
+# Warp-specialised forward configs (AOT-checked for sm_90: shared memory and global scratch).
+_WS_CONFIGS = {
+    128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
+}
+
+
+def ordinary_config(
+    cfg: FlashConfig, head_dim: int, itemsize: int = 2, side_inputs: bool = True
+) -> FlashConfig:
+    """The ordinary-kernel config a warp-specialised one stands for where it cannot run.
+
+    Same tiles; its two consumer warpgroups become ``2 * num_warps`` warps, and the
+    producer's buffering one more pipeline stage where shared memory allows
+    (128x128 tiles: (128, 128, 8, 3), the best ordinary forward config measured).
+    """
+    if not cfg.warp_specialize:
+        return cfg
+    base = msgspec.structs.replace(cfg, num_warps=2 * cfg.num_warps, warp_specialize=False)
+    deeper = msgspec.structs.replace(base, num_stages=base.num_stages + 1)
+    return deeper if fits_shared_memory("fwd", deeper, head_dim, itemsize, side_inputs) else base
+
+
 def fwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
 ) -> tuple[FlashConfig, ...]:
-    """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`."""
-    return _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
+    """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`.
+
+    ``warp_specialize``: the call can take the warp-specialised loop (see `FlashConfig`)
+    on this GPU; its configs join the space.
+    """
+    space = _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
+    if warp_specialize and itemsize == 2:
+        space += _WS_CONFIGS.get(head_dim, ())
+    return space
 
 
 def bwd_search_space(
@@ -137,8 +180,15 @@ def bwd_search_space(
     return _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
 
 
-def fwd_heuristic(head_dim: int, itemsize: int = 2, side_inputs: bool = True) -> FlashConfig:
-    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/perf)."""
+def fwd_heuristic(
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
+) -> FlashConfig:
+    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
+
+    ``warp_specialize``: the call can take the warp-specialised loop on this GPU.
+    """
+    if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:
+        return _WS_CONFIGS[head_dim][0]
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:

@@ -16,13 +16,22 @@ from ._common import dropout_weights, load_ranges, load_tile, logits, store_tile
 @triton.jit
 def _fwd_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
                KV_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    q, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d = ctx
+    _, k_base, v_base, _, _, _, _, _, offs_d = ctx
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
     BLOCK_D: tl.constexpr = F[3]
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
+    return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, MASKED)
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr):  # fmt: skip
+    """One key block's online-softmax update of (acc, m, l), given its k and v tiles."""
+    q, _, _, bias_base, seed, b, n, offs_m, _ = ctx
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     LOG2_FACTOR: tl.constexpr = F[14]
     x = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, False)
     # Running max in log2 units (max commutes with the positive factor).
@@ -62,16 +71,33 @@ def _fwd_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _fwd_ws_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+                 K_DESC, V_DESC):  # fmt: skip
+    """Fully visible key blocks through TMA, warp-specialised (Hopper; see `FlashConfig`).
+
+    Triton 3.6 specialises only a kernel's single loop, fed by tensor-descriptor loads:
+    one producer warpgroup issues the TMA copies, two consumer warpgroups each take half
+    of the query rows.
+    """
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
+        k = K_DESC.load([start_n, 0])
+        v = V_DESC.load([start_n, 0])
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, False)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def fwd_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, sinks_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
-    o_ptr, lse_ptr,
+    o_ptr, lse_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    WS: tl.constexpr,
 ):  # fmt: skip
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
                        WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
@@ -88,7 +114,15 @@ def fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q_base = q_ptr + b64 * (T * N * H) + n * H
-    q = load_tile(q_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
+    o_base = o_ptr + b64 * (T * N * H) + n * H
+    if WS:
+        # Tensor descriptors of this (batch, head)'s [rows, H] slabs; TMA zero-fills rows past
+        # the end and clips stores there. `scratch_ptr` only sizes the launch (see _launch_fix).
+        q_desc = tl.make_tensor_descriptor(q_base, [T, H], [N * H, 1], [BLOCK_M, BLOCK_D])
+        o_desc = tl.make_tensor_descriptor(o_base, [T, H], [N * H, 1], [BLOCK_M, BLOCK_D])
+        q = q_desc.load([pid_m * BLOCK_M, 0])
+    else:
+        q = load_tile(q_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
@@ -107,21 +141,34 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
-    acc, m_i, l_i = _fwd_loop(
-        acc, m_i, l_i, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
-    )
-    acc, m_i, l_i = _fwd_loop(
-        acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET
-    )
-    acc, m_i, l_i = _fwd_loop(
-        acc, m_i, l_i, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
-    )
+    if WS:  # only for calls whose every block is fully visible (full_lo = lo, full_hi = hi)
+        k_desc = tl.make_tensor_descriptor(k_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
+        acc, m_i, l_i = _fwd_ws_loop(
+            acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, k_desc, v_desc
+        )
+    else:
+        acc, m_i, l_i = _fwd_loop(
+            acc, m_i, l_i, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
+        )
+        acc, m_i, l_i = _fwd_loop(
+            acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET
+        )
+        acc, m_i, l_i = _fwd_loop(
+            acc, m_i, l_i, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
+        )
 
     # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
-    o_base = o_ptr + b64 * (T * N * H) + n * H
-    store_tile(o_base, offs_m, offs_d, out, N * H, T, H)
+    if not WS:
+        # The warp-specialised build serves only calls that need no lse (see _ops): a
+        # per-row store from its two consumer warpgroups measured wrong, and a TMA store
+        # of it correct but 2.4x slower (docs/performance.md).
+        tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
+    if WS:
+        o_desc.store([pid_m * BLOCK_M, 0], out.to(o_ptr.dtype.element_ty))
+    else:
+        store_tile(o_base, offs_m, offs_d, out, N * H, T, H)

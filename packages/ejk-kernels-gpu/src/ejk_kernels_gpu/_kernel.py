@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ejk_executor import Invocation, Kernel
 
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._ops import flash_attention
+from ._ops import can_warp_specialize, flash_attention
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
@@ -37,6 +37,16 @@ def _shape_info(inv: Invocation[Any, Any], bias_index: int) -> tuple[int, int, b
     return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize), side
 
 
+def _warp_specialize(inv: Invocation[Any, Any]) -> bool:
+    """Whether the call can take the forward's warp-specialised loop on this GPU."""
+    head_dim, _, side = _shape_info(inv, 3)
+    k = inv.args[1] if len(inv.args) > 1 else inv.kwargs["k"]
+    kw = inv.kwargs
+    visible = not side and not kw.get("causal") and kw.get("sliding_window") is None
+    visible = visible and kw.get("logits_soft_cap") is None
+    return can_warp_specialize(visible, None, int(k.shape[1]), head_dim, 128)
+
+
 class FlashAttentionForward(Kernel[FlashConfig, Any]):
     """`flash_attention` with its forward config chosen by the executor."""
 
@@ -48,10 +58,10 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
         return flash_attention(*args, config=cfg, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return fwd_heuristic(*_shape_info(inv, 3))
+        return fwd_heuristic(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv))
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return fwd_search_space(*_shape_info(inv, 3))
+        return fwd_search_space(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv))
 
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):

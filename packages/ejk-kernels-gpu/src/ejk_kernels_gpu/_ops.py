@@ -13,8 +13,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from . import _masks
-from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block
-from ._triton import launch
+from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block, ordinary_config
+from ._launch_fix import scratch_bytes
+from ._triton import hopper_gpu, launch
 
 __all__ = ["flash_attention"]
 
@@ -35,6 +36,30 @@ class _Static:
     varlen: bool
     fwd_cfg: FlashConfig
     bwd_cfg: FlashConfig
+    return_lse: bool = False
+
+    def fully_visible(self) -> bool:
+        """Whether every query sees every key (nothing masks a block; bias aside)."""
+        return not (
+            self.causal or self.window is not None or self.has_seg or self.varlen
+        ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
+
+
+def can_warp_specialize(
+    fully_visible: bool, bias: Any, kv_len: int, head_dim: int, block_k: int
+) -> bool:
+    """Whether a call may run the forward's warp-specialised TMA loop (see `FlashConfig`).
+
+    The loop has no masking, so every key block must be full; TMA needs 16-byte aligned
+    rows (power-of-two head_dim). The caller also needs no lse (see `_forward`).
+    """
+    return (
+        fully_visible
+        and bias is None
+        and kv_len % block_k == 0
+        and head_dim == head_block(head_dim)
+        and hopper_gpu()
+    )
 
 
 def _window(sliding_window: int | Sequence[int] | None) -> tuple[int, int] | None:
@@ -161,12 +186,25 @@ def _common_constexprs(st: _Static, q: Array, k: Array, bias: Array | None, has_
     )
 
 
-def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Array]:
+def _forward(
+    st: _Static, q, k, v, bias, sinks, tb: _Tables, lse_needed: bool = True
+) -> tuple[Array, Array]:
+    """(out, lse); the lse is left unwritten (garbage) when not ``lse_needed``."""
     batch, q_len, heads, _ = q.shape
     cfg = st.fwd_cfg
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    out, lse = launch(
+    # The warp-specialised build writes no lse, so it serves only undifferentiated calls
+    # without return_lse (the custom VJP's forward rule always asks for the lse).
+    ws = (
+        not lse_needed
+        and cfg.warp_specialize
+        and can_warp_specialize(st.fully_visible(), bias, k.shape[1], q.shape[3], cfg.block_k)
+    )
+    if cfg.warp_specialize and not ws:
+        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
+        cfg = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, side)
+    out, lse, _ = launch(
         "fwd_kernel",
         grid,
         (
@@ -187,8 +225,10 @@ def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Arr
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            # Global scratch for the TMA descriptors (see _launch_fix); unused otherwise.
+            jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
         ),
-        dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k),
+        dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, WS=ws),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -197,7 +237,7 @@ def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Arr
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, bias, sinks, tb: _Tables):
-    return _forward(st, q, k, v, bias, sinks, tb)
+    return _forward(st, q, k, v, bias, sinks, tb, lse_needed=st.return_lse)
 
 
 def _attention_fwd(st: _Static, q, k, v, bias, sinks, tb: _Tables):
@@ -360,10 +400,15 @@ def flash_attention(
         dropout_rate=float(dropout_rate),
         has_seg=seg is not None,
         varlen=cu is not None,
-        fwd_cfg=config or fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs),
+        fwd_cfg=config or FlashConfig(),  # replaced below when None
         bwd_cfg=bwd_config
         or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, heads // kv_heads),
+        return_lse=bool(return_lse),
     )
+    if config is None:
+        ws = can_warp_specialize(st.fully_visible(), bias, kv_len, head_dim, 128)
+        fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
+        st = dataclasses.replace(st, fwd_cfg=fwd)
     seed = _seed_array(dropout_seed if dropout_rate > 0.0 else None)
     tb = _tables(st, q_len, kv_len, seg, cu, seed)
     out, lse = _attention(st, q, k, v, bias, softmax_sinks, tb)

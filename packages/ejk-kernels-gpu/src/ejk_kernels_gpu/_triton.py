@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["gpu_available", "kernels", "launch"]
+__all__ = ["gpu_available", "hopper_gpu", "kernels", "launch"]
 
 
 def gpu_available() -> bool:
@@ -54,6 +54,15 @@ def kernels() -> ModuleType:
 
 def interpreting() -> bool:
     return kernels().INTERPRET
+
+
+@functools.cache
+def hopper_gpu() -> bool:
+    """Whether the kernels run compiled on a Hopper (sm_90) GPU."""
+    if not gpu_available() or interpreting():
+        return False
+    capability = getattr(jax.devices("gpu")[0], "compute_capability", "")
+    return str(capability).split(".")[0] == "9"
 
 
 class _HostBuffer:
@@ -157,6 +166,9 @@ def launch(
         raise NotImplementedError(
             f"ejk_kernels_gpu on a GPU needs jax-triton (pip install 'ejk-kernels-gpu[gpu]'): {err}"
         ) from None
+    from ._launch_fix import install
+
+    install()  # global scratch and warp counts for Hopper kernels
     outs = jax_triton.triton_call(
         *inputs,
         kernel=kernel,

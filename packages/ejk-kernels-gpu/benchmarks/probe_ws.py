@@ -1,0 +1,163 @@
+"""Probe: does TMA + Triton's Hopper warp specialization pay for the forward, through jax-triton?
+
+A minimal forward (no features: plain or causal, MHA, [B, T, N, H]) in three builds:
+pointer loads (8 warps, 3 stages), TMA descriptors (8 warps, 3 stages), and TMA with
+``tl.range(..., warp_specialize=True)`` (4 warps per group, 2 stages; Triton makes
+one producer and two consumer warpgroups, 12 warps). jax-triton 0.3.1 cannot run the
+last two as is: jaxlib passes a null global-scratch pointer (device-made TMA
+descriptors live there) and launches ``num_warps`` warps, not the total the
+warp-specialised kernel needs, so this probe uses `ejk_kernels_gpu._launch_fix`.
+
+Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
+    python3 packages/ejk-kernels-gpu/benchmarks/probe_ws.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from ejk_kernels_gpu import _launch_fix
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _step(q, k, v, acc, m_i, l_i, offs_m, offs_n, QK: tl.constexpr, MASK: tl.constexpr):
+    s = tl.dot(q, tl.trans(k))
+    if MASK:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * QK)
+    p = tl.math.exp2(s * QK - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, scratch_ptr, T: tl.constexpr, N: tl.constexpr,
+                     H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QK: tl.constexpr,
+                     CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bn = tl.program_id(1)
+    b = (bn // N).to(tl.int64)
+    n = bn % N
+    base = b * T * N * H + n * H
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, H)
+    if TMA:
+        qd = tl.make_tensor_descriptor(
+            q_ptr + base, shape=[T, H], strides=[N * H, 1], block_shape=[BM, H]
+        )
+        q = qd.load([pid_m * BM, 0])
+    else:
+        q = tl.load(q_ptr + base + offs_m[:, None] * (N * H) + offs_d[None, :])
+    m_i = tl.zeros([BM], tl.float32) - float("inf")
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, H], tl.float32)
+    hi = (pid_m + 1) * BM if CAUSAL else T
+    if TMA:
+        kd = tl.make_tensor_descriptor(
+            k_ptr + base, shape=[T, H], strides=[N * H, 1], block_shape=[BN, H]
+        )
+        vd = tl.make_tensor_descriptor(
+            v_ptr + base, shape=[T, H], strides=[N * H, 1], block_shape=[BN, H]
+        )
+        for start_n in tl.range(0, hi, BN, warp_specialize=WS):
+            offs_n = start_n + tl.arange(0, BN)
+            acc, m_i, l_i = _step(q, kd.load([start_n, 0]), vd.load([start_n, 0]), acc, m_i, l_i,
+                                  offs_m, offs_n, QK, CAUSAL)  # fmt: skip
+    else:
+        for start_n in tl.range(0, hi, BN):
+            offs_n = start_n + tl.arange(0, BN)
+            kv = base + offs_n[:, None] * (N * H) + offs_d[None, :]
+            acc, m_i, l_i = _step(q, tl.load(k_ptr + kv), tl.load(v_ptr + kv), acc, m_i, l_i,
+                                  offs_m, offs_n, QK, CAUSAL)  # fmt: skip
+    out = acc / l_i[:, None]
+    if TMA:
+        od = tl.make_tensor_descriptor(
+            o_ptr + base, shape=[T, H], strides=[N * H, 1], block_shape=[BM, H]
+        )
+        od.store([pid_m * BM, 0], out.to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(
+            o_ptr + base + offs_m[:, None] * (N * H) + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+        )
+
+
+def probe_attention(q, k, v, causal, mode):
+    import jax_triton
+
+    B, T, N, H = q.shape
+    bm, bn = 128, 128
+    warps, stages = (4, 2) if mode == "tma+ws" else (8, 3)
+    grid = (T // bm, B * N)
+    out, _ = jax_triton.triton_call(
+        q, k, v,
+        kernel=probe_fwd_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)),
+        grid=grid, num_warps=warps, num_stages=stages,
+        T=T, N=N, H=H, BM=bm, BN=bn, QK=H**-0.5 * _LOG2E, CAUSAL=causal,
+        TMA=mode != "ptr", WS=mode == "tma+ws",
+    )  # fmt: skip
+    return out
+
+
+def _time(fn, *args, reps=20, rounds=5):
+    jax.block_until_ready(fn(*args))
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t0) / reps)
+    return statistics.median(per)
+
+
+def main():
+    _launch_fix.install()
+    from ejk_kernels_gpu import flash_attention
+
+    print(jax.devices()[0].device_kind)
+    B, T, N, H = 4, 4096, 32, 128
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (B, T, N, H), jnp.bfloat16) for kk in keys)
+    for causal in (False, True):
+        flops = 4 * B * N * T * T * H / (2 if causal else 1)
+        ref = jax.nn.dot_product_attention(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=causal
+        )
+        impls = {
+            "cudnn": lambda q, k, v, c=causal: jax.nn.dot_product_attention(
+                q, k, v, is_causal=c, implementation="cudnn"
+            ),
+            "ejk": lambda q, k, v, c=causal: flash_attention(q, k, v, causal=c),
+        }
+        for mode in ("ptr", "tma", "tma+ws"):
+            impls["probe-" + mode] = lambda q, k, v, m=mode, c=causal: probe_attention(
+                q, k, v, c, m
+            )
+        for name, fn in impls.items():
+            try:
+                f = jax.jit(fn)
+                out = f(q, k, v)
+                err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+                t = _time(f, q, k, v)
+                print(f"causal={causal} {name:14s} {flops / t / 1e12:7.1f} TFLOP/s "
+                      f"{t * 1e3:7.3f} ms  max|err| {err:.3g}", flush=True)  # fmt: skip
+            except Exception as exc:  # a probe: report and go on
+                print(f"causal={causal} {name:14s} FAILED {type(exc).__name__}: {str(exc)[:400]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,13 +14,11 @@ Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
+from bench_flash import _time  # this folder (run as a script)
 
 from ejk_kernels_gpu import _launch_fix
 
@@ -110,18 +108,6 @@ def probe_attention(q, k, v, causal, mode):
         TMA=mode != "ptr", WS=mode == "tma+ws",
     )  # fmt: skip
     return out
-
-
-def _time(fn, *args, reps=20, rounds=5):
-    jax.block_until_ready(fn(*args))
-    per = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - t0) / reps)
-    return statistics.median(per)
 
 
 def main():

@@ -111,6 +111,7 @@ def probe_attention(q, k, v, causal, mode):
 
 
 def main():
+    _launch_fix.SCRATCH_KERNELS.add("probe_fwd_kernel")
     _launch_fix.install()
     from ejk_kernels_gpu import flash_attention
 

@@ -162,13 +162,12 @@ def fwd_kernel(
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    if not WS:
+    if WS:
         # The warp-specialised build serves only calls that need no lse (see _ops): a
         # per-row store from its two consumer warpgroups measured wrong, and a TMA store
         # of it correct but 2.4x slower (docs/performance.md).
-        tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
-    if WS:
         o_desc.store([pid_m * BLOCK_M, 0], out.to(o_ptr.dtype.element_ty))
     else:
+        lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
         store_tile(o_base, offs_m, offs_d, out, N * H, T, H)

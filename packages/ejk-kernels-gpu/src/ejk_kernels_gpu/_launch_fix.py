@@ -31,8 +31,9 @@ __all__ = ["SCRATCH_KERNELS", "SCRATCH_PER_PROGRAM", "install", "scratch_bytes"]
 # Bytes of global scratch one program may use: four 128-byte TMA descriptors and
 # the warp-specialisation barriers fit (the AOT tests check every config against it).
 SCRATCH_PER_PROGRAM = 2048
-# Kernels whose last explicit pointer argument is their global scratch.
-SCRATCH_KERNELS: set[str] = {"fwd_kernel", "probe_fwd_kernel"}
+# Kernels whose last explicit pointer argument is their global scratch (a benchmark's
+# own kernel may add its name).
+SCRATCH_KERNELS: set[str] = {"fwd_kernel"}
 
 
 def scratch_bytes(grid: tuple[int, ...]) -> int:

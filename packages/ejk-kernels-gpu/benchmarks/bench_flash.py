@@ -125,16 +125,23 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
-    parser.add_argument("--fwd-cfg", default="", help="ejk forward config bq,bk,warps,stages[,ws]")
-    parser.add_argument("--bwd-cfg", default="", help="ejk backward config bq,bk,warps,stages")
+    parser.add_argument(
+        "--fwd-cfg", default="", help="ejk forward config bq,bk,warps,stages[,warp_specialize]"
+    )
+    parser.add_argument(
+        "--bwd-cfg",
+        default="",
+        help="ejk backward config bq,bk,warps,stages; several separated by ';' "
+        "(an empty one: the heuristic)",
+    )
     args = parser.parse_args()
 
     def cfg(text):
         if not text:
             return None
-        bq, bk, w, st, *ws = (int(x) for x in text.split(","))
-        return FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st,
-                           warp_specialize=bool(ws and ws[0]))  # fmt: skip
+        bq, bk, w, st, *flags = text.split(",")
+        return FlashConfig(block_q=int(bq), block_k=int(bk), num_warps=int(w),
+                           num_stages=int(st), **{f: True for f in flags})  # fmt: skip
 
     print("#", jax.devices(), jax.__version__)
     only = set(filter(None, args.only.split(",")))
@@ -161,10 +168,11 @@ def main() -> int:
             for cfg in bwd_cands:
                 rows += bench_shape(shape, {"ejk"}, bwd_cfg=cfg, label="bwd " + str(cfg))
         return 0
+    bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
     for shape in shapes:
-        rows += bench_shape(
-            shape, only, cfg(args.fwd_cfg), cfg(args.bwd_cfg), with_bwd=not args.no_bwd
-        )
+        rows += bench_shape(shape, only, cfg(args.fwd_cfg), bwd_cfgs[0], with_bwd=not args.no_bwd)
+        for extra in bwd_cfgs[1:]:  # further backward configs: ejk only
+            rows += bench_shape(shape, {"ejk"}, cfg(args.fwd_cfg), extra, label=str(extra))
     _table(rows)
     return 0
 

@@ -158,16 +158,20 @@ def fwd_kernel(
             acc, m_i, l_i, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
         )
 
-    # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.
-    has_mass = l_i > 0.0
-    l_safe = tl.where(has_mass, l_i, 1.0)
-    out = acc / l_safe[:, None]
     if WS:
-        # The warp-specialised build serves only calls that need no lse (see _ops): a
-        # per-row store from its two consumer warpgroups measured wrong, and a TMA store
-        # of it correct but 2.4x slower (docs/performance.md).
-        o_desc.store([pid_m * BLOCK_M, 0], out.to(o_ptr.dtype.element_ty))
+        # Every row has mass here (fully visible keys). Outputs go through TMA, which clips
+        # rows past T; the lse as a [BLOCK_M, 16] tile (broadcast) into a [B·N·T, 16] buffer:
+        # per-row pointer stores from the two consumer warpgroups came out wrong in Triton
+        # 3.6 (docs/performance.md), and this store measured free.
+        o_desc.store([pid_m * BLOCK_M, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        lse_base = lse_ptr + pid_bn.to(tl.int64) * (T * 16)
+        lse_desc = tl.make_tensor_descriptor(lse_base, [T, 16], [16, 1], [BLOCK_M, 16])
+        lse_desc.store([pid_m * BLOCK_M, 0], lse[:, None] + tl.zeros([BLOCK_M, 16], tl.float32))
     else:
+        # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.
+        has_mass = l_i > 0.0
+        l_safe = tl.where(has_mass, l_i, 1.0)
         lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
-        store_tile(o_base, offs_m, offs_d, out, N * H, T, H)
+        store_tile(o_base, offs_m, offs_d, acc / l_safe[:, None], N * H, T, H)

@@ -36,7 +36,6 @@ class _Static:
     varlen: bool
     fwd_cfg: FlashConfig
     bwd_cfg: FlashConfig
-    return_lse: bool = False
 
     def fully_visible(self) -> bool:
         """Whether every query sees every key (nothing masks a block; bias aside)."""
@@ -51,7 +50,7 @@ def can_warp_specialize(
     """Whether a call may run the forward's warp-specialised TMA loop (see `FlashConfig`).
 
     The loop has no masking, so every key block must be full; TMA needs 16-byte aligned
-    rows (power-of-two head_dim). The caller also needs no lse (see `_forward`).
+    rows (power-of-two head_dim).
     """
     return (
         fully_visible
@@ -186,20 +185,14 @@ def _common_constexprs(st: _Static, q: Array, k: Array, bias: Array | None, has_
     )
 
 
-def _forward(
-    st: _Static, q, k, v, bias, sinks, tb: _Tables, lse_needed: bool = True
-) -> tuple[Array, Array]:
-    """(out, lse); the lse is left unwritten (garbage) when not ``lse_needed``."""
+def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Array]:
+    """(out, lse)."""
     batch, q_len, heads, _ = q.shape
     cfg = st.fwd_cfg
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    # The warp-specialised build writes no lse, so it serves only undifferentiated calls
-    # without return_lse (the custom VJP's forward rule always asks for the lse).
-    ws = (
-        not lse_needed
-        and cfg.warp_specialize
-        and can_warp_specialize(st.fully_visible(), bias, k.shape[1], q.shape[3], cfg.block_k)
+    ws = cfg.warp_specialize and can_warp_specialize(
+        st.fully_visible(), bias, k.shape[1], q.shape[3], cfg.block_k
     )
     if cfg.warp_specialize and not ws:
         side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
@@ -224,7 +217,8 @@ def _forward(
         ),
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            # The warp-specialised build stores each lse 16 times (a TMA tile, see _forward).
+            jax.ShapeDtypeStruct((batch, heads, q_len, *((16,) if ws else ())), jnp.float32),
             # Global scratch for the TMA descriptors (see _launch_fix); unused otherwise.
             jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
         ),
@@ -232,12 +226,12 @@ def _forward(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out, lse
+    return out, (lse[..., 0] if ws else lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, bias, sinks, tb: _Tables):
-    return _forward(st, q, k, v, bias, sinks, tb, lse_needed=st.return_lse)
+    return _forward(st, q, k, v, bias, sinks, tb)
 
 
 def _attention_fwd(st: _Static, q, k, v, bias, sinks, tb: _Tables):
@@ -403,7 +397,6 @@ def flash_attention(
         fwd_cfg=config or FlashConfig(),  # replaced below when None
         bwd_cfg=bwd_config
         or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, heads // kv_heads),
-        return_lse=bool(return_lse),
     )
     if config is None:
         ws = can_warp_specialize(st.fully_visible(), bias, kv_len, head_dim, 128)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, flash_attention
 
 CFG = FlashConfig(block_q=32, block_k=16)
+# dq from the dk/dv kernel's atomic adds instead of the dq kernel.
+ATOMIC = FlashConfig(block_q=32, block_k=16, atomic_dq=True)
 B, T, S, N, K, H = 2, 33, 47, 4, 2, 24
 
 
@@ -22,8 +26,8 @@ def _grads(fn, q, k, v, d_out, bias, sinks, kw):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, sinks)
 
 
-def _flash(*args, **kw):
-    return flash_attention(*args, config=CFG, bwd_config=CFG, **kw)
+def _flash(*args, bwd=CFG, **kw):
+    return flash_attention(*args, config=CFG, bwd_config=bwd, **kw)
 
 
 CASES = {
@@ -33,9 +37,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gradients_match_reference(rng, make_inputs, tol, case, dtype):
+def test_gradients_match_reference(rng, make_inputs, tol, case, dtype, bwd):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)
     d_out = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal((B, 1, T, S)), dtype)
@@ -45,7 +50,7 @@ def test_gradients_match_reference(rng, make_inputs, tol, case, dtype):
         q_ids = np.sort(rng.integers(0, 3, (B, T)), axis=1)
         kv_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1)
         kw["segment_ids"] = (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
-    got = _grads(_flash, q, k, v, d_out, bias, sinks, kw)
+    got = _grads(functools.partial(_flash, bwd=bwd), q, k, v, d_out, bias, sinks, kw)
     f32 = lambda x: x.astype(jnp.float32)
     want = _grads(reference_attention, f32(q), f32(k), f32(v), d_out, f32(bias), sinks, kw)
     for name, g, w in zip(("dq", "dk", "dv", "dbias", "dsinks"), got, want, strict=True):
@@ -56,13 +61,14 @@ def test_gradients_match_reference(rng, make_inputs, tol, case, dtype):
         assert err <= tol[dtype]["grad"] * scale, (name, err, scale)
 
 
-def test_varlen_gradients_with_empty_sequences_and_gqa(rng, make_inputs, tol):
+@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
+def test_varlen_gradients_with_empty_sequences_and_gqa(rng, make_inputs, tol, bwd):
     cu_q = jnp.asarray([0, 11, 11, 29, 36], jnp.int32)  # empty sequence; 3 padding rows at the end
     cu_k = jnp.asarray([0, 7, 13, 13, 30], jnp.int32)  # a sequence whose queries see no key
     q, k, v = make_inputs(rng, 1, 39, 31, 4, 1, 16, "float32")
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    got = _grads(_flash, q, k, v, d_out, None, None, kw)[:3]
+    got = _grads(functools.partial(_flash, bwd=bwd), q, k, v, d_out, None, None, kw)[:3]
     want = _grads(reference_attention, q, k, v, d_out, None, None, kw)[:3]
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert not bool(jnp.any(jnp.isnan(g))), name

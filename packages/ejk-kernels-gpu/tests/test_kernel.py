@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 
 from ejk_executor import ConfigCache, ConfigSelectorChain, Executor
 from ejk_kernels_gpu import (
@@ -14,6 +15,7 @@ from ejk_kernels_gpu import (
     flash_attention,
     fwd_search_space,
 )
+from ejk_kernels_gpu._config import _shared_bytes
 
 
 def test_executor_runs_the_forward_and_backward_kernels(rng, make_inputs):
@@ -39,3 +41,17 @@ def test_search_spaces_fit_and_hold_the_heuristic():
         assert all(fits_shared_memory("dkdv", c, head_dim) for c in bwd)
         assert fits_shared_memory("fwd", fwd_heuristic(head_dim), head_dim)
         assert fits_shared_memory("dq", bwd_heuristic(head_dim), head_dim)
+
+
+def test_backward_space_offers_both_ways_of_computing_dq():
+    bwd = bwd_search_space(128, 2, side_inputs=False)
+    assert {c.atomic_dq for c in bwd} == {False, True}
+    # The atomic build stages dS and the float32 dq tile in shared memory: it costs more.
+    plain = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    atomic = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
+    assert fits_shared_memory("dkdv", atomic, 128, 2, side_inputs=True)
+    assert _shared_bytes("dkdv", atomic, 128, 2, False) > _shared_bytes(
+        "dkdv", plain, 128, 2, False
+    )
+    with pytest.raises(TypeError, match="atomic_dq must be a bool"):
+        FlashConfig(atomic_dq="yes")

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgspec
 
 from ._config import (
     SHARED_MEMORY_LIMIT,
@@ -36,6 +37,7 @@ _POINTER_TYPES = {
     "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "bias_ptr": "data", "o_ptr": "data",
     "do_ptr": "data", "dq_ptr": "data", "dk_ptr": "data", "dv_ptr": "data",
     "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
+    "dq_acc_ptr": "fp32",
     "scratch_ptr": "u8", "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
     "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "seed_ptr": "u32",
 }  # fmt: skip
@@ -74,7 +76,9 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     consts = _common_constexprs(st, q, k, b, sinks)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
-        consts.update(BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False)
+        consts.update(
+            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False, DQ_ATOMIC=cfg.atomic_dq
+        )
     else:
         consts.update(
             BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False, WS=cfg.warp_specialize
@@ -132,6 +136,7 @@ def compile_kernel(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             warp_specialize=cfg.warp_specialize,
+            atomic_dq=cfg.atomic_dq,
         ),
         shared=int(meta.shared),
         # Global scratch (TMA descriptors) comes from a buffer of SCRATCH_PER_PROGRAM per program.
@@ -180,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
                     space = bwd_search_space(head_dim, itemsize, side)
                 elif group == "fwd":
                     space = (fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws),)
-                else:
-                    space = (bwd_heuristic(head_dim, itemsize, side),)
+                else:  # the heuristic and its twin: both ways of computing dq
+                    cfg = bwd_heuristic(head_dim, itemsize, side)
+                    space = (cfg, msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq))
                 for name in (n for n in names if n in wanted):
                     for cfg in space:
+                        if name == "dq_kernel" and cfg.atomic_dq:
+                            continue  # the dk/dv kernel computes dq: no dq kernel runs
                         failed += _report(name, cfg, head_dim, args.dtype, variant)
     return 1 if failed else 0
 

@@ -4,8 +4,10 @@
 blocks. ``dkdv_kernel``: one program per (key block, batch, kv head), looping over
 the query heads of its GQA group and their query blocks, so k/v gradients are
 summed over the group in registers; it also writes the logits gradient for
-``dbias`` when there is a bias. Both skip blocks through the same range tables
-as the forward (rows for dq, columns for dk/dv).
+``dbias`` when there is a bias. With ``DQ_ATOMIC`` it computes dq as well, adding
+each tile's ``dS·K`` into a float32 buffer (FlashAttention-2's single backward
+loop), and the dq kernel is not launched. Both skip blocks through the same range
+tables as the forward (rows for dq, columns for dk/dv).
 """
 
 import triton
@@ -93,13 +95,29 @@ def dq_kernel(
 def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
                 Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Step ``it`` of a range: query head ``it // n_blocks`` of the group, its query block ``it % n_blocks``."""
-    k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, dbias_ptr, seed, b, n0, offs_n, offs_d = ctx
+    (
+        k,
+        v,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        bias_ptr,
+        dbias_ptr,
+        dq_acc_ptr,
+        seed,
+        b,
+        n0,
+        offs_n,
+        offs_d,
+    ) = ctx
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
     BLOCK_D: tl.constexpr = F[3]
     HAS_BIAS: tl.constexpr = F[6]
     BIAS_SN: tl.constexpr = F[15]
+    DQ_ATOMIC: tl.constexpr = F[16]
     g = it // n_blocks
     n = n0 + g
     offs_m = start + (it - g * n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,7 +135,17 @@ def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: t
         off = g * (T * S) + offs_m[None, :] * S + offs_n[:, None]
         tl.store(dbias_ptr + off, dst, mask=(offs_m[None, :] < T) & (offs_n[:, None] < S))
     dv = tl.dot(pt.to(do.dtype), do, dv)
-    dk = tl.dot(dst.to(q.dtype), q, dk)
+    ds = dst.to(q.dtype)
+    dk = tl.dot(ds, q, dk)
+    if DQ_ATOMIC:
+        # dQ_i += dS_ij·K_j (FlashAttention-2, Alg. 2, line 21); other key blocks add theirs.
+        dq = tl.dot(tl.trans(ds), k)
+        ptrs = dq_acc_ptr + g * H + offs_m[:, None] * Q_STRIDE + offs_d[None, :]
+        if MASKED or BLOCK_D != H:
+            ok = (offs_m[:, None] < T) & (offs_d[None, :] < H)
+            tl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -145,17 +173,20 @@ def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr, BLO
 def dkdv_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
-    dk_ptr, dv_ptr, dbias_ptr,
+    dk_ptr, dv_ptr, dbias_ptr, dq_acc_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
+    """dk, dv (and the logits gradient with a bias); with ``DQ_ATOMIC`` also the unscaled
+    dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller)."""
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
                        WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR,
-                       BIAS_SN)  # fmt: skip
+                       BIAS_SN, DQ_ATOMIC)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)
@@ -180,7 +211,7 @@ def dkdv_kernel(
     ctx = (
         k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
-        seed, b, n0, offs_n, offs_d,
+        dq_acc_ptr + q_off, seed, b, n0, offs_n, offs_d,
     )  # fmt: skip
     dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
     dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, G, BLOCK_M, N * H, False, INTERPRET)

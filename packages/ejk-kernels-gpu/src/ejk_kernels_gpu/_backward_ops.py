@@ -36,17 +36,8 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
     bias_in = _dummy(q.dtype) if bias is None else bias
     tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
-    (dq,) = launch(
-        "dq_kernel",
-        (-(-q_len // cfg.block_q), batch * heads),
-        (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dq_ranges, tb.seed),
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),),
-        dq_consts,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
-    dk, dv, dlogits = launch(
+    dk, dv, dlogits, dq_sum = launch(
         "dkdv_kernel",
         (-(-kv_len // cfg.block_q), batch * kv_heads),
         (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dkdv_ranges, tb.seed),
@@ -54,13 +45,27 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
         ),
-        dkdv_consts,
+        dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        # Skipped blocks leave the logits gradient untouched: it must start at zero.
-        zeroed=(False, False, bias is not None),
+        # Skipped blocks leave the logits gradient untouched, and every key block adds
+        # into dq: both must start at zero.
+        zeroed=(False, False, bias is not None, cfg.atomic_dq),
     )
+    if cfg.atomic_dq:
+        dq = (dq_sum * st.scale).astype(q.dtype)
+    else:
+        (dq,) = launch(
+            "dq_kernel",
+            (-(-q_len // cfg.block_q), batch * heads),
+            (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dq_ranges, tb.seed),
+            (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+            dq_consts,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     dbias = None
     if bias is not None:
         axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)

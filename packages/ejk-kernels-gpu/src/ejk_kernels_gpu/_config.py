@@ -43,11 +43,15 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         num_stages: software-pipelining depth of the loop (>= 1).
         warp_specialize: forward only, Hopper (sm_90) only: load k/v through TMA
             descriptors in one warp-specialised loop (Triton makes one producer and two
-            consumer warpgroups). Taken only by calls that are not differentiated and
-            do not return the lse, where every key block is fully visible (no causal,
-            window, segment ids, packing, bias, dropout or soft cap; key length a
-            multiple of ``block_k``; head_dim a power of two); any other call runs the
-            ordinary kernel with the same tiles (see `ordinary_config`).
+            consumer warpgroups). Taken only by calls where every key block is fully
+            visible (no causal, window, segment ids, packing, bias, dropout or soft cap;
+            key length a multiple of ``block_k``; head_dim a power of two); any other
+            call runs the ordinary kernel with the same tiles (see `ordinary_config`).
+        atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
+            Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
+            separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
+            instead of 7). On a GPU the order of those adds varies from run to run, so dq
+            is not bitwise reproducible (dk, dv and the forward still are).
     """
 
     block_q: int = 64
@@ -55,12 +59,12 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     num_warps: int = 4
     num_stages: int = 2
     warp_specialize: bool = False
+    atomic_dq: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.warp_specialize, bool):
-            raise TypeError(
-                f"FlashConfig.warp_specialize must be a bool, got {self.warp_specialize!r}"
-            )
+        for name in ("warp_specialize", "atomic_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FlashConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_q", "block_k", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -91,9 +95,13 @@ def _shared_bytes(
 
     Pipelined operands are buffered ``num_stages`` times; the resident tile once.
     fwd: q resident, k and v streamed. dq: q, do resident, k, v streamed.
-    dkdv: k, v resident (block_q rows), q and do streamed (block_k rows).
+    dkdv: k, v resident (block_q rows), q and do streamed (block_k rows); with
+    ``atomic_dq`` the dS tile also goes through shared memory (the A operand of dS·K),
+    and so does the float32 dq tile on its way to the atomic adds.
     Side inputs (bias, segment ids, packed offsets, dropout) add about one float32
-    score tile of layout conversions (AOT-measured: 35 KiB at 128x128 in the forward).
+    score tile of layout conversions (AOT-measured: 35 KiB at 128x128 in the forward);
+    that scratch and the dq tile's are counted as one (AOT-measured at 128x64: 193 KiB
+    plain, 198 KiB with every side input).
     """
     d = head_block(head_dim)
     stages = max(cfg.num_stages, 1)
@@ -104,6 +112,9 @@ def _shared_bytes(
     else:
         raise ValueError(f"kind must be 'fwd', 'dq' or 'dkdv', got {kind=}")
     extra = cfg.block_q * cfg.block_k * 4 + 4096 if side_inputs else 0
+    if kind == "dkdv" and cfg.atomic_dq:
+        resident += cfg.block_q * cfg.block_k
+        extra = max(extra, cfg.block_k * d * 4)
     return (resident + stages * streamed) * itemsize + extra
 
 
@@ -120,15 +131,22 @@ def fits_shared_memory(
 
 # The candidate axes: forward tiles are tall in q (the resident side), backward tiles square-ish.
 _FWD_AXES = dict(block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
-_BWD_AXES = dict(block_q=(64, 128), block_k=(32, 64), num_warps=(4, 8), num_stages=(1, 2, 3))
+_BWD_AXES = dict(
+    block_q=(64, 128),
+    block_k=(32, 64),
+    num_warps=(4, 8),
+    num_stages=(1, 2, 3),
+    atomic_dq=(False, True),
+)
 
 
 def _space(
     kinds: tuple[str, ...], axes: dict, head_dim: int, itemsize: int, side_inputs: bool
 ) -> tuple[FlashConfig, ...]:
+    names = tuple(axes)
     cands = (
-        FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-        for bq, bk, w, st in itertools.product(*axes.values())
+        FlashConfig(**dict(zip(names, values, strict=True)))
+        for values in itertools.product(*axes.values())
     )
     return tuple(
         c
@@ -206,11 +224,12 @@ def bwd_heuristic(
 
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
+    Up to head_dim 128 dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`).
     """
     if head_dim <= 64:
-        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3, atomic_dq=True)
     if head_dim <= 128 and itemsize <= 2 and group == 1:
-        return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+        return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
     if head_dim <= 128:
-        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, atomic_dq=True)
     return FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)

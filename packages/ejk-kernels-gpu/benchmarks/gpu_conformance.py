@@ -2,7 +2,8 @@
 
 Compares outputs, lse and gradients (q, k, v, bias, sinks) with the float32
 reference on the bf16 inputs upcast, by relative L2 error ``|x - ref| / |ref|``,
-and checks determinism (two runs equal) and that no NaN appears.
+and checks determinism (two runs equal; dq apart, which atomic adds may reorder) and that
+no NaN appears.
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/gpu_conformance.py [--quick]
@@ -73,14 +74,14 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
     for n, g, r in zip(names, got_g, ref_g, strict=True):
         errs[n] = _rel(g, r)
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, *got_g))
-    det = bool(jnp.all(got_o == again_o)) and all(
-        bool(jnp.all(a == b)) for a, b in zip(got_g, again_g, strict=True)
-    )
+    # dq from atomic adds (FlashConfig.atomic_dq) may differ in its last bits between runs.
+    same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
+    det = bool(jnp.all(got_o == again_o)) and all(v for n, v in same.items() if n != "dq")
     ok = not nan and max(errs.values()) <= BF16_TOL
     shape = f"B{B} T{T} S{S} N{N} K{K} H{H}"
     err_txt = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
     print(
-        f"{'PASS' if ok else 'FAIL'} {name:<22} {shape:<28} det={det} nan={nan} {err_txt} ({seconds:.1f}s)"
+        f"{'PASS' if ok else 'FAIL'} {name:<22} {shape:<28} det={det} dq_det={same['dq']} nan={nan} {err_txt} ({seconds:.1f}s)"
     )
     return ok
 

@@ -45,3 +45,12 @@ def test_heuristic_configs_compile_for_hopper_with_every_feature():
 def test_whole_search_space_compiles_for_hopper(head_dim):
     _compile("--head-dims", head_dim, "--variants", "plain,causal", "--space", "full")
     _compile("--head-dims", head_dim, "--variants", "all", "--space", "heuristic")
+
+
+def test_dkdv_kernel_compiles_both_ways_of_computing_dq_for_hopper():
+    """head_dim 128, every feature: the heuristic (dq by TMA reduces) and its dq-kernel twin."""
+    rows = _compile(
+        "--head-dims", "128", "--variants", "all", "--space", "heuristic", "--kernels", "dkdv_kernel"
+    )  # fmt: skip
+    assert {r["config"]["atomic_dq"] for r in rows} == {False, True}
+    assert all(r["fits"] for r in rows)

@@ -76,9 +76,11 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     consts = _common_constexprs(st, q, k, b, sinks)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
+        tma = cfg.atomic_dq and consts["BLOCK_D"] == head_dim  # as on a Hopper GPU
         consts.update(
-            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False, DQ_ATOMIC=cfg.atomic_dq
-        )
+            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False, DQ_ATOMIC=cfg.atomic_dq,
+            DQ_TMA=tma,
+        )  # fmt: skip
     else:
         consts.update(
             BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False, WS=cfg.warp_specialize

@@ -95,22 +95,8 @@ def dq_kernel(
 def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
                 Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Step ``it`` of a range: query head ``it // n_blocks`` of the group, its query block ``it % n_blocks``."""
-    (
-        k,
-        v,
-        q_ptr,
-        do_ptr,
-        lse_ptr,
-        delta_ptr,
-        bias_ptr,
-        dbias_ptr,
-        dq_acc_ptr,
-        seed,
-        b,
-        n0,
-        offs_n,
-        offs_d,
-    ) = ctx
+    (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, dbias_ptr, dq_acc, seed, b, n0, offs_n,
+     offs_d) = ctx  # fmt: skip
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
@@ -118,9 +104,11 @@ def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: t
     HAS_BIAS: tl.constexpr = F[6]
     BIAS_SN: tl.constexpr = F[15]
     DQ_ATOMIC: tl.constexpr = F[16]
+    DQ_TMA: tl.constexpr = F[17]
     g = it // n_blocks
     n = n0 + g
-    offs_m = start + (it - g * n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = start + (it - g * n_blocks) * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     q = load_tile(q_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
     do = load_tile(do_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
     lse = load_rows(lse_ptr + g * T, offs_m, T, MASKED, 1.4426950408889634)
@@ -140,12 +128,17 @@ def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: t
     if DQ_ATOMIC:
         # dQ_i += dS_ij·K_j (FlashAttention-2, Alg. 2, line 21); other key blocks add theirs.
         dq = tl.dot(tl.trans(ds), k)
-        ptrs = dq_acc_ptr + g * H + offs_m[:, None] * Q_STRIDE + offs_d[None, :]
-        if MASKED or BLOCK_D != H:
-            ok = (offs_m[:, None] < T) & (offs_d[None, :] < H)
-            tl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
+        if DQ_TMA:
+            # One asynchronous bulk reduce of the tile (rows past T are clipped), as
+            # FlashAttention-3 accumulates dQ; `dq_acc` is the batch's [T, N·H] descriptor.
+            dq_acc.atomic_add([row0, n * H], dq)
         else:
-            tl.atomic_add(ptrs, dq, sem="relaxed")
+            ptrs = dq_acc + g * H + offs_m[:, None] * Q_STRIDE + offs_d[None, :]
+            if MASKED or BLOCK_D != H:
+                ok = (offs_m[:, None] < T) & (offs_d[None, :] < H)
+                tl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
+            else:
+                tl.atomic_add(ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -173,20 +166,22 @@ def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr, BLO
 def dkdv_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
-    dk_ptr, dv_ptr, dbias_ptr, dq_acc_ptr,
+    dk_ptr, dv_ptr, dbias_ptr, dq_acc_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """dk, dv (and the logits gradient with a bias); with ``DQ_ATOMIC`` also the unscaled
-    dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller)."""
+    dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller), by
+    TMA reduces with ``DQ_TMA`` (Hopper, ``BLOCK_D == H``; the descriptor lives in the
+    global scratch that `scratch_ptr` stands for, see _launch_fix) or else by atomic adds."""
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
                        WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR,
-                       BIAS_SN, DQ_ATOMIC)  # fmt: skip
+                       BIAS_SN, DQ_ATOMIC, DQ_TMA)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)
@@ -208,10 +203,16 @@ def dkdv_kernel(
     n0 = kh * G  # the group's first query head; _dkdv_block offsets to the others
     q_off = b64 * (T * N * H) + n0 * H
     row_off = (b * N + n0) * T
+    if DQ_TMA:
+        dq_acc = tl.make_tensor_descriptor(
+            dq_acc_ptr + b64 * (T * N * H), [T, N * H], [N * H, 1], [BLOCK_M, BLOCK_D]
+        )
+    else:
+        dq_acc = dq_acc_ptr + q_off
     ctx = (
         k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
-        dq_acc_ptr + q_off, seed, b, n0, offs_n, offs_d,
+        dq_acc, seed, b, n0, offs_n, offs_d,
     )  # fmt: skip
     dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
     dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, G, BLOCK_M, N * H, False, INTERPRET)

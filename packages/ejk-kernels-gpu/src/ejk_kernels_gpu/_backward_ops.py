@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._triton import launch
+from ._launch_fix import scratch_bytes
+from ._triton import hopper_gpu, launch
 
 __all__ = ["backward"]
 
@@ -37,22 +38,27 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     bias_in = _dummy(q.dtype) if bias is None else bias
     tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
-    dk, dv, dlogits, dq_sum = launch(
+    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    # On Hopper, dq tiles go out as TMA reduces (whole-tile rows only: BLOCK_D == H).
+    tma = cfg.atomic_dq and hopper_gpu() and consts["BLOCK_D"] == q.shape[3]
+    dk, dv, dlogits, dq_sum, _ = launch(
         "dkdv_kernel",
-        (-(-kv_len // cfg.block_q), batch * kv_heads),
+        grid,
         (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dkdv_ranges, tb.seed),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
+            # Global scratch for the TMA descriptor (see _launch_fix); unused otherwise.
+            jax.ShapeDtypeStruct((scratch_bytes(grid) if tma else 1,), jnp.uint8),
         ),
-        dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq),
+        dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # Skipped blocks leave the logits gradient untouched, and every key block adds
         # into dq: both must start at zero.
-        zeroed=(False, False, bias is not None, cfg.atomic_dq),
+        zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
     )
     if cfg.atomic_dq:
         dq = (dq_sum * st.scale).astype(q.dtype)

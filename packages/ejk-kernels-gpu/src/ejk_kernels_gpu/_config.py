@@ -100,8 +100,8 @@ def _shared_bytes(
     and so does the float32 dq tile on its way to the atomic adds.
     Side inputs (bias, segment ids, packed offsets, dropout) add about one float32
     score tile of layout conversions (AOT-measured: 35 KiB at 128x128 in the forward);
-    that scratch and the dq tile's are counted as one (AOT-measured at 128x64: 193 KiB
-    plain, 198 KiB with every side input).
+    that scratch and the dq tile's are counted as one, plus 4 KiB (AOT-measured at
+    128x64x3 with TMA reduces of dq: 209 KiB plain, 214 KiB with every side input).
     """
     d = head_block(head_dim)
     stages = max(cfg.num_stages, 1)
@@ -114,7 +114,7 @@ def _shared_bytes(
     extra = cfg.block_q * cfg.block_k * 4 + 4096 if side_inputs else 0
     if kind == "dkdv" and cfg.atomic_dq:
         resident += cfg.block_q * cfg.block_k
-        extra = max(extra, cfg.block_k * d * 4)
+        extra = max(extra, cfg.block_k * d * 4) + 4096
     return (resident + stages * streamed) * itemsize + extra
 
 
@@ -224,12 +224,15 @@ def bwd_heuristic(
 
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
-    Up to head_dim 128 dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`).
+    dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`) where that
+    measured faster (H100, docs/performance.md step 5): MHA with 16-bit head_dim <= 128
+    tiles (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
+    reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
     """
     if head_dim <= 64:
-        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3, atomic_dq=True)
+        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
     if head_dim <= 128 and itemsize <= 2 and group == 1:
         return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
     if head_dim <= 128:
-        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, atomic_dq=True)
+        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
     return FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)

@@ -54,6 +54,7 @@ VARIANTS = {
 
 
 def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str):
+    from ._backward_ops import dq_by_tma
     from ._ops import _common_constexprs, _Static
 
     feats = dict(VARIANTS[variant])
@@ -76,10 +77,9 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     consts = _common_constexprs(st, q, k, b, sinks)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
-        tma = cfg.atomic_dq and consts["BLOCK_D"] == head_dim  # as on a Hopper GPU
         consts.update(
             BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False, DQ_ATOMIC=cfg.atomic_dq,
-            DQ_TMA=tma,
+            DQ_TMA=dq_by_tma(cfg, head_dim, hopper=True),  # the build sm_90 runs
         )  # fmt: skip
     else:
         consts.update(

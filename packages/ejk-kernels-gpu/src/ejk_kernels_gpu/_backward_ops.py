@@ -6,10 +6,20 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from ._config import FlashConfig, head_block
 from ._launch_fix import scratch_bytes
 from ._triton import hopper_gpu, launch
 
-__all__ = ["backward"]
+__all__ = ["backward", "dq_by_tma"]
+
+
+def dq_by_tma(cfg: FlashConfig, head_dim: int, hopper: bool) -> bool:
+    """Whether the dk/dv kernel adds its dq tiles as TMA reduces (``DQ_TMA``).
+
+    Atomic dq on Hopper, with whole-tile rows: a power-of-two head_dim, so a tile of the
+    ``[T, N·H]`` descriptor never reaches into the next head's columns.
+    """
+    return cfg.atomic_dq and hopper and head_block(head_dim) == head_dim
 
 
 def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple[Array, ...]:
@@ -39,8 +49,7 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
-    # On Hopper, dq tiles go out as TMA reduces (whole-tile rows only: BLOCK_D == H).
-    tma = cfg.atomic_dq and hopper_gpu() and consts["BLOCK_D"] == q.shape[3]
+    tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
     dk, dv, dlogits, dq_sum, _ = launch(
         "dkdv_kernel",
         grid,

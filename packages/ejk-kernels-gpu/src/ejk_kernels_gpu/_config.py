@@ -225,8 +225,8 @@ def bwd_heuristic(
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
     dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`) where that
-    measured faster (H100, docs/performance.md step 5): MHA with 16-bit head_dim <= 128
-    tiles (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
+    measured faster (H100, docs/performance.md step 5): MHA, 16-bit, head_dim 65-128
+    (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
     """
     if head_dim <= 64:

@@ -20,9 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejk_attention import reference_attention
-from ejk_kernels_gpu import flash_attention
+from ejk_kernels_gpu import FlashConfig, flash_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
+# The warp-specialised forward, asked for explicitly (cases with ws=True): causal calls
+# take it by default only once it passes here (_config.CAUSAL_WARP_SPECIALIZE).
+WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
 
 
 def _rel(x, ref):
@@ -52,10 +55,14 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
         cuts = np.sort(rng.choice(np.arange(1, T), size=6, replace=False))
         cu = np.r_[0, cuts, cuts[-1], T - 5].astype(np.int32)  # one empty sequence, padding
         kw["cu_seqlens_q"] = jnp.asarray(cu)
+    if kw.pop("ws", False):
+        kw["config"] = WS
+    ref_kw = {n: x for n, x in kw.items() if n != "config"}
 
     def run(fn, q, k, v, bias, sinks):
         def loss(q, k, v, bias, sinks):
-            out, lse = fn(q, k, v, bias, softmax_sinks=sinks, return_lse=True, **kw)
+            out, lse = fn(q, k, v, bias, softmax_sinks=sinks, return_lse=True,
+                          **(kw if fn is flash_attention else ref_kw))  # fmt: skip
             return jnp.sum(out.astype(jnp.float32) * d_out), (out, lse)
 
         argnums = tuple(i for i, x in enumerate((q, k, v, bias, sinks)) if x is not None)
@@ -128,6 +135,10 @@ def main() -> int:
         # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward on Hopper;
         # T % 128 != 0 exercises TMA's zero fill and clipped stores, K < N the GQA offsets.
         ("ws gqa sinks h128", 2, 1000, 1024, 16, 4, 128, dict(sinks=True)),
+        # The warp-specialised forward on causal calls (block-relative mask, step 6).
+        ("ws causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, ws=True)),
+        ("ws causal sinks T<S", 2, 1000, 1024, 8, 8, 128, dict(causal=True, sinks=True, ws=True)),
+        ("ws causal T>S", 1, 1536, 1024, 8, 2, 128, dict(causal=True, ws=True)),
     ]  # fmt: skip
     if args.quick:
         cases = cases[:3]

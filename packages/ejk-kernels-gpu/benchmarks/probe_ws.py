@@ -27,11 +27,17 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _step(q, k, v, acc, m_i, l_i, offs_m, offs_n, QK: tl.constexpr, MASK: tl.constexpr):
+    """MASK (causal): 0 none, 1 select -inf, 2 add -1e6 to the scaled logits (no -inf)."""
     s = tl.dot(q, tl.trans(k))
-    if MASK:
-        s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * QK)
-    p = tl.math.exp2(s * QK - m_new[:, None])
+    if MASK == 2:
+        s = s * QK + tl.where(offs_n[None, :] <= offs_m[:, None], 0.0, -1.0e6)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        if MASK == 1:
+            s = tl.where(offs_n[None, :] <= offs_m[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * QK)
+        p = tl.math.exp2(s * QK - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -43,7 +49,7 @@ def _step(q, k, v, acc, m_i, l_i, offs_m, offs_n, QK: tl.constexpr, MASK: tl.con
 def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, T: tl.constexpr,
                      N: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      QK: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-                     LSE: tl.constexpr, PEEL: tl.constexpr):  # fmt: skip
+                     LSE: tl.constexpr, PEEL: tl.constexpr, MASK: tl.constexpr = 1):  # fmt: skip
     """CAUSAL with PEEL: the loop covers the fully visible blocks unmasked and the diagonal
     block is one masked step outside it (1: after the loop, 2: before it). LSE: how the
     log-sum-exp is stored (0 not, 1 per-row pointer store, 2 as a [BM, 16] broadcast tile
@@ -78,21 +84,31 @@ def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, T: tl.con
         if PEEL == 2:
             offs_n = hi + tl.arange(0, BN)
             acc, m_i, l_i = _step(q, kd.load([hi, 0]), vd.load([hi, 0]), acc, m_i, l_i,
-                                  offs_m, offs_n, QK, True)  # fmt: skip
+                                  offs_m, offs_n, QK, 1)  # fmt: skip
         for start_n in tl.range(0, hi, BN, warp_specialize=WS):
-            offs_n = start_n + tl.arange(0, BN)
+            if MASK >= 3:
+                # Positions relative to the block's first row: Triton 3.6's data partitioning
+                # shifts both the scalar and the range of `row0 + arange` for the second
+                # consumer warpgroup (rows 64 too far), a bare arange only once. Without
+                # causal the mask is computed all the same, every key visible (its cost).
+                shift = pid_m * BM if CAUSAL else T
+                offs_n = (start_n - shift) + tl.arange(0, BN)
+                rows = tl.arange(0, BM)
+            else:
+                offs_n = start_n + tl.arange(0, BN)
+                rows = offs_m
             acc, m_i, l_i = _step(q, kd.load([start_n, 0]), vd.load([start_n, 0]), acc, m_i, l_i,
-                                  offs_m, offs_n, QK, CAUSAL and not PEEL)  # fmt: skip
+                                  rows, offs_n, QK, (MASK - 2 if MASK >= 3 else MASK) if CAUSAL or MASK >= 3 else 0)  # fmt: skip
         if PEEL == 1:
             offs_n = hi + tl.arange(0, BN)
             acc, m_i, l_i = _step(q, kd.load([hi, 0]), vd.load([hi, 0]), acc, m_i, l_i,
-                                  offs_m, offs_n, QK, True)  # fmt: skip
+                                  offs_m, offs_n, QK, 1)  # fmt: skip
     else:
         for start_n in tl.range(0, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             kv = base + offs_n[:, None] * (N * H) + offs_d[None, :]
             acc, m_i, l_i = _step(q, tl.load(k_ptr + kv), tl.load(v_ptr + kv), acc, m_i, l_i,
-                                  offs_m, offs_n, QK, CAUSAL)  # fmt: skip
+                                  offs_m, offs_n, QK, 1 if CAUSAL else 0)  # fmt: skip
     out = acc / l_i[:, None]
     if TMA:
         od = tl.make_tensor_descriptor(
@@ -121,13 +137,83 @@ def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, T: tl.con
                 ld.store([bn * T + pid_m * BM, 0], tile)
 
 
-def probe_attention(q, k, v, causal, mode, lse=0, peel=0):
+@triton.jit
+def probe_persistent_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, B: tl.constexpr,
+                            T: tl.constexpr, N: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, QK: tl.constexpr, CAUSAL: tl.constexpr,
+                            WS: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Persistent forward: one program per SM walks (query block, batch·head) tiles, heaviest
+    query blocks first; the tile loop is the warp-specialised one (as in Triton's persistent
+    Hopper matmul), the key loop runs inside it. Descriptors cover whole tensors
+    ([B·T, N·H] views), made once per program. Causal masks every visited key block with
+    block-relative positions (see MASK 3 of `probe_fwd_kernel`)."""
+    NM: tl.constexpr = T // BM
+    BH: tl.constexpr = B * N
+    qd = tl.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [BM, H])
+    od = tl.make_tensor_descriptor(o_ptr, [B * T, N * H], [N * H, 1], [BM, H])
+    kd = tl.make_tensor_descriptor(k_ptr, [B * T, N * H], [N * H, 1], [BN, H])
+    vd = tl.make_tensor_descriptor(v_ptr, [B * T, N * H], [N * H, 1], [BN, H])
+    ld = tl.make_tensor_descriptor(lse_ptr, [BH * T, 16], [16, 1], [BM, 16])
+    for tile in tl.range(tl.program_id(0), NM * BH, tl.num_programs(0), flatten=False,
+                         warp_specialize=WS):  # fmt: skip
+        pid_m = NM - 1 - tile // BH
+        bn = tile % BH
+        b = bn // N
+        n = bn % N
+        row0 = pid_m * BM
+        q = qd.load([b * T + row0, n * H])
+        m_i = tl.zeros([BM], tl.float32) - float("inf")
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, H], tl.float32)
+        hi = row0 + BM if CAUSAL else T
+        if SPLIT:  # causal: unmasked loop below the diagonal block, then a masked one over it
+            for start_n in range(0, row0, BN):
+                k = kd.load([b * T + start_n, n * H])
+                v = vd.load([b * T + start_n, n * H])
+                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
+                                      (start_n - row0) + tl.arange(0, BN), QK, 0)  # fmt: skip
+            for start_n in range(row0, hi, BN):
+                k = kd.load([b * T + start_n, n * H])
+                v = vd.load([b * T + start_n, n * H])
+                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
+                                      (start_n - row0) + tl.arange(0, BN), QK, 2)  # fmt: skip
+        else:
+            for start_n in range(0, hi, BN):
+                k = kd.load([b * T + start_n, n * H])
+                v = vd.load([b * T + start_n, n * H])
+                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
+                                      (start_n - row0) + tl.arange(0, BN), QK, 2 if CAUSAL else 0)  # fmt: skip
+        od.store([b * T + row0, n * H], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        ld.store([bn * T + row0, 0], lse[:, None] + tl.zeros([BM, 16], tl.float32))
+
+
+def probe_persistent(q, k, v, causal, ws=True, programs=132, warps=4, stages=2, split=False):
+    """(out, lse [B, N, T]) of `probe_persistent_kernel` on ``programs`` programs."""
+    import jax_triton
+
+    B, T, N, H = q.shape
+    grid = (programs,)
+    out, lse_buf, _ = jax_triton.triton_call(
+        q, k, v,
+        kernel=probe_persistent_kernel,
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((B * N * T * 16,), jnp.float32),
+                   jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)),
+        grid=grid, num_warps=warps, num_stages=stages,
+        B=B, T=T, N=N, H=H, BM=128, BN=128, QK=H**-0.5 * _LOG2E, CAUSAL=causal, WS=ws, SPLIT=split,
+    )  # fmt: skip
+    return out, lse_buf.reshape(B, N, T, 16)[..., 0]
+
+
+def probe_attention(q, k, v, causal, mode, lse=0, peel=0, mask=1, bn=128, stages=None):
     """(out, lse [B, N, T]) of the probe kernel (lse is garbage when ``lse == 0``)."""
     import jax_triton
 
     B, T, N, H = q.shape
-    bm, bn = 128, 128
-    warps, stages = (4, 2) if mode == "tma+ws" else (8, 3)
+    bm = 128
+    warps = 4 if mode == "tma+ws" else 8
+    stages = stages or (2 if mode == "tma+ws" else 3)
     grid = (T // bm, B * N)
     out, lse_buf, _ = jax_triton.triton_call(
         q, k, v,
@@ -137,7 +223,7 @@ def probe_attention(q, k, v, causal, mode, lse=0, peel=0):
                    jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)),
         grid=grid, num_warps=warps, num_stages=stages,
         T=T, N=N, H=H, BM=bm, BN=bn, QK=H**-0.5 * _LOG2E, CAUSAL=causal,
-        TMA=mode != "ptr", WS=mode == "tma+ws", LSE=lse, PEEL=peel,
+        TMA=mode != "ptr", WS=mode == "tma+ws", LSE=lse, PEEL=peel, MASK=mask,
     )  # fmt: skip
     return out, lse_buf.reshape(B, N, T, 16)[..., 0]
 
@@ -159,24 +245,80 @@ def check_variants():
     small = [jax.random.normal(kk, (1, 2048, 4, 128), jnp.bfloat16) for kk in keys]
     B, T, N, H = 4, 4096, 32, 128
     big = [jax.random.normal(kk, (B, T, N, H), jnp.bfloat16) for kk in keys]
-    # Causal with a peeled diagonal step (PEEL 1, 2) does not build in Triton 3.6:
-    # "Unexpected op" in WSDataPartition (sm_90 AOT compile on the CPU machine).
-    variants = [(False, 0, 0), (False, 1, 0), (False, 2, 0), (False, 3, 0)]
-    for causal, lse, peel in variants:
-        name = f"causal={causal} lse={lse} peel={peel}"
+    # Causal with a peeled diagonal step (PEEL 1, 2) or a second loop does not build in
+    # Triton 3.6 or 3.8: "Unexpected op" / a dominance assertion in WSDataPartition (sm_90
+    # AOT compile on the CPU machine). Causal variants mask every block (MASK 1 or 2).
+    print("triton", triton.__version__, flush=True)
+    # (causal, lse, peel, mask, block_k, stages); mask 3/4: block-relative rows, select / add.
+    variants = [(False, 3, 0, 0, 128, 2), (False, 3, 0, 3, 128, 2), (False, 3, 0, 4, 128, 2),
+                (True, 3, 0, 0, 128, 2), (True, 3, 0, 3, 128, 2), (True, 3, 0, 4, 128, 2),
+                (True, 0, 0, 3, 128, 2), (True, 3, 0, 3, 64, 2), (True, 3, 0, 3, 64, 3),
+                (True, 3, 0, 3, 64, 4), (True, 3, 0, 4, 64, 3)]  # fmt: skip
+    for causal, lse, peel, mask, bn, stages in variants:
+        name = f"causal={causal} lse={lse} mask={mask} bn={bn} stages={stages}"
         try:
-            f = jax.jit(lambda q, k, v, c=causal, s=lse, p=peel: probe_attention(
-                q, k, v, c, "tma+ws", s, p))  # fmt: skip
+            f = jax.jit(lambda q, k, v, c=causal, s=lse, p=peel, m=mask, n=bn, g=stages:
+                        probe_attention(q, k, v, c, "tma+ws", s, p, m, n, g))  # fmt: skip
             out, got_lse = f(*small)
             ref, ref_lse = _reference(*small, causal)
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+            diff = jnp.abs(out.astype(jnp.float32) - ref).reshape(1, -1, 2, 64, 4, 128)
+            err = float(jnp.max(diff))
+            name += f" (err rows 0-63 {float(jnp.max(diff[:, :, 0])):.3g}, 64-127 {float(jnp.max(diff[:, :, 1])):.3g})"
             lse_err = float(jnp.max(jnp.abs(got_lse - ref_lse))) if lse else float("nan")
             t = _time(f, *big)
             flops = 4 * B * N * T * T * H / (2 if causal else 1)
-            print(f"{name:30s} {flops / t / 1e12:7.1f} TFLOP/s  max|err| out {err:.3g} "
+            print(f"{name:60s} {flops / t / 1e12:7.1f} TFLOP/s  max|err| out {err:.3g} "
                   f"lse {lse_err:.3g}", flush=True)  # fmt: skip
         except Exception as exc:  # a probe: report and go on
-            print(f"{name:30s} FAILED {type(exc).__name__}: {str(exc)[:600]}", flush=True)
+            print(f"{name:60s} FAILED {type(exc).__name__}: {str(exc)[:600]}", flush=True)
+
+
+def check_persistent():
+    """Values, lse and speed of the persistent warp-specialised probe, beside cuDNN and ejk."""
+    from ejk_kernels_gpu import flash_attention
+
+    print("triton", triton.__version__, jax.devices()[0].device_kind, flush=True)
+    keys = jax.random.split(jax.random.key(1), 3)
+    small = [jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in keys]
+    B, T, N, H = 4, 4096, 32, 128
+    big = [jax.random.normal(kk, (B, T, N, H), jnp.bfloat16) for kk in keys]
+    sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
+    for causal in (True, False):
+        flops = 4 * B * N * T * T * H / (2 if causal else 1)
+        ref, ref_lse = _reference(*small, causal)
+        runs = {
+            f"persistent ws {sms}": lambda q, k, v, c=causal: probe_persistent(
+                q, k, v, c, True, sms
+            ),
+            "persistent ws split": lambda q, k, v, c=causal: probe_persistent(
+                q, k, v, c, True, sms, split=c
+            ),
+            "cudnn": lambda q, k, v, c=causal: (
+                jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn"),
+                None,
+            ),
+            "ejk": lambda q, k, v, c=causal: (flash_attention(q, k, v, causal=c), None),
+            "probe ws mask3": lambda q, k, v, c=causal: probe_attention(
+                q, k, v, c, "tma+ws", 3, 0, 3
+            ),
+        }
+        for name, fn in runs.items():
+            try:
+                f = jax.jit(fn)
+                out, lse = f(*small)
+                diff = jnp.abs(out.astype(jnp.float32) - ref).reshape(2, -1, 2, 64, 4, 128)
+                msg = (
+                    f"err {float(jnp.max(diff)):.3g} (rows 0-63 {float(jnp.max(diff[:, :, 0])):.3g},"
+                    f" 64-127 {float(jnp.max(diff[:, :, 1])):.3g})"
+                )
+                if lse is not None:
+                    msg += f" lse {float(jnp.max(jnp.abs(lse - ref_lse))):.3g}"
+                t = _time(lambda *a, f=f: f(*a)[0], *big)
+                print(f"causal={causal} {name:22s} {flops / t / 1e12:7.1f} TFLOP/s {t * 1e3:7.3f} ms"
+                      f"  {msg}", flush=True)  # fmt: skip
+            except Exception as exc:  # a probe: report and go on
+                print(f"causal={causal} {name:22s} FAILED {type(exc).__name__}: {str(exc)[:600]}",
+                      flush=True)  # fmt: skip
 
 
 def main():
@@ -218,6 +360,11 @@ def main():
 if __name__ == "__main__":
     import sys
 
-    _launch_fix.SCRATCH_KERNELS.add("probe_fwd_kernel")
+    _launch_fix.SCRATCH_KERNELS.update({"probe_fwd_kernel", "probe_persistent_kernel"})
     _launch_fix.install()
-    check_variants() if "--variants" in sys.argv else main()
+    if "--variants" in sys.argv:
+        check_variants()
+    elif "--persistent" in sys.argv:
+        check_persistent()
+    else:
+        main()

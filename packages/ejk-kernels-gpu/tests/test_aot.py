@@ -54,3 +54,14 @@ def test_dkdv_kernel_compiles_both_ways_of_computing_dq_for_hopper():
     )  # fmt: skip
     assert {r["config"]["atomic_dq"] for r in rows} == {False, True}
     assert all(r["fits"] for r in rows)
+
+
+def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():
+    """The warp-specialised config compiles for causal calls into three warpgroups (a mask
+    Triton could not specialise would fall back silently to one, `.reqntid 128`)."""
+    rows = _compile(
+        "--head-dims", "128", "--variants", "plain,causal", "--space", "heuristic", "--kernels", "fwd_kernel"
+    )  # fmt: skip
+    ws = [r for r in rows if r["config"]["warp_specialize"]]
+    assert {r["variant"] for r in ws} == {"plain", "causal"}
+    assert all(r["threads"] == 384 and r["fits"] for r in ws), ws

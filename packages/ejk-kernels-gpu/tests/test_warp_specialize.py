@@ -1,7 +1,10 @@
-"""The warp-specialised forward's host side: config fallback and the jax-triton launch fixes.
+"""The warp-specialised forward: its code in the interpreter, its host side (which calls take
+it, config fallback) and the jax-triton launch fixes.
 
-The kernel itself only runs on a Hopper GPU (see benchmarks/gpu_conformance.py); its
-sm_90 build is compiled ahead of time in test_aot.py.
+The specialisation itself (producer and consumer warpgroups) only happens on a Hopper GPU
+(see benchmarks/gpu_conformance.py); its sm_90 build is compiled ahead of time in
+test_aot.py. The interpreter runs the same kernel code (TMA descriptors, the lse tile,
+the causal block mask) as one program, which is what the tests below check.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 
 from ejk_attention import reference_attention
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashConfig, _config, _ops, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
 from ejk_kernels_gpu._launch_fix import redirect_scratch, threads_required
 
@@ -47,6 +50,62 @@ def test_a_warp_specialised_config_runs_everywhere(rng):
     cfg = FlashConfig(block_q=32, block_k=16, num_warps=4, num_stages=2, warp_specialize=True)
     got = flash_attention(q, k, v, config=cfg)
     np.testing.assert_allclose(got, reference_attention(q, k, v), atol=2e-5)
+
+
+@pytest.fixture(name="launches")
+def launches_fixture(monkeypatch):
+    """Pretend to be on Hopper and record each forward launch's WS and CAUSAL constexprs."""
+    seen = []
+    launch = _ops.launch
+
+    def spy(name, grid, inputs, outs, consts, **kwargs):
+        if name == "fwd_kernel":
+            seen.append((consts["WS"], consts["CAUSAL"]))
+        return launch(name, grid, inputs, outs, consts, **kwargs)
+
+    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_ops, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("causal", "q_len", "kv_len", "sinks"),
+    [(False, 256, 256, False), (True, 256, 256, False), (True, 200, 256, True), (True, 384, 128, False)],
+)  # fmt: skip
+def test_warp_specialised_build_computes_attention(launches, rng, causal, q_len, kv_len, sinks):
+    """Values and lse of the warp-specialised build (interpreted), causal included: query
+    lengths off the block size (TMA zero fill and clipped stores), longer than the keys."""
+    q = jnp.asarray(rng.standard_normal((1, q_len, 2, 128)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, kv_len, 2, 128)), jnp.float32) for _ in range(2))
+    s = jnp.asarray(rng.standard_normal(2), jnp.float32) if sinks else None
+    out, lse = flash_attention(q, k, v, causal=causal, softmax_sinks=s, config=WS, return_lse=True)
+    assert launches == [(True, causal)]
+    ref, ref_lse = reference_attention(q, k, v, causal=causal, softmax_sinks=s, return_lse=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal_by_default", [False, True])
+def test_causal_calls_take_the_warp_specialised_build_by_default_only_when_enabled(
+    launches, monkeypatch, rng, causal_by_default
+):
+    monkeypatch.setattr(_config, "CAUSAL_WARP_SPECIALIZE", causal_by_default)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float32) for _ in range(3))
+    flash_attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
+    flash_attention(*(x.astype(jnp.float16) for x in (q, k, v)), causal=True)
+    flash_attention(*(x.astype(jnp.float16) for x in (q, k, v)), causal=True, sliding_window=8)
+    assert launches == [(True, False), (causal_by_default, True), (False, True)]
+
+
+def test_other_masks_never_take_the_warp_specialised_build(launches, rng):
+    """An explicit warp-specialised config falls back to the ordinary kernel (same tiles)."""
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float32) for _ in range(3))
+    for kwargs in (dict(causal=True, sliding_window=(8, 0)), dict(logits_soft_cap=5.0)):
+        got = flash_attention(q, k, v, config=WS, **kwargs)
+        np.testing.assert_allclose(got, reference_attention(q, k, v, **kwargs), atol=2e-5)
+    assert launches == [(False, True), (False, False)]
+    flash_attention(q, k[:, :0], v[:, :0], config=WS)  # no key block: nothing to load
+    assert launches[-1] == (False, False)
 
 
 _PTX = """.visible .entry fwd_kernel(

@@ -27,7 +27,7 @@ from ._config import (
     fwd_heuristic,
     fwd_search_space,
 )
-from ._launch_fix import SCRATCH_PER_PROGRAM
+from ._launch_fix import SCRATCH_PER_PROGRAM, threads_required
 
 __all__ = ["compile_kernel", "main"]
 
@@ -147,6 +147,8 @@ def compile_kernel(
         fits=int(meta.shared) <= SHARED_MEMORY_LIMIT and scratch <= SCRATCH_PER_PROGRAM,
         # Hopper's warpgroup matrix instructions (Triton emits them for sm_90 tl.dot).
         wgmma="wgmma" in compiled.asm["ptx"],
+        # Threads the PTX requires: 384 for a warp-specialised build (three warpgroups).
+        threads=threads_required(compiled.asm["ptx"]),
         seconds=round(time.perf_counter() - start, 2),
     )
 
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     for head_dim in (int(h) for h in args.head_dims.split(",")):
         for variant in args.variants.split(","):
             side = variant == "all"  # the variant with bias, segments, packing and dropout
-            ws = variant == "plain"  # every block fully visible: the warp-specialised loop
+            ws = variant in ("plain", "causal")  # masks the warp-specialised loop can do
             for group, names in KERNELS.items():
                 if args.space == "full" and group == "fwd":
                     space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)

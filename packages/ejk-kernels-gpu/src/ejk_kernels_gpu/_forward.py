@@ -5,6 +5,10 @@ online softmax in float32. The key blocks it visits come from a per-query-block
 table ``ranges[m] = (lo, full_lo, full_hi, hi)`` built by `_masks.block_table`:
 blocks outside ``[lo, hi)`` are skipped (causal, window, packed bounds), blocks
 inside ``[full_lo, full_hi)`` are fully visible and run without a mask.
+
+On Hopper the fully visible and the causal-only calls can take a warp-specialised loop
+fed by TMA (`_fwd_ws_loop`), which has to stay a single loop: causal calls mask every
+block there, with block-relative positions (see `_fwd_step`).
 """
 
 import triton
@@ -23,17 +27,33 @@ def _fwd_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.cons
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
-    return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, MASKED)
+    return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, MASKED, 0, False)
 
 
 @triton.jit
 def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr):  # fmt: skip
-    """One key block's online-softmax update of (acc, m, l), given its k and v tiles."""
+              MASKED: tl.constexpr, diag, BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
+    """One key block's online-softmax update of (acc, m, l), given its k and v tiles.
+
+    BLOCK_CAUSAL (the warp-specialised loop's causal mask): row ``i`` of the query block
+    sees column ``j`` of this key block iff ``diag + j <= i``, with ``diag`` = first key
+    minus first query row. Block-relative positions, not ``offs_m``: Triton 3.6's Hopper
+    data partitioning moves both the scalar and the range of ``row0 + arange`` to the
+    second consumer warpgroup's half, so its rows came out 64 too far (wrong values,
+    docs/performance.md step 6); a bare ``arange`` is moved once.
+    """
     q, _, _, bias_base, seed, b, n, offs_m, _ = ctx
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    LOG2_FACTOR: tl.constexpr = F[14]
     x = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, False)
+    if BLOCK_CAUSAL:
+        rows = tl.arange(0, x.shape[0])
+        cols = diag + tl.arange(0, BLOCK_N)
+        # Scaled logits plus 0 / -inf (an add fused with the scaling measured faster
+        # than a select), then a factor of 1.
+        x = x * F[14] + tl.where(cols[None, :] <= rows[:, None], 0.0, float("-inf"))
+        LOG2_FACTOR: tl.constexpr = 1.0
+    else:
+        LOG2_FACTOR: tl.constexpr = F[14]
     # Running max in log2 units (max commutes with the positive factor).
     m_new = tl.maximum(m_i, tl.max(x, 1) * LOG2_FACTOR)
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
@@ -71,18 +91,38 @@ def _fwd_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def _fwd_ws_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+                  K_DESC, V_DESC, row0):  # fmt: skip
+    k = K_DESC.load([start_n, 0])
+    v = V_DESC.load([start_n, 0])
+    CAUSAL: tl.constexpr = F[9]
+    return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0,
+                     CAUSAL)  # fmt: skip
+
+
+@triton.jit
 def _fwd_ws_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
-                 K_DESC, V_DESC):  # fmt: skip
-    """Fully visible key blocks through TMA, warp-specialised (Hopper; see `FlashConfig`).
+                 K_DESC, V_DESC, row0, INTERPRET: tl.constexpr):  # fmt: skip
+    """Key blocks through TMA, warp-specialised (Hopper; see `FlashConfig`).
 
     Triton 3.6 specialises only a kernel's single loop, fed by tensor-descriptor loads:
     one producer warpgroup issues the TMA copies, two consumer warpgroups each take half
-    of the query rows.
+    of the query rows. A second loop or a masked step outside it does not build, so a
+    causal call masks every block here (the block-relative mask of `_fwd_step`).
+    The interpreter (tests) walks the same blocks in a while loop, as `_fwd_loop` does.
     """
-    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
-        k = K_DESC.load([start_n, 0])
-        v = V_DESC.load([start_n, 0])
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, False)
+    if INTERPRET:
+        start_n = start
+        while start_n < end:
+            acc, m_i, l_i = _fwd_ws_block(
+                acc, m_i, l_i, start_n, ctx, P, F, BLOCK_N, K_DESC, V_DESC, row0
+            )
+            start_n += BLOCK_N
+    else:
+        for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _fwd_ws_block(
+                acc, m_i, l_i, start_n, ctx, P, F, BLOCK_N, K_DESC, V_DESC, row0
+            )
     return acc, m_i, l_i
 
 
@@ -141,11 +181,11 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
-    if WS:  # only for calls whose every block is fully visible (full_lo = lo, full_hi = hi)
+    if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _ops)
         k_desc = tl.make_tensor_descriptor(k_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
         acc, m_i, l_i = _fwd_ws_loop(
-            acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, k_desc, v_desc
+            acc, m_i, l_i, lo, hi, ctx, P, F, BLOCK_N, k_desc, v_desc, pid_m * BLOCK_M, INTERPRET
         )
     else:
         acc, m_i, l_i = _fwd_loop(
@@ -159,7 +199,7 @@ def fwd_kernel(
         )
 
     if WS:
-        # Every row has mass here (fully visible keys). Outputs go through TMA, which clips
+        # Every row has mass here (fully visible keys, or causal: key 0). Outputs go through TMA, which clips
         # rows past T; the lse as a [BLOCK_M, 16] tile (broadcast) into a [B·N·T, 16] buffer:
         # per-row pointer stores from the two consumer warpgroups came out wrong in Triton
         # 3.6 (docs/performance.md), and this store measured free.

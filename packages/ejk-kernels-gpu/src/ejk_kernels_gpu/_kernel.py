@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ejk_executor import Invocation, Kernel
 
+from . import _config
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
 from ._ops import can_warp_specialize, flash_attention
 
@@ -42,9 +43,10 @@ def _warp_specialize(inv: Invocation[Any, Any]) -> bool:
     head_dim, _, side = _shape_info(inv, 3)
     k = inv.args[1] if len(inv.args) > 1 else inv.kwargs["k"]
     kw = inv.kwargs
-    visible = not side and not kw.get("causal") and kw.get("sliding_window") is None
-    visible = visible and kw.get("logits_soft_cap") is None
-    return can_warp_specialize(visible, None, int(k.shape[1]), head_dim, 128)
+    masks_ok = not side and kw.get("sliding_window") is None
+    masks_ok = masks_ok and kw.get("logits_soft_cap") is None
+    masks_ok = masks_ok and (not kw.get("causal") or _config.CAUSAL_WARP_SPECIALIZE)
+    return can_warp_specialize(masks_ok, None, int(k.shape[1]), head_dim, 128)
 
 
 class FlashAttentionForward(Kernel[FlashConfig, Any]):

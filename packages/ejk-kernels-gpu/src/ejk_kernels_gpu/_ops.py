@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
-from . import _masks
+from . import _config, _masks
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block, ordinary_config
 from ._launch_fix import scratch_bytes
 from ._triton import hopper_gpu, launch
@@ -43,18 +43,27 @@ class _Static:
             self.causal or self.window is not None or self.has_seg or self.varlen
         ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
 
+    def ws_masks(self, causal_ok: bool = True) -> bool:
+        """Whether the warp-specialised loop can do this call's masking: none, or causal
+        alone when ``causal_ok``."""
+        return self.fully_visible() or (
+            causal_ok and self.causal and dataclasses.replace(self, causal=False).fully_visible()
+        )
+
 
 def can_warp_specialize(
-    fully_visible: bool, bias: Any, kv_len: int, head_dim: int, block_k: int
+    masks_ok: bool, bias: Any, kv_len: int, head_dim: int, block_k: int
 ) -> bool:
     """Whether a call may run the forward's warp-specialised TMA loop (see `FlashConfig`).
 
-    The loop has no masking, so every key block must be full; TMA needs 16-byte aligned
-    rows (power-of-two head_dim).
+    ``masks_ok``: its masking is none or causal alone (`_Static.ws_masks`). The loop has
+    no bounds masks, so every key block must be full (and there must be one); TMA needs
+    16-byte aligned rows (power-of-two head_dim).
     """
     return (
-        fully_visible
+        masks_ok
         and bias is None
+        and kv_len > 0
         and kv_len % block_k == 0
         and head_dim == head_block(head_dim)
         and hopper_gpu()
@@ -192,7 +201,7 @@ def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Arr
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
     ws = cfg.warp_specialize and can_warp_specialize(
-        st.fully_visible(), bias, k.shape[1], q.shape[3], cfg.block_k
+        st.ws_masks(), bias, k.shape[1], q.shape[3], cfg.block_k
     )
     if cfg.warp_specialize and not ws:
         side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
@@ -399,7 +408,8 @@ def flash_attention(
         or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, heads // kv_heads),
     )
     if config is None:
-        ws = can_warp_specialize(st.fully_visible(), bias, kv_len, head_dim, 128)
+        masks_ok = st.ws_masks(causal_ok=_config.CAUSAL_WARP_SPECIALIZE)
+        ws = can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
         fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
         st = dataclasses.replace(st, fwd_cfg=fwd)
     seed = _seed_array(dropout_seed if dropout_rate > 0.0 else None)

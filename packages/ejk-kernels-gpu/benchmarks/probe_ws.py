@@ -143,6 +143,18 @@ def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, T: tl.con
 
 
 @triton.jit
+def _keys(acc, m_i, l_i, q, kd, vd, b, n, row0, lo, hi, T: tl.constexpr, H: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, QK: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+    """Key blocks [lo, hi) of (batch b, head n) for the query block at row0 (block-relative mask)."""
+    for start_n in range(lo, hi, BN):
+        k = kd.load([b * T + start_n, n * H])
+        v = vd.load([b * T + start_n, n * H])
+        acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
+                              (start_n - row0) + tl.arange(0, BN), QK, MASK)  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def probe_persistent_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, B: tl.constexpr,
                             T: tl.constexpr, N: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, QK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -172,22 +184,15 @@ def probe_persistent_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, B:
         acc = tl.zeros([BM, H], tl.float32)
         hi = row0 + BM if CAUSAL else T
         if SPLIT:  # causal: unmasked loop below the diagonal block, then a masked one over it
-            for start_n in range(0, row0, BN):
-                k = kd.load([b * T + start_n, n * H])
-                v = vd.load([b * T + start_n, n * H])
-                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
-                                      (start_n - row0) + tl.arange(0, BN), QK, 0)  # fmt: skip
-            for start_n in range(row0, hi, BN):
-                k = kd.load([b * T + start_n, n * H])
-                v = vd.load([b * T + start_n, n * H])
-                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
-                                      (start_n - row0) + tl.arange(0, BN), QK, 2)  # fmt: skip
+            acc, m_i, l_i = _keys(
+                acc, m_i, l_i, q, kd, vd, b, n, row0, 0, row0, T, H, BM, BN, QK, 0
+            )
+            acc, m_i, l_i = _keys(
+                acc, m_i, l_i, q, kd, vd, b, n, row0, row0, hi, T, H, BM, BN, QK, 2
+            )
         else:
-            for start_n in range(0, hi, BN):
-                k = kd.load([b * T + start_n, n * H])
-                v = vd.load([b * T + start_n, n * H])
-                acc, m_i, l_i = _step(q, k, v, acc, m_i, l_i, tl.arange(0, BM),
-                                      (start_n - row0) + tl.arange(0, BN), QK, 2 if CAUSAL else 0)  # fmt: skip
+            acc, m_i, l_i = _keys(acc, m_i, l_i, q, kd, vd, b, n, row0, 0, hi, T, H, BM, BN, QK,
+                                  2 if CAUSAL else 0)  # fmt: skip
         od.store([b * T + row0, n * H], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
         ld.store([bn * T + row0, 0], lse[:, None] + tl.zeros([BM, 16], tl.float32))
@@ -195,42 +200,35 @@ def probe_persistent_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, B:
 
 def probe_persistent(q, k, v, causal, ws=True, programs=132, warps=4, stages=2, split=False):
     """(out, lse [B, N, T]) of `probe_persistent_kernel` on ``programs`` programs."""
+    return _call(probe_persistent_kernel, q, k, v, (programs,), warps, stages,
+                 B=q.shape[0], BN=128, CAUSAL=causal, WS=ws, SPLIT=split)  # fmt: skip
+
+
+def _call(kernel, q, k, v, grid, warps, stages, **consts):
+    """(out, lse [B, N, T]) of a probe kernel: outputs, then the lse as [B·N·T, 16], scratch."""
     import jax_triton
 
     B, T, N, H = q.shape
-    grid = (programs,)
     out, lse_buf, _ = jax_triton.triton_call(
         q, k, v,
-        kernel=probe_persistent_kernel,
+        kernel=kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((B * N * T * 16,), jnp.float32),
                    jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)),
         grid=grid, num_warps=warps, num_stages=stages,
-        B=B, T=T, N=N, H=H, BM=128, BN=128, QK=H**-0.5 * _LOG2E, CAUSAL=causal, WS=ws, SPLIT=split,
+        T=T, N=N, H=H, BM=128, QK=H**-0.5 * _LOG2E, **consts,
     )  # fmt: skip
     return out, lse_buf.reshape(B, N, T, 16)[..., 0]
 
 
 def probe_attention(q, k, v, causal, mode, lse=0, peel=0, mask=1, bn=128, stages=None):
     """(out, lse [B, N, T]) of the probe kernel (lse is garbage when ``lse == 0``)."""
-    import jax_triton
-
-    B, T, N, H = q.shape
-    bm = 128
+    B, T, N, _ = q.shape
     warps = 4 if mode == "tma+ws" else 8
     stages = stages or (2 if mode == "tma+ws" else 3)
-    grid = (T // bm, B * N)
-    out, lse_buf, _ = jax_triton.triton_call(
-        q, k, v,
-        kernel=probe_fwd_kernel,
-        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B * N * T * 16,), jnp.float32),
-                   jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)),
-        grid=grid, num_warps=warps, num_stages=stages,
-        T=T, N=N, H=H, BM=bm, BN=bn, QK=H**-0.5 * _LOG2E, CAUSAL=causal,
-        TMA=mode != "ptr", WS=mode == "tma+ws", LSE=lse, PEEL=peel, MASK=mask,
-    )  # fmt: skip
-    return out, lse_buf.reshape(B, N, T, 16)[..., 0]
+    return _call(probe_fwd_kernel, q, k, v, (T // 128, B * N), warps, stages, BN=bn,
+                 CAUSAL=causal, TMA=mode != "ptr", WS=mode == "tma+ws", LSE=lse, PEEL=peel,
+                 MASK=mask)  # fmt: skip
 
 
 def _reference(q, k, v, causal):

@@ -27,8 +27,8 @@ __all__ = [
 SHARED_MEMORY_LIMIT = 227 * 1024
 
 # Whether the heuristics and the autotuning space offer the warp-specialised forward to
-# causal calls. Its loop pattern passed on an H100 in a probe (benchmarks/probe_ws.py: same
-# errors as cuDNN against the f32 reference, +3-7 % over the ordinary kernel), but the
+# causal calls. Its block-relative mask passed on an H100 in a probe (benchmarks/probe_ws.py:
+# same errors as cuDNN against the f32 reference, +3-7 % over the ordinary kernel), but the
 # library's build of it has not yet run through gpu_conformance.py on a GPU
 # (docs/performance.md, step 6). Until it has, causal calls get it only from an explicit
 # ``FlashConfig(warp_specialize=True)``.

@@ -13,6 +13,13 @@ _ejk_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/ejk-site "$_ejk_root"/.whl/*.whl || return 1 2>/dev/null || exit 1
 _ejk_pp=/tmp/ejk-site
+# Optional: EJK_TRITON=<version> puts a carried Triton (.whl/triton-<version>.tar.xz, made by
+# scripts/gpu/triton_trimmed.sh) ahead of the machine's own.
+if [ -n "${EJK_TRITON:-}" ]; then
+  mkdir -p /tmp/ejk-triton && tar xJf "$_ejk_root/.whl/triton-$EJK_TRITON.tar.xz" -C /tmp/ejk-triton \
+    || return 1 2>/dev/null || exit 1
+  _ejk_pp="/tmp/ejk-triton:$_ejk_pp"
+fi
 for _d in "$_ejk_root"/packages/*/src; do _ejk_pp="$_ejk_pp:$_d"; done
 export PYTHONPATH="$_ejk_pp${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -54,7 +54,7 @@ def _step(q, k, v, acc, m_i, l_i, offs_m, offs_n, QK: tl.constexpr, MASK: tl.con
 def probe_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scratch_ptr, T: tl.constexpr,
                      N: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      QK: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
-                     LSE: tl.constexpr, PEEL: tl.constexpr, MASK: tl.constexpr = 1):  # fmt: skip
+                     LSE: tl.constexpr, PEEL: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
     """CAUSAL with PEEL: the loop covers the fully visible blocks unmasked and the diagonal
     block is one masked step outside it (1: after the loop, 2: before it). LSE: how the
     log-sum-exp is stored (0 not, 1 per-row pointer store, 2 as a [BM, 16] broadcast tile

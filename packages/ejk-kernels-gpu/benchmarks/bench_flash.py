@@ -116,6 +116,7 @@ def _table(rows):
         fbm = r.get("fwdbwd_ms", float("nan"))
         print(
             f"{shape:<34}{r['impl']:<8}{r['fwd_tflops']:>10.1f}{fb:>10.1f}{r['fwd_ms']:>9.3f}{fbm:>9.3f}"
+            f"  {r.get('cfg', '')}"
         )
 
 
@@ -126,7 +127,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
     parser.add_argument(
-        "--fwd-cfg", default="", help="ejk forward config bq,bk,warps,stages[,warp_specialize]"
+        "--fwd-cfg",
+        default="",
+        help="ejk forward config bq,bk,warps,stages[,warp_specialize]; several separated by ';' "
+        "(an empty one: the heuristic)",
     )
     parser.add_argument(
         "--bwd-cfg",
@@ -168,11 +172,14 @@ def main() -> int:
             for cfg in bwd_cands:
                 rows += bench_shape(shape, {"ejk"}, bwd_cfg=cfg, label="bwd " + str(cfg))
         return 0
+    fwd_cfgs = [cfg(text) for text in args.fwd_cfg.split(";")]
     bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
     for shape in shapes:
-        rows += bench_shape(shape, only, cfg(args.fwd_cfg), bwd_cfgs[0], with_bwd=not args.no_bwd)
+        rows += bench_shape(shape, only, fwd_cfgs[0], bwd_cfgs[0], with_bwd=not args.no_bwd)
+        for extra in fwd_cfgs[1:]:  # further forward configs: ejk only
+            rows += bench_shape(shape, {"ejk"}, extra, bwd_cfgs[0], not args.no_bwd, str(extra))
         for extra in bwd_cfgs[1:]:  # further backward configs: ejk only
-            rows += bench_shape(shape, {"ejk"}, cfg(args.fwd_cfg), extra, label=str(extra))
+            rows += bench_shape(shape, {"ejk"}, fwd_cfgs[0], extra, label=str(extra))
     _table(rows)
     return 0
 

@@ -69,15 +69,20 @@ def launches_fixture(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("causal", "q_len", "kv_len", "sinks"),
-    [(False, 256, 256, False), (True, 256, 256, False), (True, 200, 256, True), (True, 384, 128, False)],
+    ("causal", "q_len", "kv_len", "kv_heads", "sinks"),
+    [(False, 256, 256, 4, False), (True, 256, 256, 4, False), (True, 200, 256, 2, True),
+     (True, 384, 128, 1, False)],
 )  # fmt: skip
-def test_warp_specialised_build_computes_attention(launches, rng, causal, q_len, kv_len, sinks):
+def test_warp_specialised_build_computes_attention(
+    launches, rng, causal, q_len, kv_len, kv_heads, sinks
+):
     """Values and lse of the warp-specialised build (interpreted), causal included: query
-    lengths off the block size (TMA zero fill and clipped stores), longer than the keys."""
-    q = jnp.asarray(rng.standard_normal((1, q_len, 2, 128)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((1, kv_len, 2, 128)), jnp.float32) for _ in range(2))
-    s = jnp.asarray(rng.standard_normal(2), jnp.float32) if sinks else None
+    lengths off the block size (TMA zero fill and clipped stores), longer than the keys,
+    grouped kv heads (descriptor strides)."""
+    q = jnp.asarray(rng.standard_normal((2, q_len, 4, 128)), jnp.float32)
+    shape = (2, kv_len, kv_heads, 128)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    s = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
     out, lse = flash_attention(q, k, v, causal=causal, softmax_sinks=s, config=WS, return_lse=True)
     assert launches == [(True, causal)]
     ref, ref_lse = reference_attention(q, k, v, causal=causal, softmax_sinks=s, return_lse=True)

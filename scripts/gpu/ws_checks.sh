@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One GPU run that decides whether causal calls may take the warp-specialised forward by
-# default (`ejk_kernels_gpu._config.CAUSAL_WARP_SPECIALIZE`; docs/performance.md,
-# ejk-kernels-gpu step 6): bf16 conformance of that build, its speed beside the ordinary
-# kernel and cuDNN in one process, and the probe's mask forms.
+# The warp-specialisation checks that wait for a GPU (docs/performance.md, ejk-kernels-gpu
+# step 6), in one run: whether causal calls may take the warp-specialised forward by default
+# (`ejk_kernels_gpu._config.CAUSAL_WARP_SPECIALIZE`: bf16 conformance of that build, its
+# speed beside the ordinary kernel and cuDNN in one process, the probe's mask forms), and
+# whether warp-specialised backward kernels pay (probe_ws_bwd.py).
 #
 # Usage on the GPU machine (device tool, carry .whl), from the repository root:
-#   bash scripts/gpu/check_causal_ws.sh
+#   bash scripts/gpu/ws_checks.sh
 set -uo pipefail
 source scripts/gpu/setup.sh
 b=packages/ejk-kernels-gpu/benchmarks
@@ -16,3 +17,4 @@ python3 "$b/gpu_conformance.py" --cases 1,9,10,11,12
 python3 "$b/bench_flash.py" --only ejk,cudnn --shapes 1,2,3 \
   --fwd-cfg ";128,128,4,2,warp_specialize"
 python3 "$b/probe_ws.py" --variants 2>/dev/null
+python3 "$b/probe_ws_bwd.py" 2>/dev/null

@@ -89,6 +89,8 @@ def _fwd_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _fwd_ws_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
                   K_DESC, V_DESC, row0):  # fmt: skip
+    """One step of `_fwd_ws_loop`: the key block at ``start_n`` through TMA; causal calls
+    mask it relative to the query block's first row ``row0``."""
     k = K_DESC.load([start_n, 0])
     v = V_DESC.load([start_n, 0])
     CAUSAL: tl.constexpr = F[9]
@@ -195,10 +197,11 @@ def fwd_kernel(
         )
 
     if WS:
-        # Every row has mass here (fully visible keys, or causal: key 0). Outputs go through TMA, which clips
-        # rows past T; the lse as a [BLOCK_M, 16] tile (broadcast) into a [B·N·T, 16] buffer:
-        # per-row pointer stores from the two consumer warpgroups came out wrong in Triton
-        # 3.6 (docs/performance.md), and this store measured free.
+        # Every row has mass here (all keys visible, or causal: key 0 at least). Outputs go
+        # through TMA, which clips rows past T; the lse as a [BLOCK_M, 16] tile (broadcast)
+        # into a [B·N·T, 16] buffer: per-row pointer stores from the two consumer warpgroups
+        # came out wrong in Triton 3.6 (its row shift, docs/performance.md step 6), and this
+        # store measured free.
         o_desc.store([pid_m * BLOCK_M, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
         lse_base = lse_ptr + pid_bn.to(tl.int64) * (T * 16)

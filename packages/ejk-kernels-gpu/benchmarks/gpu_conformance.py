@@ -23,9 +23,11 @@ from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, flash_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
-# The warp-specialised forward, asked for explicitly (cases with ws=True): causal calls
-# take it by default only once it passes here (_config.CAUSAL_WARP_SPECIALIZE).
+# The warp-specialised forward and backward, asked for explicitly (cases with ws=True,
+# ws_bwd=True): the heuristics offer them to causal calls, and the backward at all, only
+# once they pass here (_config.CAUSAL_WARP_SPECIALIZE, WARP_SPECIALIZED_BACKWARD).
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
+WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
 
 
 def _rel(x, ref):
@@ -57,7 +59,9 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
         kw["cu_seqlens_q"] = jnp.asarray(cu)
     if kw.pop("ws", False):
         kw["config"] = WS
-    ref_kw = {n: x for n, x in kw.items() if n != "config"}
+    if kw.pop("ws_bwd", False):
+        kw["bwd_config"] = WS_BWD
+    ref_kw = {n: x for n, x in kw.items() if n not in ("config", "bwd_config")}
 
     def run(fn, q, k, v, bias, sinks):
         def loss(q, k, v, bias, sinks):
@@ -139,6 +143,10 @@ def main() -> int:
         ("ws causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, ws=True)),
         ("ws causal sinks T<S", 2, 1000, 1024, 8, 8, 128, dict(causal=True, sinks=True, ws=True)),
         ("ws causal T>S", 1, 1536, 1024, 8, 2, 128, dict(causal=True, ws=True)),
+        # The warp-specialised backward (with the forward's build): unmasked MHA, causal GQA
+        # with sinks and a query length off the tiles (padded lse rows).
+        ("ws bwd plain h128", 2, 1024, 1024, 16, 16, 128, dict(ws=True, ws_bwd=True)),
+        ("ws bwd causal gqa sinks", 2, 1000, 1024, 16, 4, 128, dict(causal=True, sinks=True, ws=True, ws_bwd=True)),
     ]  # fmt: skip
     if args.quick:
         cases = cases[:3]

@@ -65,3 +65,19 @@ def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():
     ws = [r for r in rows if r["config"]["warp_specialize"]]
     assert {r["variant"] for r in ws} == {"plain", "causal"}
     assert all(r["threads"] == 384 and r["fits"] for r in ws), ws
+
+
+def test_warp_specialised_backward_builds_for_hopper():
+    """The warp-specialised dq and dk/dv builds (unmasked and causal, grouped heads) compile
+    into three warpgroups and fit shared memory and their global scratch."""
+    rows = _compile(
+        "--head-dims", "128", "--variants", "plain,causal", "--space", "heuristic",
+        "--kernels", "dq_kernel,dkdv_kernel",
+    )  # fmt: skip
+    ws = [r for r in rows if r["config"]["warp_specialize"]]
+    assert {(r["kernel"], r["variant"]) for r in ws} == {
+        (kernel, variant)
+        for kernel in ("dq_kernel", "dkdv_kernel")
+        for variant in ("plain", "causal")
+    }
+    assert all(r["threads"] == 384 and r["fits"] for r in ws), ws

@@ -9,12 +9,13 @@ the causal block mask) as one program, which is what the tests below check.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ejk_attention import reference_attention
-from ejk_kernels_gpu import FlashConfig, _config, _ops, flash_attention
+from ejk_kernels_gpu import FlashConfig, _backward_ops, _config, _ops, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
 from ejk_kernels_gpu._launch_fix import redirect_scratch, threads_required
 
@@ -111,6 +112,83 @@ def test_other_masks_never_take_the_warp_specialised_build(launches, rng):
     assert launches == [(False, True), (False, False)]
     flash_attention(q, k[:, :0], v[:, :0], config=WS)  # no key block: nothing to load
     assert launches[-1] == (False, False)
+
+
+WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
+
+
+def test_warp_specialised_backward_runs_no_atomic_dq():
+    with pytest.raises(ValueError, match="warp_specialize and atomic_dq"):
+        FlashConfig(warp_specialize=True, atomic_dq=True)
+
+
+@pytest.fixture(name="bwd_launches")
+def bwd_launches_fixture(monkeypatch):
+    """Pretend to be on Hopper and record each backward launch's kernel and WS constexpr."""
+    seen = []
+    launch = _backward_ops.launch
+
+    def spy(name, grid, inputs, outs, consts, **kwargs):
+        seen.append((name, consts["WS"]))
+        return launch(name, grid, inputs, outs, consts, **kwargs)
+
+    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_backward_ops, "launch", spy)
+    return seen
+
+
+def _grads(attn, q, k, v, s, d_out, **kwargs):
+    """Gradients of a loss that uses the output and the lse (so the lse cotangent too)."""
+
+    def loss(q, k, v, s):
+        out, lse = attn(q, k, v, softmax_sinks=s, return_lse=True, **kwargs)
+        return jnp.sum(out * d_out) + jnp.sum(jnp.sin(lse))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3) if s is not None else (0, 1, 2))(q, k, v, s)
+
+
+@pytest.mark.parametrize(
+    ("causal", "q_len", "kv_len", "kv_heads", "sinks"),
+    [(False, 256, 256, 4, False), (True, 200, 256, 2, True), (True, 384, 128, 1, False)],
+)  # fmt: skip
+def test_warp_specialised_backward_computes_gradients(
+    bwd_launches, rng, causal, q_len, kv_len, kv_heads, sinks
+):
+    """dq, dk, dv (and dsinks) of the warp-specialised backward (interpreted): query lengths
+    off the tiles (TMA zero fill, clipped stores, padded lse rows), grouped kv heads."""
+    q = jnp.asarray(rng.standard_normal((2, q_len, 4, 128)), jnp.float32)
+    shape = (2, kv_len, kv_heads, 128)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    s = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    got = _grads(flash_attention, q, k, v, s, d_out, causal=causal, bwd_config=WS_BWD)
+    assert bwd_launches == [("dkdv_kernel", True), ("dq_kernel", True)]
+    want = _grads(reference_attention, q, k, v, s, d_out, causal=causal)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
+
+
+def test_warp_specialised_backward_config_falls_back_where_it_cannot_run(bwd_launches, rng):
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, 64)), jnp.float32) for _ in range(3))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    kwargs = dict(causal=True, sliding_window=(16, 0))
+    got = _grads(flash_attention, q, k, v, None, d_out, bwd_config=WS_BWD, **kwargs)
+    want = _grads(reference_attention, q, k, v, None, d_out, **kwargs)
+    assert bwd_launches == [("dkdv_kernel", False), ("dq_kernel", False)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_backward_takes_the_warp_specialised_build_by_default_only_when_enabled(
+    bwd_launches, monkeypatch, rng, enabled
+):
+    monkeypatch.setattr(_config, "WARP_SPECIALIZED_BACKWARD", enabled)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float16) for _ in range(3))
+    jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32)))(q)
+    assert {ws for _, ws in bwd_launches} == {enabled}
+    if enabled:  # otherwise the heuristic's dk/dv kernel may compute dq itself (atomic_dq)
+        assert [name for name, _ in bwd_launches] == ["dkdv_kernel", "dq_kernel"]
 
 
 _PTX = """.visible .entry fwd_kernel(

@@ -76,15 +76,15 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     consts = _common_constexprs(st, q, k, b, sinks)
+    # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
+    consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
         consts.update(
-            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, INTERPRET=False, DQ_ATOMIC=cfg.atomic_dq,
+            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, DQ_ATOMIC=cfg.atomic_dq,
             DQ_TMA=dq_by_tma(cfg, head_dim, hopper=True),  # the build sm_90 runs
         )  # fmt: skip
     else:
-        consts.update(
-            BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, INTERPRET=False, WS=cfg.warp_specialize
-        )
+        consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
     return consts
 
 
@@ -186,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                 if args.space == "full" and group == "fwd":
                     space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
                 elif args.space == "full":
-                    space = bwd_search_space(head_dim, itemsize, side)
+                    space = bwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
                 elif group == "fwd":
                     space = (fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws),)
-                else:  # the heuristic and its twin: both ways of computing dq
+                else:  # the heuristic and its twin (both ways of computing dq), and the
+                    # warp-specialised one where the call could take it
                     cfg = bwd_heuristic(head_dim, itemsize, side)
                     space = (cfg, msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq))
+                    ws_cfg = bwd_heuristic(head_dim, itemsize, side, warp_specialize=ws)
+                    space += (ws_cfg,) if ws_cfg.warp_specialize else ()
                 for name in (n for n in names if n in wanted):
                     for cfg in space:
                         if name == "dq_kernel" and cfg.atomic_dq:

@@ -13,23 +13,66 @@ tables as the forward (rows for dq, columns for dk/dv).
 import triton
 import triton.language as tl
 
-from ._common import grad_logits, load_ranges, load_rows, load_tile, store_tile
+from ._common import grad_logits, load_ranges, load_rows, load_tile, row_stats, store_tile
+
+
+@triton.jit
+def _slab(base, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr,
+          BLOCK: tl.constexpr, H: tl.constexpr):  # fmt: skip
+    """TMA descriptor of a ``[ROWS, COLS]`` slab in ``[BLOCK, H]`` tiles (zero fill past its end)."""
+    return tl.make_tensor_descriptor(base, [ROWS, COLS], [ROW_STRIDE, 1], [BLOCK, H])
+
+
+@triton.jit
+def _line(base, LENGTH: tl.constexpr, BLOCK: tl.constexpr):
+    """TMA descriptor of ``LENGTH`` float32 values (``BLOCK`` at a time; zero fill past the end)."""
+    return tl.make_tensor_descriptor(base, [LENGTH], [1], [BLOCK])
+
+
+@triton.jit
+def _dq_step(dq, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, diag, BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
+    """dq += dS·K for one key block, given its k and v tiles (BLOCK_CAUSAL: `block_causal`)."""
+    q, do, lse, delta, _, _, bias_base, seed, b, n, offs_m, _ = ctx
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    _, ds = grad_logits(
+        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, False,
+        diag, BLOCK_CAUSAL,
+    )  # fmt: skip
+    return tl.dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
 def _dq_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
               KV_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d = ctx
+    _, _, _, _, k_base, v_base, _, _, _, _, _, offs_d = ctx
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
     BLOCK_D: tl.constexpr = F[3]
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
     v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
-    _, ds = grad_logits(
-        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, False
-    )
-    return tl.dot(ds.to(k.dtype), k, dq)
+    return _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, MASKED, 0, False)
+
+
+@triton.jit
+def _dq_ws_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr, K_DESC, V_DESC,
+                row0, INTERPRET: tl.constexpr):  # fmt: skip
+    """Key blocks through TMA, warp-specialised, as the forward's `_fwd_ws_loop`."""
+    CAUSAL: tl.constexpr = F[9]
+    if INTERPRET:
+        start_n = start
+        while start_n < end:
+            k = K_DESC.load([start_n, 0])
+            v = V_DESC.load([start_n, 0])
+            dq = _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+            start_n += BLOCK_N
+    else:
+        for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
+            k = K_DESC.load([start_n, 0])
+            v = V_DESC.load([start_n, 0])
+            dq = _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+    return dq
 
 
 @triton.jit
@@ -50,14 +93,19 @@ def _dq_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
 def dq_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
-    dq_ptr,
+    dq_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+    WS: tl.constexpr, LSE_T: tl.constexpr,
 ):  # fmt: skip
+    """dq of one query block. With ``WS`` (Hopper; fully visible or causal-only calls, see
+    `FlashConfig.warp_specialize`) every tile moves through TMA in one warp-specialised
+    loop; lse and delta then come as ``[B, N, LSE_T]`` rows padded with zeros, and
+    `scratch_ptr` stands for the descriptors' global scratch (see _launch_fix)."""
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
                        WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
@@ -73,10 +121,18 @@ def dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q_off = b64 * (T * N * H) + n * H
-    q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, 1.4426950408889634)
-    delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
+    row0 = pid_m * BLOCK_M
+    if WS:
+        q = _slab(q_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
+        do = _slab(do_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
+        rows = pid_bn.to(tl.int64) * LSE_T
+        lse = row_stats(_line(lse_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.4426950408889634)
+        delta = row_stats(_line(delta_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.0)
+    else:
+        q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
+        do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
+        lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, 1.4426950408889634)
+        delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
@@ -85,18 +141,64 @@ def dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
-    dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
-    dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
-    dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
-    store_tile(dq_ptr + q_off, offs_m, offs_d, dq * SCALE, N * H, T, H)
+    if WS:
+        kd = _slab(k_base, S, H, K * H, BLOCK_N, H)
+        vd = _slab(v_base, S, H, K * H, BLOCK_N, H)
+        dq = _dq_ws_loop(dq, lo, hi, ctx, P, F, BLOCK_N, kd, vd, row0, INTERPRET)
+        # Through TMA (clipped past T): per-row stores from the consumer warpgroups would
+        # meet Triton 3.6's row shift (see `block_causal`).
+        out = (dq * SCALE).to(dq_ptr.dtype.element_ty)
+        _slab(dq_ptr + q_off, T, H, N * H, BLOCK_M, H).store([row0, 0], out)
+    else:
+        dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
+        dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
+        dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
+        store_tile(dq_ptr + q_off, offs_m, offs_d, dq * SCALE, N * H, T, H)
 
 
 @triton.jit
 def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
                 Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Step ``it`` of a range: query head ``it // n_blocks`` of the group, its query block ``it % n_blocks``."""
-    (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptr, dbias_ptr, dq_acc, seed, b, n0, offs_n,
-     offs_d) = ctx  # fmt: skip
+    _, _, q_ptr, do_ptr, lse_ptr, delta_ptr, _, _, _, _, _, _, _, offs_d = ctx
+    T: tl.constexpr = F[0]
+    H: tl.constexpr = F[2]
+    BLOCK_D: tl.constexpr = F[3]
+    g = it // n_blocks
+    row0 = start + (it - g * n_blocks) * BLOCK_M
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    q = load_tile(q_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    do = load_tile(do_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
+    lse = load_rows(lse_ptr + g * T, offs_m, T, MASKED, 1.4426950408889634)
+    delta = load_rows(delta_ptr + g * T, offs_m, T, MASKED, 1.0)
+    return _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED,
+                      0, False)  # fmt: skip
+
+
+@triton.jit
+def _dkdv_ws_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+                   Q_DESC, DO_DESC, LSE_DESC, DELTA_DESC, key0, LSE_T: tl.constexpr):  # fmt: skip
+    """`_dkdv_block` through TMA: q and dO tiles of the group's ``[T, G·H]`` slabs, lse and
+    delta of its ``G`` padded rows of ``LSE_T``; causal calls masked by `block_causal`."""
+    H: tl.constexpr = F[2]
+    CAUSAL: tl.constexpr = F[9]
+    g = it // n_blocks
+    row0 = start + (it - g * n_blocks) * BLOCK_M
+    q = Q_DESC.load([row0, g * H])
+    do = DO_DESC.load([row0, g * H])
+    lse = row_stats(LSE_DESC.load([g * LSE_T + row0]), 1.4426950408889634)
+    delta = row_stats(DELTA_DESC.load([g * LSE_T + row0]), 1.0)
+    return _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F, BLOCK_M, 0, False,
+                      row0 - key0, CAUSAL)  # fmt: skip
+
+
+@triton.jit
+def _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
+               Q_STRIDE: tl.constexpr, MASKED: tl.constexpr, diag,
+               BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
+    """dk, dv (and dq, the logits gradient) updates of query head ``g`` of the group, rows
+    from ``row0``, given their tiles."""
+    (k, v, _, _, _, _, bias_ptr, dbias_ptr, dq_acc, seed, b, n0, offs_n, offs_d) = ctx  # fmt: skip
     T: tl.constexpr = F[0]
     S: tl.constexpr = F[1]
     H: tl.constexpr = F[2]
@@ -105,18 +207,12 @@ def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: t
     BIAS_SN: tl.constexpr = F[15]
     DQ_ATOMIC: tl.constexpr = F[16]
     DQ_TMA: tl.constexpr = F[17]
-    g = it // n_blocks
     n = n0 + g
-    row0 = start + (it - g * n_blocks) * BLOCK_M
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    q = load_tile(q_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    do = load_tile(do_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    lse = load_rows(lse_ptr + g * T, offs_m, T, MASKED, 1.4426950408889634)
-    delta = load_rows(delta_ptr + g * T, offs_m, T, MASKED, 1.0)
     # Transposed tiles [BLOCK_N, BLOCK_M]: dV += Pᵀ·dO and dK += dSᵀ·q need no register transpose.
     pt, dst = grad_logits(
         q, k, v, do, lse, delta, bias_ptr + g * BIAS_SN, seed, b, n, offs_m, offs_n, P, F,
-        MASKED, True,
+        MASKED, True, diag, BLOCK_CAUSAL,
     )  # fmt: skip
     if HAS_BIAS:
         # The bias gradient is the logits gradient; every (row, column) is visited once.
@@ -163,6 +259,26 @@ def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr, BLO
 
 
 @triton.jit
+def _dkdv_ws_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr,
+                  BLOCK_M: tl.constexpr, descs, key0, LSE_T: tl.constexpr,
+                  INTERPRET: tl.constexpr):  # fmt: skip
+    """`_dkdv_loop` through TMA, warp-specialised (see `dkdv_kernel`)."""
+    n_blocks = (end - start + BLOCK_M - 1) // BLOCK_M
+    qd, dod, ld, dd = descs
+    if INTERPRET:
+        it = 0
+        while it < G * n_blocks:
+            dk, dv = _dkdv_ws_block(dk, dv, it, start, n_blocks, ctx, P, F, BLOCK_M, qd, dod, ld,
+                                    dd, key0, LSE_T)  # fmt: skip
+            it += 1
+    else:
+        for it in tl.range(0, G * n_blocks, warp_specialize=True):
+            dk, dv = _dkdv_ws_block(dk, dv, it, start, n_blocks, ctx, P, F, BLOCK_M, qd, dod, ld,
+                                    dd, key0, LSE_T)  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
 def dkdv_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, do_ptr, lse_ptr, delta_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
@@ -173,12 +289,14 @@ def dkdv_kernel(
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr, WS: tl.constexpr, LSE_T: tl.constexpr,
 ):  # fmt: skip
     """dk, dv (and the logits gradient with a bias); with ``DQ_ATOMIC`` also the unscaled
     dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller), by
     TMA reduces with ``DQ_TMA`` (Hopper, ``BLOCK_D == H``; the descriptor lives in the
-    global scratch that `scratch_ptr` stands for, see _launch_fix) or else by atomic adds."""
+    global scratch that `scratch_ptr` stands for, see _launch_fix) or else by atomic adds.
+    With ``WS`` (no dq here) every tile moves through TMA in one warp-specialised loop, as
+    in `dq_kernel`: lse and delta as ``[B, N, LSE_T]`` rows padded with zeros."""
     F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
                        WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR,
                        BIAS_SN, DQ_ATOMIC, DQ_TMA)  # fmt: skip
@@ -193,8 +311,13 @@ def dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     kv_off = b64 * (S * K * H) + kh * H
-    k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
-    v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+    key0 = pid_n * BLOCK_N
+    if WS:
+        k = _slab(k_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
+        v = _slab(v_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
+    else:
+        k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+        v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
     seed = tl.load(seed_ptr)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n)
 
@@ -214,8 +337,27 @@ def dkdv_kernel(
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
         dq_acc, seed, b, n0, offs_n, offs_d,
     )  # fmt: skip
-    dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
-    dk, dv = _dkdv_loop(dk, dv, full_lo, full_hi, ctx, P, F, G, BLOCK_M, N * H, False, INTERPRET)
-    dk, dv = _dkdv_loop(dk, dv, full_hi, hi, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
-    store_tile(dk_ptr + kv_off, offs_n, offs_d, dk * SCALE, K * H, S, H)
-    store_tile(dv_ptr + kv_off, offs_n, offs_d, dv, K * H, S, H)
+    if WS:
+        rows = (b64 * N + n0) * LSE_T
+        descs = (
+            _slab(q_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
+            _slab(do_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
+            _line(lse_ptr + rows, G * LSE_T, BLOCK_M),
+            _line(delta_ptr + rows, G * LSE_T, BLOCK_M),
+        )
+        dk, dv = _dkdv_ws_loop(dk, dv, lo, hi, ctx, P, F, G, BLOCK_M, descs, key0, LSE_T, INTERPRET)
+        # Through TMA (clipped past S), as dq_kernel's store.
+        _slab(dk_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
+            [key0, 0], (dk * SCALE).to(dk_ptr.dtype.element_ty)
+        )
+        _slab(dv_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
+            [key0, 0], dv.to(dv_ptr.dtype.element_ty)
+        )
+    else:
+        dk, dv = _dkdv_loop(dk, dv, lo, full_lo, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
+        dk, dv = _dkdv_loop(
+            dk, dv, full_lo, full_hi, ctx, P, F, G, BLOCK_M, N * H, False, INTERPRET
+        )
+        dk, dv = _dkdv_loop(dk, dv, full_hi, hi, ctx, P, F, G, BLOCK_M, N * H, True, INTERPRET)
+        store_tile(dk_ptr + kv_off, offs_n, offs_d, dk * SCALE, K * H, S, H)
+        store_tile(dv_ptr + kv_off, offs_n, offs_d, dv, K * H, S, H)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, head_block
+from ._config import FlashConfig, head_block, ordinary_config
 from ._launch_fix import scratch_bytes
 from ._triton import hopper_gpu, launch
 
@@ -28,11 +28,17 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
-    from ._ops import _common_constexprs, _dummy
+    from ._ops import _common_constexprs, _dummy, can_warp_specialize
 
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     cfg = st.bwd_cfg
+    ws = cfg.warp_specialize and can_warp_specialize(
+        st.ws_masks(), bias, kv_len, q.shape[3], cfg.block_q
+    )
+    if cfg.warp_specialize and not ws:
+        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
+        cfg = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, side, kinds=("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
     # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
@@ -41,6 +47,12 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
         delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     del consts["HAS_SINKS"]
+    # The warp-specialised build reads lse and delta through TMA as rows of a length that
+    # keeps every row 16-byte aligned, zero-padded (see dq_kernel).
+    lse_t = -(-q_len // 128) * 128 if ws else q_len
+    consts.update(WS=ws, LSE_T=lse_t)
+    pad = ((0, 0), (0, 0), (0, lse_t - q_len))
+    rows = (jnp.pad(lse, pad), jnp.pad(delta, pad)) if ws else (lse, delta)
     # A config names the resident tile (block_q) and the streamed one (block_k): queries
     # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
     dq_consts = dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
@@ -50,17 +62,17 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
+    scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
     dk, dv, dlogits, dq_sum, _ = launch(
         "dkdv_kernel",
         grid,
-        (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dkdv_ranges, tb.seed),
+        (q, k, v, bias_in, d_out, *rows, *tables, tb.dkdv_ranges, tb.seed),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
-            # Global scratch for the TMA descriptor (see _launch_fix); unused otherwise.
-            jax.ShapeDtypeStruct((scratch_bytes(grid) if tma else 1,), jnp.uint8),
+            scratch,  # global scratch for TMA descriptors (see _launch_fix); unused otherwise
         ),
         dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
         num_warps=cfg.num_warps,
@@ -72,11 +84,15 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     if cfg.atomic_dq:
         dq = (dq_sum * st.scale).astype(q.dtype)
     else:
-        (dq,) = launch(
+        dq_grid = (-(-q_len // cfg.block_q), batch * heads)
+        dq, _ = launch(
             "dq_kernel",
-            (-(-q_len // cfg.block_q), batch * heads),
-            (q, k, v, bias_in, d_out, lse, delta, *tables, tb.dq_ranges, tb.seed),
-            (jax.ShapeDtypeStruct(q.shape, q.dtype),),
+            dq_grid,
+            (q, k, v, bias_in, d_out, *rows, *tables, tb.dq_ranges, tb.seed),
+            (
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),
+            ),
             dq_consts,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

@@ -125,6 +125,27 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
+def block_causal(x, diag, TRANS: tl.constexpr):
+    """``x`` with -inf where the key comes after the query: the warp-specialised loops' causal
+    mask, in positions relative to the tile (``diag`` = the first column's position minus
+    the first row's).
+
+    Rows are queries (keys with TRANS): row ``i`` sees column ``j`` iff ``j <= i - diag``
+    (``j >= i - diag``). Not ``offs_m``/``offs_n``: Triton 3.6's Hopper data partitioning
+    moves both the scalar and the range of ``row0 + arange`` to the second consumer
+    warpgroup's half of the rows, 64 too far (docs/performance.md, ejk-kernels-gpu step 6);
+    a bare ``arange`` is moved once. A per-row limit against constant columns leaves a
+    compare and a select per element.
+    """
+    lim = tl.arange(0, x.shape[0]) - diag
+    cols = tl.arange(0, x.shape[1])[None, :]
+    if TRANS:
+        return tl.where(cols >= lim[:, None], x, float("-inf"))
+    else:
+        return tl.where(cols <= lim[:, None], x, float("-inf"))
+
+
+@triton.jit
 def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.constexpr,
            TRANS: tl.constexpr):  # fmt: skip
     """float32 tile ``x`` with logits·log2(e) = ``x * LOG2_FACTOR``; -inf where hidden.
@@ -171,7 +192,8 @@ def dropout_weights(p, seed, b, n, offs_m, offs_n, F: tl.constexpr):
 
 @triton.jit
 def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P,
-                F: tl.constexpr, MASKED: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+                F: tl.constexpr, MASKED: tl.constexpr, TRANS: tl.constexpr, diag,
+                BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """Recompute one tile's probabilities and the gradient of the pre-cap logits.
 
     FlashAttention-2, Alg. 2: ``P = exp(s - lse)`` (in base 2: ``lse`` comes in log2
@@ -179,6 +201,7 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
     with ``delta = rowsum(dO ∘ O)``; through the soft cap ``1 - (s/cap)²``.
     With TRANS every tile is transposed ([BLOCK_N, BLOCK_M]: ``Pᵀ = exp(k·qᵀ ...)``,
     ``dPᵀ = v·dOᵀ``), as the dk/dv kernel consumes them (FlashAttention-2's dK, dV loop).
+    BLOCK_CAUSAL: the causal mask of the warp-specialised loops (`block_causal`).
 
     Returns:
         (P after dropout, dX), float32 tiles.
@@ -193,6 +216,8 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
     else:
         s = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, TRANS)
         dp = tl.dot(do, tl.trans(v))
+    if BLOCK_CAUSAL:
+        s = block_causal(s, diag, TRANS)
     p = tl.math.exp2(s * LOG2_FACTOR - along_q(lse, TRANS))
     if DROPOUT_THRESHOLD > 0:
         keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD, TRANS)
@@ -217,6 +242,12 @@ def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr, FACTOR: tl
         x = tl.load(base + offs, mask=offs < N_ROWS, other=0.0)
     else:
         x = tl.load(base + offs)
+    return row_stats(x, FACTOR)
+
+
+@triton.jit
+def row_stats(x, FACTOR: tl.constexpr):
+    """Loaded per-row statistics as `load_rows` returns them (``x * FACTOR``, -inf as 0)."""
     return tl.where(x == float("-inf"), 0.0, x * FACTOR)
 
 

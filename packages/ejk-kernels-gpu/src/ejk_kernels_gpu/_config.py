@@ -33,6 +33,11 @@ SHARED_MEMORY_LIMIT = 227 * 1024
 # (docs/performance.md, step 6). Until it has, causal calls get it only from an explicit
 # ``FlashConfig(warp_specialize=True)``.
 CAUSAL_WARP_SPECIALIZE = False
+# Whether they offer the warp-specialised backward (dk/dv and dq kernels) at all: its
+# probe (benchmarks/probe_ws_bwd.py) builds without spills and matches the reference in
+# the interpreter, but neither it nor the library's build has run on a GPU yet
+# (docs/performance.md, step 6). Until then only an explicit backward config takes it.
+WARP_SPECIALIZED_BACKWARD = False
 
 
 class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,14 +54,16 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         num_warps: warps per program (power of two); with ``warp_specialize``, warps
             per warpgroup (the program runs three warpgroups).
         num_stages: software-pipelining depth of the loop (>= 1).
-        warp_specialize: forward only, Hopper (sm_90) only: load k/v through TMA
-            descriptors in one warp-specialised loop (Triton makes one producer and two
-            consumer warpgroups). Taken by calls where every key block is fully visible
+        warp_specialize: Hopper (sm_90) only: move every tile through TMA descriptors in
+            one warp-specialised loop per kernel (Triton makes one producer and two
+            consumer warpgroups, each owning half of the resident tile; a backward config
+            then runs no atomic dq). Taken by calls where every key block is fully visible
             or causal is the only mask (no window, segment ids, packing, bias, dropout
             or soft cap; key length a multiple of ``block_k``, > 0; head_dim a power of
             two); any other call runs the ordinary kernel with the same tiles (see
-            `ordinary_config`). The heuristic picks it for causal calls only where
-            `CAUSAL_WARP_SPECIALIZE` says so.
+            `ordinary_config`). The forward heuristic picks it for causal calls only where
+            `CAUSAL_WARP_SPECIALIZE` says so, the backward one only where
+            `WARP_SPECIALIZED_BACKWARD` does.
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -75,6 +82,11 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         for name in ("warp_specialize", "atomic_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FlashConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.warp_specialize and self.atomic_dq:
+            raise ValueError(
+                "FlashConfig.warp_specialize and atomic_dq cannot both be set: the "
+                "warp-specialised backward computes dq in its own kernel"
+            )
         for name in ("block_q", "block_k", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -165,26 +177,37 @@ def _space(
     )
 
 
-# Warp-specialised forward configs (AOT-checked for sm_90: shared memory and global scratch).
+# Warp-specialised configs (AOT-checked for sm_90: shared memory and global scratch).
 _WS_CONFIGS = {
     128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
+}
+# Backward: 128 resident rows (keys in dk/dv, queries in dq; 64 per consumer warpgroup),
+# 64 streamed (the probe's dk/dv tiles).
+_WS_BWD_CONFIGS = {
+    128: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True),),
 }
 
 
 def ordinary_config(
-    cfg: FlashConfig, head_dim: int, itemsize: int = 2, side_inputs: bool = True
+    cfg: FlashConfig,
+    head_dim: int,
+    itemsize: int = 2,
+    side_inputs: bool = True,
+    kinds: tuple[str, ...] = ("fwd",),
 ) -> FlashConfig:
     """The ordinary-kernel config a warp-specialised one stands for where it cannot run.
 
     Same tiles; its two consumer warpgroups become ``2 * num_warps`` warps, and the
-    producer's buffering one more pipeline stage where shared memory allows
-    (128x128 tiles: (128, 128, 8, 3), the best ordinary forward config measured).
+    producer's buffering one more pipeline stage where shared memory allows for every
+    kernel of ``kinds`` (forward 128x128 tiles: (128, 128, 8, 3), the best ordinary
+    forward config measured; backward 128x64: (128, 64, 8, 3)).
     """
     if not cfg.warp_specialize:
         return cfg
     base = msgspec.structs.replace(cfg, num_warps=2 * cfg.num_warps, warp_specialize=False)
     deeper = msgspec.structs.replace(base, num_stages=base.num_stages + 1)
-    return deeper if fits_shared_memory("fwd", deeper, head_dim, itemsize, side_inputs) else base
+    fits = all(fits_shared_memory(k, deeper, head_dim, itemsize, side_inputs) for k in kinds)
+    return deeper if fits else base
 
 
 def fwd_search_space(
@@ -202,10 +225,16 @@ def fwd_search_space(
 
 
 def bwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
 ) -> tuple[FlashConfig, ...]:
-    """Every backward config (shared by the dq and dk/dv kernels) that fits both."""
-    return _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
+    """Every backward config (shared by the dq and dk/dv kernels) that fits both.
+
+    ``warp_specialize``: the call can take the warp-specialised backward on this GPU.
+    """
+    space = _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
+    if warp_specialize and itemsize == 2:
+        space += _WS_BWD_CONFIGS.get(head_dim, ())
+    return space
 
 
 def fwd_heuristic(
@@ -228,9 +257,15 @@ def fwd_heuristic(
 
 
 def bwd_heuristic(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True, group: int = 1
+    head_dim: int,
+    itemsize: int = 2,
+    side_inputs: bool = True,
+    group: int = 1,
+    warp_specialize: bool = False,
 ) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed).
+
+    ``warp_specialize``: the call can take the warp-specialised backward on this GPU.
 
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
@@ -239,6 +274,8 @@ def bwd_heuristic(
     (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
     """
+    if warp_specialize and itemsize == 2 and head_dim in _WS_BWD_CONFIGS:
+        return _WS_BWD_CONFIGS[head_dim][0]
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
     if head_dim <= 128 and itemsize <= 2 and group == 1:

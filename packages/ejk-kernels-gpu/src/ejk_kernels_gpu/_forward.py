@@ -14,7 +14,7 @@ block there, with block-relative positions (see `_fwd_step`).
 import triton
 import triton.language as tl
 
-from ._common import dropout_weights, load_ranges, load_tile, logits, store_tile
+from ._common import block_causal, dropout_weights, load_ranges, load_tile, logits, store_tile
 
 
 @triton.jit
@@ -35,21 +35,15 @@ def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl
               MASKED: tl.constexpr, diag, BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """One key block's online-softmax update of (acc, m, l), given its k and v tiles.
 
-    BLOCK_CAUSAL (the warp-specialised loop's causal mask): row ``i`` of the query block
-    sees column ``j`` of this key block iff ``j <= i - diag``, with ``diag`` = first key
-    minus first query row. Block-relative rows, not ``offs_m``: Triton 3.6's Hopper data
-    partitioning moves both the scalar and the range of ``row0 + arange`` to the second
-    consumer warpgroup's half, so its rows came out 64 too far (wrong values,
-    docs/performance.md step 6); a bare ``arange`` is moved once. A per-row limit
-    against constant columns leaves a compare and a select per score.
+    BLOCK_CAUSAL: the warp-specialised loop's causal mask (`block_causal`), ``diag`` = the
+    block's first key minus the query block's first row.
     """
     q, _, _, bias_base, seed, b, n, offs_m, _ = ctx
     offs_n = start_n + tl.arange(0, BLOCK_N)
     LOG2_FACTOR: tl.constexpr = F[14]
     x = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, False)
     if BLOCK_CAUSAL:
-        lim = tl.arange(0, x.shape[0]) - diag
-        x = tl.where(tl.arange(0, BLOCK_N)[None, :] <= lim[:, None], x, float("-inf"))
+        x = block_causal(x, diag, False)
     # Running max in log2 units (max commutes with the positive factor).
     m_new = tl.maximum(m_i, tl.max(x, 1) * LOG2_FACTOR)
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so

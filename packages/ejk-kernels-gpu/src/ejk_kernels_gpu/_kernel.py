@@ -38,14 +38,17 @@ def _shape_info(inv: Invocation[Any, Any], bias_index: int) -> tuple[int, int, b
     return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize), side
 
 
-def _warp_specialize(inv: Invocation[Any, Any]) -> bool:
-    """Whether the call can take the forward's warp-specialised loop on this GPU."""
-    head_dim, _, side = _shape_info(inv, 3)
+def _warp_specialize(inv: Invocation[Any, Any], bias_index: int, backward: bool = False) -> bool:
+    """Whether the heuristics offer the call the warp-specialised forward (or backward) on
+    this GPU (see `_config.CAUSAL_WARP_SPECIALIZE` and `WARP_SPECIALIZED_BACKWARD`)."""
+    if backward and not _config.WARP_SPECIALIZED_BACKWARD:
+        return False
+    head_dim, _, side = _shape_info(inv, bias_index)
     k = inv.args[1] if len(inv.args) > 1 else inv.kwargs["k"]
     kw = inv.kwargs
     masks_ok = not side and kw.get("sliding_window") is None
     masks_ok = masks_ok and kw.get("logits_soft_cap") is None
-    masks_ok = masks_ok and (not kw.get("causal") or _config.CAUSAL_WARP_SPECIALIZE)
+    masks_ok = masks_ok and (not kw.get("causal") or backward or _config.CAUSAL_WARP_SPECIALIZE)
     return can_warp_specialize(masks_ok, None, int(k.shape[1]), head_dim, 128)
 
 
@@ -60,10 +63,10 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
         return flash_attention(*args, config=cfg, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return fwd_heuristic(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv))
+        return fwd_heuristic(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3))
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return fwd_search_space(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv))
+        return fwd_search_space(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3))
 
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):
@@ -85,7 +88,9 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
         q, k = inv.args[0], inv.args[1]
-        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2])
+        ws = _warp_specialize(inv, 4, backward=True)
+        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2], warp_specialize=ws)
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return bwd_search_space(*_shape_info(inv, 4))
+        ws = _warp_specialize(inv, 4, backward=True)
+        return bwd_search_space(*_shape_info(inv, 4), warp_specialize=ws)

@@ -33,7 +33,7 @@ __all__ = ["SCRATCH_KERNELS", "SCRATCH_PER_PROGRAM", "install", "scratch_bytes"]
 SCRATCH_PER_PROGRAM = 2048
 # Kernels whose last explicit pointer argument is their global scratch (a benchmark's
 # own kernel may add its name).
-SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dkdv_kernel"}
+SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dq_kernel", "dkdv_kernel"}
 
 
 def scratch_bytes(grid: tuple[int, ...]) -> int:

@@ -54,7 +54,7 @@ class _Static:
 def can_warp_specialize(
     masks_ok: bool, bias: Any, kv_len: int, head_dim: int, block_k: int
 ) -> bool:
-    """Whether a call may run the forward's warp-specialised TMA loop (see `FlashConfig`).
+    """Whether a call may run the warp-specialised TMA loops (see `FlashConfig`).
 
     ``masks_ok``: its masking is none or causal alone (`_Static.ws_masks`). The loop has
     no bounds masks, so every key block must be full (and there must be one); TMA needs
@@ -403,15 +403,21 @@ def flash_attention(
         dropout_rate=float(dropout_rate),
         has_seg=seg is not None,
         varlen=cu is not None,
-        fwd_cfg=config or FlashConfig(),  # replaced below when None
-        bwd_cfg=bwd_config
-        or bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, heads // kv_heads),
+        fwd_cfg=config or FlashConfig(),  # both replaced below when None
+        bwd_cfg=bwd_config or FlashConfig(),
     )
     if config is None:
         masks_ok = st.ws_masks(causal_ok=_config.CAUSAL_WARP_SPECIALIZE)
         ws = can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
         fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
         st = dataclasses.replace(st, fwd_cfg=fwd)
+    if bwd_config is None:
+        ws = _config.WARP_SPECIALIZED_BACKWARD and can_warp_specialize(
+            st.ws_masks(), bias, kv_len, head_dim, 128
+        )
+        group = heads // kv_heads
+        bwd = bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, group, warp_specialize=ws)
+        st = dataclasses.replace(st, bwd_cfg=bwd)
     seed = _seed_array(dropout_seed if dropout_rate > 0.0 else None)
     tb = _tables(st, q_len, kv_len, seg, cu, seed)
     out, lse = _attention(st, q, k, v, bias, softmax_sinks, tb)

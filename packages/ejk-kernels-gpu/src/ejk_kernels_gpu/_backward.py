@@ -13,20 +13,16 @@ tables as the forward (rows for dq, columns for dk/dv).
 import triton
 import triton.language as tl
 
-from ._common import grad_logits, load_ranges, load_rows, load_tile, row_stats, store_tile
-
-
-@triton.jit
-def _slab(base, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr,
-          BLOCK: tl.constexpr, H: tl.constexpr):  # fmt: skip
-    """TMA descriptor of a ``[ROWS, COLS]`` slab in ``[BLOCK, H]`` tiles (zero fill past its end)."""
-    return tl.make_tensor_descriptor(base, [ROWS, COLS], [ROW_STRIDE, 1], [BLOCK, H])
-
-
-@triton.jit
-def _line(base, LENGTH: tl.constexpr, BLOCK: tl.constexpr):
-    """TMA descriptor of ``LENGTH`` float32 values (``BLOCK`` at a time; zero fill past the end)."""
-    return tl.make_tensor_descriptor(base, [LENGTH], [1], [BLOCK])
+from ._common import (
+    grad_logits,
+    line,
+    load_ranges,
+    load_rows,
+    load_tile,
+    row_stats,
+    slab,
+    store_tile,
+)
 
 
 @triton.jit
@@ -56,22 +52,28 @@ def _dq_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _dq_ws_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr, K_DESC, V_DESC,
+                 row0):  # fmt: skip
+    """One step of `_dq_ws_loop`: the key block at ``start_n`` through TMA, as the forward's
+    `_fwd_ws_block`."""
+    k = K_DESC.load([start_n, 0])
+    v = V_DESC.load([start_n, 0])
+    CAUSAL: tl.constexpr = F[9]
+    return _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+
+
+@triton.jit
 def _dq_ws_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr, K_DESC, V_DESC,
                 row0, INTERPRET: tl.constexpr):  # fmt: skip
     """Key blocks through TMA, warp-specialised, as the forward's `_fwd_ws_loop`."""
-    CAUSAL: tl.constexpr = F[9]
     if INTERPRET:
         start_n = start
         while start_n < end:
-            k = K_DESC.load([start_n, 0])
-            v = V_DESC.load([start_n, 0])
-            dq = _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+            dq = _dq_ws_block(dq, start_n, ctx, P, F, BLOCK_N, K_DESC, V_DESC, row0)
             start_n += BLOCK_N
     else:
         for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
-            k = K_DESC.load([start_n, 0])
-            v = V_DESC.load([start_n, 0])
-            dq = _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+            dq = _dq_ws_block(dq, start_n, ctx, P, F, BLOCK_N, K_DESC, V_DESC, row0)
     return dq
 
 
@@ -123,11 +125,11 @@ def dq_kernel(
     q_off = b64 * (T * N * H) + n * H
     row0 = pid_m * BLOCK_M
     if WS:
-        q = _slab(q_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
-        do = _slab(do_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
+        q = slab(q_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
+        do = slab(do_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
         rows = pid_bn.to(tl.int64) * LSE_T
-        lse = row_stats(_line(lse_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.4426950408889634)
-        delta = row_stats(_line(delta_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.0)
+        lse = row_stats(line(lse_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.4426950408889634)
+        delta = row_stats(line(delta_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.0)
     else:
         q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
         do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
@@ -142,13 +144,13 @@ def dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
     if WS:
-        kd = _slab(k_base, S, H, K * H, BLOCK_N, H)
-        vd = _slab(v_base, S, H, K * H, BLOCK_N, H)
+        kd = slab(k_base, S, H, K * H, BLOCK_N, H)
+        vd = slab(v_base, S, H, K * H, BLOCK_N, H)
         dq = _dq_ws_loop(dq, lo, hi, ctx, P, F, BLOCK_N, kd, vd, row0, INTERPRET)
         # Through TMA (clipped past T): per-row stores from the consumer warpgroups would
         # meet Triton 3.6's row shift (see `block_causal`).
         out = (dq * SCALE).to(dq_ptr.dtype.element_ty)
-        _slab(dq_ptr + q_off, T, H, N * H, BLOCK_M, H).store([row0, 0], out)
+        slab(dq_ptr + q_off, T, H, N * H, BLOCK_M, H).store([row0, 0], out)
     else:
         dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
         dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
@@ -313,8 +315,8 @@ def dkdv_kernel(
     kv_off = b64 * (S * K * H) + kh * H
     key0 = pid_n * BLOCK_N
     if WS:
-        k = _slab(k_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
-        v = _slab(v_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
+        k = slab(k_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
+        v = slab(v_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
     else:
         k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
         v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
@@ -327,9 +329,7 @@ def dkdv_kernel(
     q_off = b64 * (T * N * H) + n0 * H
     row_off = (b * N + n0) * T
     if DQ_TMA:
-        dq_acc = tl.make_tensor_descriptor(
-            dq_acc_ptr + b64 * (T * N * H), [T, N * H], [N * H, 1], [BLOCK_M, BLOCK_D]
-        )
+        dq_acc = slab(dq_acc_ptr + b64 * (T * N * H), T, N * H, N * H, BLOCK_M, BLOCK_D)
     else:
         dq_acc = dq_acc_ptr + q_off
     ctx = (
@@ -340,17 +340,17 @@ def dkdv_kernel(
     if WS:
         rows = (b64 * N + n0) * LSE_T
         descs = (
-            _slab(q_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
-            _slab(do_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
-            _line(lse_ptr + rows, G * LSE_T, BLOCK_M),
-            _line(delta_ptr + rows, G * LSE_T, BLOCK_M),
+            slab(q_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
+            slab(do_ptr + q_off, T, G * H, N * H, BLOCK_M, H),
+            line(lse_ptr + rows, G * LSE_T, BLOCK_M),
+            line(delta_ptr + rows, G * LSE_T, BLOCK_M),
         )
         dk, dv = _dkdv_ws_loop(dk, dv, lo, hi, ctx, P, F, G, BLOCK_M, descs, key0, LSE_T, INTERPRET)
         # Through TMA (clipped past S), as dq_kernel's store.
-        _slab(dk_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
+        slab(dk_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
             [key0, 0], (dk * SCALE).to(dk_ptr.dtype.element_ty)
         )
-        _slab(dv_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
+        slab(dv_ptr + kv_off, S, H, K * H, BLOCK_N, H).store(
             [key0, 0], dv.to(dv_ptr.dtype.element_ty)
         )
     else:

@@ -125,6 +125,19 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
+def slab(base, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr,
+         BLOCK: tl.constexpr, H: tl.constexpr):  # fmt: skip
+    """TMA descriptor of a ``[ROWS, COLS]`` slab in ``[BLOCK, H]`` tiles (zero fill past its end)."""
+    return tl.make_tensor_descriptor(base, [ROWS, COLS], [ROW_STRIDE, 1], [BLOCK, H])
+
+
+@triton.jit
+def line(base, LENGTH: tl.constexpr, BLOCK: tl.constexpr):
+    """TMA descriptor of ``LENGTH`` float32 values (``BLOCK`` at a time; zero fill past the end)."""
+    return tl.make_tensor_descriptor(base, [LENGTH], [1], [BLOCK])
+
+
+@triton.jit
 def block_causal(x, diag, TRANS: tl.constexpr):
     """``x`` with -inf where the key comes after the query: the warp-specialised loops' causal
     mask, in positions relative to the tile (``diag`` = the first column's position minus

@@ -14,7 +14,15 @@ block there, with block-relative positions (see `_fwd_step`).
 import triton
 import triton.language as tl
 
-from ._common import block_causal, dropout_weights, load_ranges, load_tile, logits, store_tile
+from ._common import (
+    block_causal,
+    dropout_weights,
+    load_ranges,
+    load_tile,
+    logits,
+    slab,
+    store_tile,
+)
 
 
 @triton.jit
@@ -150,8 +158,8 @@ def fwd_kernel(
     if WS:
         # Tensor descriptors of this (batch, head)'s [rows, H] slabs; TMA zero-fills rows past
         # the end and clips stores there. `scratch_ptr` only sizes the launch (see _launch_fix).
-        q_desc = tl.make_tensor_descriptor(q_base, [T, H], [N * H, 1], [BLOCK_M, BLOCK_D])
-        o_desc = tl.make_tensor_descriptor(o_base, [T, H], [N * H, 1], [BLOCK_M, BLOCK_D])
+        q_desc = slab(q_base, T, H, N * H, BLOCK_M, BLOCK_D)
+        o_desc = slab(o_base, T, H, N * H, BLOCK_M, BLOCK_D)
         q = q_desc.load([pid_m * BLOCK_M, 0])
     else:
         q = load_tile(q_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
@@ -174,8 +182,8 @@ def fwd_kernel(
 
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
     if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _ops)
-        k_desc = tl.make_tensor_descriptor(k_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, [S, H], [K * H, 1], [BLOCK_N, BLOCK_D])
+        k_desc = slab(k_base, S, H, K * H, BLOCK_N, BLOCK_D)
+        v_desc = slab(v_base, S, H, K * H, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _fwd_ws_loop(
             acc, m_i, l_i, lo, hi, ctx, P, F, BLOCK_N, k_desc, v_desc, pid_m * BLOCK_M, INTERPRET
         )
@@ -199,7 +207,7 @@ def fwd_kernel(
         o_desc.store([pid_m * BLOCK_M, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
         lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
         lse_base = lse_ptr + pid_bn.to(tl.int64) * (T * 16)
-        lse_desc = tl.make_tensor_descriptor(lse_base, [T, 16], [16, 1], [BLOCK_M, 16])
+        lse_desc = slab(lse_base, T, 16, 16, BLOCK_M, 16)
         lse_desc.store([pid_m * BLOCK_M, 0], lse[:, None] + tl.zeros([BLOCK_M, 16], tl.float32))
     else:
         # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, head_block, ordinary_config
+from ._config import FlashConfig, head_block
 from ._launch_fix import scratch_bytes
 from ._triton import hopper_gpu, launch
 
@@ -28,17 +28,11 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
-    from ._ops import _common_constexprs, _dummy, can_warp_specialize
+    from ._ops import _common_constexprs, _dummy, runnable_config
 
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    cfg = st.bwd_cfg
-    ws = cfg.warp_specialize and can_warp_specialize(
-        st.ws_masks(), bias, kv_len, q.shape[3], cfg.block_q
-    )
-    if cfg.warp_specialize and not ws:
-        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
-        cfg = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, side, kinds=("dq", "dkdv"))
+    cfg, ws = runnable_config(st, st.bwd_cfg, bias, q, kv_len, st.bwd_cfg.block_q, ("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
     # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 
 from ejk_executor import Invocation, Kernel
 
-from . import _config
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._ops import can_warp_specialize, flash_attention
+from ._ops import flash_attention, offer_warp_specialize
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
@@ -40,16 +39,15 @@ def _shape_info(inv: Invocation[Any, Any], bias_index: int) -> tuple[int, int, b
 
 def _warp_specialize(inv: Invocation[Any, Any], bias_index: int, backward: bool = False) -> bool:
     """Whether the heuristics offer the call the warp-specialised forward (or backward) on
-    this GPU (see `_config.CAUSAL_WARP_SPECIALIZE` and `WARP_SPECIALIZED_BACKWARD`)."""
-    if backward and not _config.WARP_SPECIALIZED_BACKWARD:
-        return False
+    this GPU (`offer_warp_specialize`)."""
     head_dim, _, side = _shape_info(inv, bias_index)
     k = inv.args[1] if len(inv.args) > 1 else inv.kwargs["k"]
     kw = inv.kwargs
-    masks_ok = not side and kw.get("sliding_window") is None
-    masks_ok = masks_ok and kw.get("logits_soft_cap") is None
-    masks_ok = masks_ok and (not kw.get("causal") or backward or _config.CAUSAL_WARP_SPECIALIZE)
-    return can_warp_specialize(masks_ok, None, int(k.shape[1]), head_dim, 128)
+    plain = not side and kw.get("sliding_window") is None and kw.get("logits_soft_cap") is None
+    causal = bool(kw.get("causal"))
+    return offer_warp_specialize(
+        plain and not causal, plain and causal, None, int(k.shape[1]), head_dim, backward
+    )
 
 
 class FlashAttentionForward(Kernel[FlashConfig, Any]):

@@ -70,6 +70,40 @@ def can_warp_specialize(
     )
 
 
+def offer_warp_specialize(
+    unmasked: bool, causal_only: bool, bias: Any, kv_len: int, head_dim: int, backward: bool
+) -> bool:
+    """Whether the heuristics and the tuning space offer a call the warp-specialised forward
+    (or backward): where it can run, and for causal-only calls and for the backward only
+    as far as `_config.CAUSAL_WARP_SPECIALIZE` and `_config.WARP_SPECIALIZED_BACKWARD` allow.
+    """
+    if backward:
+        masks_ok = _config.WARP_SPECIALIZED_BACKWARD and (unmasked or causal_only)
+    else:
+        masks_ok = unmasked or (causal_only and _config.CAUSAL_WARP_SPECIALIZE)
+    return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
+
+
+def runnable_config(
+    st: _Static,
+    cfg: FlashConfig,
+    bias: Any,
+    q: Any,
+    kv_len: int,
+    block: int,
+    kinds: tuple[str, ...],
+) -> tuple[FlashConfig, bool]:
+    """(config, warp-specialised) a launch runs: ``cfg`` where the call can take its
+    warp-specialised build, else its ordinary twin (`ordinary_config`) for ``kinds``.
+    ``block``: the streamed key tile (forward) or the resident one (backward)."""
+    head_dim = q.shape[3]
+    ws = cfg.warp_specialize and can_warp_specialize(st.ws_masks(), bias, kv_len, head_dim, block)
+    if cfg.warp_specialize and not ws:
+        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
+        cfg = ordinary_config(cfg, head_dim, q.dtype.itemsize, side, kinds)
+    return cfg, ws
+
+
 def _window(sliding_window: int | Sequence[int] | None) -> tuple[int, int] | None:
     if sliding_window is None:
         return None
@@ -197,15 +231,9 @@ def _common_constexprs(st: _Static, q: Array, k: Array, bias: Array | None, has_
 def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Array]:
     """(out, lse)."""
     batch, q_len, heads, _ = q.shape
-    cfg = st.fwd_cfg
+    cfg, ws = runnable_config(st, st.fwd_cfg, bias, q, k.shape[1], st.fwd_cfg.block_k, ("fwd",))
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    ws = cfg.warp_specialize and can_warp_specialize(
-        st.ws_masks(), bias, k.shape[1], q.shape[3], cfg.block_k
-    )
-    if cfg.warp_specialize and not ws:
-        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
-        cfg = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, side)
     out, lse, _ = launch(
         "fwd_kernel",
         grid,
@@ -406,15 +434,14 @@ def flash_attention(
         fwd_cfg=config or FlashConfig(),  # both replaced below when None
         bwd_cfg=bwd_config or FlashConfig(),
     )
+    unmasked = st.fully_visible()
+    causal_only = st.ws_masks() and not unmasked
     if config is None:
-        masks_ok = st.ws_masks(causal_ok=_config.CAUSAL_WARP_SPECIALIZE)
-        ws = can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
+        ws = offer_warp_specialize(unmasked, causal_only, bias, kv_len, head_dim, backward=False)
         fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
         st = dataclasses.replace(st, fwd_cfg=fwd)
     if bwd_config is None:
-        ws = _config.WARP_SPECIALIZED_BACKWARD and can_warp_specialize(
-            st.ws_masks(), bias, kv_len, head_dim, 128
-        )
+        ws = offer_warp_specialize(unmasked, causal_only, bias, kv_len, head_dim, backward=True)
         group = heads // kv_heads
         bwd = bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, group, warp_specialize=ws)
         st = dataclasses.replace(st, bwd_cfg=bwd)

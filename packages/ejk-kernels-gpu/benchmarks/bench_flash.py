@@ -8,6 +8,9 @@ backward counts 2.5x the forward, so forward+backward is 3.5x.
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/bench_flash.py [--only ejk] [--sweep]
+
+Every variant of a shape is compiled first, then timed in interleaved rounds (see
+`bench_shape`); the table's spread column is how far its rounds differed.
 """
 
 from __future__ import annotations
@@ -32,18 +35,13 @@ SHAPES = [  # (B, T, N, K, H, causal)
 ]
 
 
-def _time(fn, *args, reps=20, rounds=5) -> float:
-    """Median seconds per call (several rounds of ``reps`` calls, synchronised at the end)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    per = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per.append((time.perf_counter() - start) / reps)
-    return statistics.median(per)
+def _rounds(fn, *args, reps=10) -> float:
+    """Seconds per call over ``reps`` calls (synchronised at the end)."""
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps
 
 
 def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
@@ -70,7 +68,13 @@ def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
     return impls
 
 
-def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True, label=None):
+def bench_shape(shape, variants, with_bwd=True, rounds=7):
+    """Rows for ``variants`` = [(impl, fwd_cfg, bwd_cfg, label)] on one shape.
+
+    Every variant is compiled and warmed first; then each round times every variant in
+    turn (interleaved), so a drift of the card's clocks over the run falls on all of them
+    alike. A row reports the median over rounds and the spread (max/min - 1) of its rounds.
+    """
     B, T, N, K, H, causal = shape
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
@@ -78,35 +82,53 @@ def bench_shape(shape, only=None, fwd_cfg=None, bwd_cfg=None, with_bwd=True, lab
     v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
     d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
     flops = 4 * B * N * T * T * H / (2 if causal else 1)
-    rows = []
-    for name, fn in _impls(causal, N, K, fwd_cfg, bwd_cfg).items():
-        if only and name not in only:
+    cases = []  # (row, [(key, jitted fn, args)])
+    for name, fwd_cfg, bwd_cfg, label in variants:
+        fn = _impls(causal, N, K, fwd_cfg, bwd_cfg).get(name)
+        if fn is None:  # JAX's Pallas attention: not importable here, or GQA
             continue
         row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
         if label:
             row["cfg"] = label
+        timed = [("fwd", jax.jit(fn), (q, k, v))]
+        if with_bwd:
+
+            @jax.jit
+            def fwd_bwd(q, k, v, d_out, fn=fn):
+                out, vjp = jax.vjp(fn, q, k, v)
+                return out, vjp(d_out)
+
+            timed.append(("fwdbwd", fwd_bwd, (q, k, v, d_out)))
         try:
-            fwd = jax.jit(fn)
-            row["fwd_ms"] = _time(fwd, q, k, v) * 1e3
-            row["fwd_tflops"] = flops / row["fwd_ms"] * 1e-9
-            if with_bwd:
-
-                @jax.jit
-                def fwd_bwd(q, k, v, d_out, fn=fn):
-                    out, vjp = jax.vjp(fn, q, k, v)
-                    return out, vjp(d_out)
-
-                row["fwdbwd_ms"] = _time(fwd_bwd, q, k, v, d_out) * 1e3
-                row["fwdbwd_tflops"] = 3.5 * flops / row["fwdbwd_ms"] * 1e-9
+            for _, f, a in timed:  # compile and warm up
+                jax.block_until_ready(f(*a))
+                jax.block_until_ready(f(*a))
         except Exception as exc:  # a baseline may not support a shape (or run out of memory)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            timed = []
+        cases.append((row, timed, {key: [] for key, _, _ in timed}))
+    for _ in range(rounds):
+        for _, timed, per in cases:
+            for key, f, a in timed:
+                per[key].append(_rounds(f, *a))
+    rows = []
+    for row, _, per in cases:
+        for key, times in per.items():
+            row[f"{key}_ms"] = statistics.median(times) * 1e3
+            row[f"{key}_tflops"] = (
+                (3.5 if key == "fwdbwd" else 1.0) * flops / row[f"{key}_ms"] * 1e-9
+            )
+            row[f"{key}_spread"] = max(times) / min(times) - 1.0
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
 def _table(rows):
-    print(f"{'shape':<34}{'impl':<8}{'fwd TF/s':>10}{'f+b TF/s':>10}{'fwd ms':>9}{'f+b ms':>9}")
+    print(
+        f"{'shape':<34}{'impl':<8}{'fwd TF/s':>10}{'f+b TF/s':>10}{'fwd ms':>9}{'f+b ms':>9}"
+        f"{'spread':>8}"
+    )
     for r in rows:
         shape = f"({r['B']},{r['T']},{r['N']},{r['K']},{r['H']}){' causal' if r['causal'] else ''}"
         if "error" in r:
@@ -114,9 +136,10 @@ def _table(rows):
             continue
         fb = r.get("fwdbwd_tflops", float("nan"))
         fbm = r.get("fwdbwd_ms", float("nan"))
+        spread = max(r["fwd_spread"], r.get("fwdbwd_spread", 0.0))
         print(
             f"{shape:<34}{r['impl']:<8}{r['fwd_tflops']:>10.1f}{fb:>10.1f}{r['fwd_ms']:>9.3f}{fbm:>9.3f}"
-            f"  {r.get('cfg', '')}"
+            f"{spread:>7.1%}  {r.get('cfg', '')}"
         )
 
 
@@ -126,6 +149,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument(
         "--fwd-cfg",
         default="",
@@ -167,19 +191,21 @@ def main() -> int:
             ]
         ]  # fmt: skip
         for shape in shapes:
-            for cfg in fwd_cands:
-                rows += bench_shape(shape, {"ejk"}, fwd_cfg=cfg, with_bwd=False, label=str(cfg))
-            for cfg in bwd_cands:
-                rows += bench_shape(shape, {"ejk"}, bwd_cfg=cfg, label="bwd " + str(cfg))
+            fwd = [("ejk", c, None, str(c)) for c in fwd_cands]
+            rows += bench_shape(shape, fwd, with_bwd=False)
+            rows += bench_shape(shape, [("ejk", None, c, "bwd " + str(c)) for c in bwd_cands])
+        _table(rows)
         return 0
     fwd_cfgs = [cfg(text) for text in args.fwd_cfg.split(";")]
     bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
+    names = [n for n in ("ejk", "cudnn", "xla", "pallas") if not only or n in only]
     for shape in shapes:
-        rows += bench_shape(shape, only, fwd_cfgs[0], bwd_cfgs[0], with_bwd=not args.no_bwd)
-        for extra in fwd_cfgs[1:]:  # further forward configs: ejk only
-            rows += bench_shape(shape, {"ejk"}, extra, bwd_cfgs[0], not args.no_bwd, str(extra))
-        for extra in bwd_cfgs[1:]:  # further backward configs: ejk only
-            rows += bench_shape(shape, {"ejk"}, fwd_cfgs[0], extra, label=str(extra))
+        variants = [(n, fwd_cfgs[0], bwd_cfgs[0], None) for n in names]
+        # Further configs (ejk only): each forward one with the first backward one, and
+        # each further backward one with the first forward one.
+        variants += [("ejk", c, bwd_cfgs[0], str(c)) for c in fwd_cfgs[1:]]
+        variants += [("ejk", fwd_cfgs[0], c, "bwd " + str(c)) for c in bwd_cfgs[1:]]
+        rows += bench_shape(shape, variants, with_bwd=not args.no_bwd, rounds=args.rounds)
     _table(rows)
     return 0
 

@@ -72,7 +72,7 @@ def main() -> int:
             bwd, _ = _tune(
                 FlashAttentionBackward(), (q, k, v, d_out), dict(causal=causal), args.iters, "f+b"
             )
-        bench_shape(shape, {"ejk", "cudnn"}, fwd_cfg=fwd, bwd_cfg=bwd, label="tuned")
+        bench_shape(shape, [("ejk", fwd, bwd, "tuned"), ("cudnn", None, None, None)])
     return 0
 
 

@@ -24,10 +24,12 @@ from ejk_kernels_gpu import FlashConfig, flash_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
 # The warp-specialised forward and backward, asked for explicitly (cases with ws=True,
-# ws_bwd=True): the heuristics offer them to causal calls, and the backward at all, only
-# once they pass here (_config.CAUSAL_WARP_SPECIALIZE, WARP_SPECIALIZED_BACKWARD).
+# ws_bwd=True; on Hopper the heuristics pick them for unmasked and causal calls at H=128),
+# and the ordinary kernels with the tiles they stand in for (ordinary=True).
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
 WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
+ORDINARY = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
+ORDINARY_BWD = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
 
 
 def _rel(x, ref):
@@ -61,6 +63,8 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
         kw["config"] = WS
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
+    if kw.pop("ordinary", False):
+        kw.update(config=ORDINARY, bwd_config=ORDINARY_BWD)
     ref_kw = {n: x for n, x in kw.items() if n not in ("config", "bwd_config")}
 
     def run(fn, q, k, v, bias, sinks):
@@ -147,6 +151,9 @@ def main() -> int:
         # with sinks and a query length off the tiles (padded lse rows).
         ("ws bwd plain h128", 2, 1024, 1024, 16, 16, 128, dict(ws=True, ws_bwd=True)),
         ("ws bwd causal gqa sinks", 2, 1000, 1024, 16, 4, 128, dict(causal=True, sinks=True, ws=True, ws_bwd=True)),
+        # The ordinary kernels on the calls the heuristics now give the warp-specialised ones.
+        ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, dict(causal=True, ordinary=True)),
+        ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, dict(ordinary=True)),
     ]  # fmt: skip
     if args.quick:
         cases = cases[:3]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ejk_attention import reference_attention
-from ejk_kernels_gpu import FlashConfig, _backward_ops, _config, _ops, flash_attention
+from ejk_kernels_gpu import FlashConfig, _backward_ops, _ops, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
 from ejk_kernels_gpu._launch_fix import redirect_scratch, threads_required
 
@@ -91,16 +91,12 @@ def test_warp_specialised_build_computes_attention(
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
 
 
-@pytest.mark.parametrize("causal_by_default", [False, True])
-def test_causal_calls_take_the_warp_specialised_build_by_default_only_when_enabled(
-    launches, monkeypatch, rng, causal_by_default
-):
-    monkeypatch.setattr(_config, "CAUSAL_WARP_SPECIALIZE", causal_by_default)
+def test_unmasked_and_causal_calls_take_the_warp_specialised_build_by_default(launches, rng):
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float32) for _ in range(3))
     flash_attention(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
     flash_attention(*(x.astype(jnp.float16) for x in (q, k, v)), causal=True)
     flash_attention(*(x.astype(jnp.float16) for x in (q, k, v)), causal=True, sliding_window=8)
-    assert launches == [(True, False), (causal_by_default, True), (False, True)]
+    assert launches == [(True, False), (True, True), (False, True)]
 
 
 def test_other_masks_never_take_the_warp_specialised_build(launches, rng):
@@ -179,15 +175,16 @@ def test_warp_specialised_backward_config_falls_back_where_it_cannot_run(bwd_lau
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("enabled", [False, True])
-def test_backward_takes_the_warp_specialised_build_by_default_only_when_enabled(
-    bwd_launches, monkeypatch, rng, enabled
+@pytest.mark.parametrize(
+    ("kwargs", "ws"), [(dict(causal=True), True), (dict(causal=True, sliding_window=8), False)]
+)
+def test_backward_takes_the_warp_specialised_build_by_default_where_it_can(
+    bwd_launches, rng, kwargs, ws
 ):
-    monkeypatch.setattr(_config, "WARP_SPECIALIZED_BACKWARD", enabled)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float16) for _ in range(3))
-    jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32)))(q)
-    assert {ws for _, ws in bwd_launches} == {enabled}
-    if enabled:  # otherwise the heuristic's dk/dv kernel may compute dq itself (atomic_dq)
+    jax.grad(lambda q: jnp.sum(flash_attention(q, k, v, **kwargs).astype(jnp.float32)))(q)
+    assert {w for _, w in bwd_launches} == {ws}
+    if ws:  # otherwise the heuristic's dk/dv kernel may compute dq itself (atomic_dq)
         assert [name for name, _ in bwd_launches] == ["dkdv_kernel", "dq_kernel"]
 
 

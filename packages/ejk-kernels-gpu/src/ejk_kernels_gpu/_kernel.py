@@ -37,17 +37,14 @@ def _shape_info(inv: Invocation[Any, Any], bias_index: int) -> tuple[int, int, b
     return int(q.shape[-1]), int(jnp.dtype(q.dtype).itemsize), side
 
 
-def _warp_specialize(inv: Invocation[Any, Any], bias_index: int, backward: bool = False) -> bool:
-    """Whether the heuristics offer the call the warp-specialised forward (or backward) on
-    this GPU (`offer_warp_specialize`)."""
+def _warp_specialize(inv: Invocation[Any, Any], bias_index: int) -> bool:
+    """Whether the heuristics offer the call the warp-specialised builds on this GPU
+    (`offer_warp_specialize`)."""
     head_dim, _, side = _shape_info(inv, bias_index)
     k = inv.args[1] if len(inv.args) > 1 else inv.kwargs["k"]
     kw = inv.kwargs
     plain = not side and kw.get("sliding_window") is None and kw.get("logits_soft_cap") is None
-    causal = bool(kw.get("causal"))
-    return offer_warp_specialize(
-        plain and not causal, plain and causal, None, int(k.shape[1]), head_dim, backward
-    )
+    return offer_warp_specialize(plain, None, int(k.shape[1]), head_dim)
 
 
 class FlashAttentionForward(Kernel[FlashConfig, Any]):
@@ -86,9 +83,9 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
         q, k = inv.args[0], inv.args[1]
-        ws = _warp_specialize(inv, 4, backward=True)
+        ws = _warp_specialize(inv, 4)
         return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2], warp_specialize=ws)
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        ws = _warp_specialize(inv, 4, backward=True)
+        ws = _warp_specialize(inv, 4)
         return bwd_search_space(*_shape_info(inv, 4), warp_specialize=ws)

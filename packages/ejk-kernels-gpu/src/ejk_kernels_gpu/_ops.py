@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
-from . import _config, _masks
+from . import _masks
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block, ordinary_config
 from ._launch_fix import scratch_bytes
 from ._triton import hopper_gpu, launch
@@ -43,11 +43,10 @@ class _Static:
             self.causal or self.window is not None or self.has_seg or self.varlen
         ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
 
-    def ws_masks(self, causal_ok: bool = True) -> bool:
-        """Whether the warp-specialised loop can do this call's masking: none, or causal
-        alone when ``causal_ok``."""
+    def ws_masks(self) -> bool:
+        """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""
         return self.fully_visible() or (
-            causal_ok and self.causal and dataclasses.replace(self, causal=False).fully_visible()
+            self.causal and dataclasses.replace(self, causal=False).fully_visible()
         )
 
 
@@ -70,17 +69,10 @@ def can_warp_specialize(
     )
 
 
-def offer_warp_specialize(
-    unmasked: bool, causal_only: bool, bias: Any, kv_len: int, head_dim: int, backward: bool
-) -> bool:
-    """Whether the heuristics and the tuning space offer a call the warp-specialised forward
-    (or backward): where it can run, and for causal-only calls and for the backward only
-    as far as `_config.CAUSAL_WARP_SPECIALIZE` and `_config.WARP_SPECIALIZED_BACKWARD` allow.
-    """
-    if backward:
-        masks_ok = _config.WARP_SPECIALIZED_BACKWARD and (unmasked or causal_only)
-    else:
-        masks_ok = unmasked or (causal_only and _config.CAUSAL_WARP_SPECIALIZE)
+def offer_warp_specialize(masks_ok: bool, bias: Any, kv_len: int, head_dim: int) -> bool:
+    """Whether the heuristics and the tuning space offer a call the warp-specialised builds
+    (forward and backward): ``masks_ok`` (nothing masked, or causal alone) and the call can
+    take them with the 128-key tiles of their configs (`can_warp_specialize`)."""
     return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
 
 
@@ -434,14 +426,11 @@ def flash_attention(
         fwd_cfg=config or FlashConfig(),  # both replaced below when None
         bwd_cfg=bwd_config or FlashConfig(),
     )
-    unmasked = st.fully_visible()
-    causal_only = st.ws_masks() and not unmasked
+    ws = offer_warp_specialize(st.ws_masks(), bias, kv_len, head_dim)
     if config is None:
-        ws = offer_warp_specialize(unmasked, causal_only, bias, kv_len, head_dim, backward=False)
         fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
         st = dataclasses.replace(st, fwd_cfg=fwd)
     if bwd_config is None:
-        ws = offer_warp_specialize(unmasked, causal_only, bias, kv_len, head_dim, backward=True)
         group = heads // kv_heads
         bwd = bwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, group, warp_specialize=ws)
         st = dataclasses.replace(st, bwd_cfg=bwd)

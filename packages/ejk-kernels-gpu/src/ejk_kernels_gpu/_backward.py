@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._common import (
     grad_logits,
+    grid_order,
     line,
     load_ranges,
     load_rows,
@@ -113,8 +114,7 @@ def dq_kernel(
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bn = tl.program_id(1)
+    pid_m, pid_bn = grid_order(True)
     b = pid_bn // N
     n = pid_bn % N
     kh = n // G
@@ -304,8 +304,8 @@ def dkdv_kernel(
                        BIAS_SN, DQ_ATOMIC, DQ_TMA)  # fmt: skip
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
+    # Heaviest key blocks first (causal: the first ones).
+    pid_n, pid_bk = grid_order(False)
     b = pid_bk // K
     kh = pid_bk % K
     b64 = b.to(tl.int64)

@@ -25,6 +25,9 @@ import triton.language as tl
 _GOLDEN = tl.constexpr(0x9E3779B1)
 _MUR1 = tl.constexpr(0x85EBCA6B)
 _MUR2 = tl.constexpr(0xC2B2AE35)
+# Rows of the grid scheduled together by `grid_order`: four (batch, head) rows of 32
+# 128-row blocks (4k tokens) fill an H100's 132 SMs about once.
+GRID_GROUP = tl.constexpr(4)
 
 
 @triton.jit
@@ -122,6 +125,29 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
         ks = along_k(tl.load(P[5] + b * S + offs_n, mask=n_ok, other=0), TRANS)
         visible = visible & (qs == ks) & (qs > 0)
     return visible
+
+
+@triton.jit
+def grid_order(HEAVY_LAST: tl.constexpr):
+    """(block, row) of this program in a ``(blocks, rows)`` grid, rows being (batch, head).
+
+    Programs start in launch order (``program_id(0)`` fastest). They are handed out by
+    groups of `GRID_GROUP` rows: within a group, block by block, heaviest first (causal:
+    the last query blocks when ``HEAVY_LAST``, else the first key blocks), each block for
+    every row of the group in turn. Long programs then start early and the grid ends on
+    short ones, while the programs running together are those of a few rows, sharing their
+    keys and values (or queries) in L2 as before.
+    """
+    blocks = tl.num_programs(0)
+    rows = tl.num_programs(1)
+    pid = tl.program_id(1) * blocks + tl.program_id(0)
+    group = pid // (blocks * GRID_GROUP)
+    size = tl.minimum(rows - group * GRID_GROUP, GRID_GROUP)
+    rank = pid - group * (blocks * GRID_GROUP)
+    block = rank // size
+    if HEAVY_LAST:
+        block = blocks - 1 - block
+    return block, group * GRID_GROUP + rank % size
 
 
 @triton.jit

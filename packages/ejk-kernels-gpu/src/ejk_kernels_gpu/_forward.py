@@ -17,6 +17,7 @@ import triton.language as tl
 from ._common import (
     block_causal,
     dropout_weights,
+    grid_order,
     load_ranges,
     load_tile,
     logits,
@@ -144,8 +145,7 @@ def fwd_kernel(
     P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bn = tl.program_id(1)
+    pid_m, pid_bn = grid_order(True)
     b = pid_bn // N
     n = pid_bn % N
     kh = n // G

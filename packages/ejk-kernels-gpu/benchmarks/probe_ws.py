@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
-from bench_flash import _time  # this folder (run as a script)
+from bench_flash import median_time  # this folder (run as a script)
 
 from ejk_kernels_gpu import _launch_fix
 
@@ -274,7 +274,7 @@ def check_variants():
             err = float(jnp.max(diff))
             name += f" (err rows 0-63 {float(jnp.max(diff[:, :, 0])):.3g}, 64-127 {float(jnp.max(diff[:, :, 1])):.3g})"
             lse_err = float(jnp.max(jnp.abs(got_lse - ref_lse))) if lse else float("nan")
-            t = _time(f, *big)
+            t = median_time(f, *big)
             flops = 4 * B * N * T * T * H / (2 if causal else 1)
             print(f"{name:60s} {flops / t / 1e12:7.1f} TFLOP/s  max|err| out {err:.3g} "
                   f"lse {lse_err:.3g}", flush=True)  # fmt: skip
@@ -320,7 +320,7 @@ def check_persistent():
                 )
                 if lse is not None:
                     msg += f" lse {float(jnp.max(jnp.abs(lse - ref_lse))):.3g}"
-                t = _time(lambda *a, f=f: f(*a)[0], *big)
+                t = median_time(lambda *a, f=f: f(*a)[0], *big)
                 print(f"causal={causal} {name:22s} {flops / t / 1e12:7.1f} TFLOP/s {t * 1e3:7.3f} ms"
                       f"  {msg}", flush=True)  # fmt: skip
             except Exception as exc:  # a probe: report and go on
@@ -357,7 +357,7 @@ def main():
                 f = jax.jit(fn)
                 out = f(q, k, v)
                 err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
-                t = _time(f, q, k, v)
+                t = median_time(f, q, k, v)
                 print(f"causal={causal} {name:14s} {flops / t / 1e12:7.1f} TFLOP/s "
                       f"{t * 1e3:7.3f} ms  max|err| {err:.3g}", flush=True)  # fmt: skip
             except Exception as exc:  # a probe: report and go on

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
-from bench_flash import _time  # this folder (run as a script)
+from bench_flash import median_time  # this folder (run as a script)
 
 from ejk_kernels_gpu import _launch_fix, flash_attention
 
@@ -170,7 +170,7 @@ def main():
         bwd_flops = 2.5 * 4 * B * N * T * T * H / (2 if causal else 1)
         for ws in (True, False):
             fn = jax.jit(lambda *a, ws=ws, c=causal: probe_backward(*a, ws=ws, causal=c))
-            t = _time(fn, q, k, v, out, lse, d)
+            t = median_time(fn, q, k, v, out, lse, d)
             print(f"causal={causal} probe ws={ws!s:5} bwd {bwd_flops / t / 1e12:7.1f} TFLOP/s "
                   f"{t * 1e3:7.3f} ms", flush=True)  # fmt: skip
         for name, attn in (
@@ -180,7 +180,7 @@ def main():
         ):  # fmt: skip
             fwd = jax.jit(attn)
             both = jax.jit(lambda q, k, v, d, attn=attn: jax.vjp(attn, q, k, v)[1](d))
-            t = _time(both, q, k, v, d) - _time(fwd, q, k, v)
+            t = median_time(both, q, k, v, d) - median_time(fwd, q, k, v)
             print(f"causal={causal} {name:14s} bwd {bwd_flops / t / 1e12:7.1f} TFLOP/s "
                   f"{t * 1e3:7.3f} ms (fwd+bwd minus fwd)", flush=True)  # fmt: skip
 

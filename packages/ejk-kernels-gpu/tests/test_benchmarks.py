@@ -1,0 +1,48 @@
+"""The GPU benchmark scripts import and run on the CPU (interpreter), so they do not rot
+between GPU sessions."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from ejk_kernels_gpu import _triton
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(name="bench_path")
+def bench_path_fixture(monkeypatch):
+    _triton.kernels()  # Triton's backend (the interpreter here) before a probe imports triton
+    monkeypatch.syspath_prepend(str(BENCH))  # the scripts import each other by name
+    yield
+    for name in [
+        n for n, m in sys.modules.items() if str(BENCH) in str(getattr(m, "__file__", ""))
+    ]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bench_flash", "gpu_conformance", "probe_dispatch", "probe_ws", "probe_ws_bwd", "tune_flash"],
+)
+def test_benchmark_scripts_import(bench_path, name):
+    importlib.import_module(name)
+
+
+def test_bench_shape_times_each_variant_in_interleaved_rounds(bench_path, monkeypatch):
+    bench_flash = importlib.import_module("bench_flash")
+    calls = []
+    rounds = bench_flash._rounds
+    monkeypatch.setattr(
+        bench_flash, "_rounds", lambda f, *a, reps=10: calls.append(f) or rounds(f, *a, reps=1)
+    )
+    variants = [("ejk", None, None, None), ("xla", None, None, None), ("pallas", None, None, "x")]
+    rows = bench_flash.bench_shape((1, 32, 2, 1, 16, True), variants, with_bwd=False, rounds=2)
+    assert [r["impl"] for r in rows] == ["ejk", "xla"]  # no Pallas GPU attention for GQA
+    assert len(calls) == 4 and calls[0] is calls[2] and calls[1] is calls[3] != calls[0]
+    for row in rows:
+        assert row["fwd_best_ms"] <= row["fwd_ms"] and row["fwd_tflops"] > 0

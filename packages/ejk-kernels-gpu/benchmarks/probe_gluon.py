@@ -98,13 +98,7 @@ def _pipelined_step(s, m_i, l_i, o_tok, j, v_smem, empty, QK: gl.constexpr,
 
 @gluon.jit
 def _consumer(
-    q_smem,
-    k_smem,
-    v_smem,
-    q_bar,
-    ready,
-    empty,
-    o_desc,
+    bufs,
     row0,
     n_blocks,
     QK: gl.constexpr,
@@ -113,11 +107,16 @@ def _consumer(
     H: gl.constexpr,
     STAGES: gl.constexpr,
     MODE: gl.constexpr,
+    C: gl.constexpr,
 ):
     """MODE 0: each block in order (q·kᵀ, wait, softmax, p·v, wait). 1: the next block's
     q·kᵀ is issued before this block's softmax, p·v waited at once. 2: besides, p·v is
     waited only at the next block's rescale (FlashAttention-3's intra-warpgroup pipeline;
     the last block runs after the loop)."""
+    q_all, k_smem, v_smem, q_bars, ready, empty, o_desc = bufs
+    q_smem = q_all.index(C)
+    q_bar = q_bars.index(C)
+    row0 = row0 + C * HALF
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
     )
@@ -229,48 +228,12 @@ def gl_fwd_kernel(
             q_desc, [row0 + i * HALF, 0], q_bar.index(i), q_smem.index(i)
         )
     n_blocks = T // BN
+    # The two consumers differ only in their half of the query block (C).
+    bufs = (q_smem, k_smem, v_smem, q_bar, ready, empty, o_desc)
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    q_smem.index(0),
-                    k_smem,
-                    v_smem,
-                    q_bar.index(0),
-                    ready,
-                    empty,
-                    o_desc,
-                    row0,
-                    n_blocks,
-                    QK,
-                    HALF,
-                    BN,
-                    H,
-                    STAGES,
-                    MODE,
-                ),
-            ),
-            (
-                _consumer,
-                (
-                    q_smem.index(1),
-                    k_smem,
-                    v_smem,
-                    q_bar.index(1),
-                    ready,
-                    empty,
-                    o_desc,
-                    row0 + HALF,
-                    n_blocks,
-                    QK,
-                    HALF,
-                    BN,
-                    H,
-                    STAGES,
-                    MODE,
-                ),
-            ),
+            (_consumer, (bufs, row0, n_blocks, QK, HALF, BN, H, STAGES, MODE, 0)),
+            (_consumer, (bufs, row0, n_blocks, QK, HALF, BN, H, STAGES, MODE, 1)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, n_blocks, BN, STAGES)),
         ],
         [4, 1],

@@ -43,6 +43,11 @@ class _Static:
             self.causal or self.window is not None or self.has_seg or self.varlen
         ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
 
+    def side_inputs(self, bias: Any) -> bool:
+        """Whether tiles of side inputs (bias, segment ids, packed offsets, dropout) need
+        shared memory too: the heuristics and `ordinary_config` leave room for them."""
+        return bias is not None or self.has_seg or self.varlen or self.dropout_rate > 0.0
+
     def ws_masks(self) -> bool:
         """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""
         return self.fully_visible() or (
@@ -91,8 +96,7 @@ def runnable_config(
     head_dim = q.shape[3]
     ws = cfg.warp_specialize and can_warp_specialize(st.ws_masks(), bias, kv_len, head_dim, block)
     if cfg.warp_specialize and not ws:
-        side = bias is not None or st.has_seg or st.varlen or st.dropout_rate > 0.0
-        cfg = ordinary_config(cfg, head_dim, q.dtype.itemsize, side, kinds)
+        cfg = ordinary_config(cfg, head_dim, q.dtype.itemsize, st.side_inputs(bias), kinds)
     return cfg, ws
 
 
@@ -413,8 +417,6 @@ def flash_attention(
             )
         cu = (cu_q, cu_k)
 
-    # Tiles of these inputs need shared memory too: the heuristics leave room for them.
-    side_inputs = bias is not None or seg is not None or cu is not None or dropout_rate > 0.0
     st = _Static(
         scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         causal=bool(causal),
@@ -427,6 +429,7 @@ def flash_attention(
         bwd_cfg=bwd_config or FlashConfig(),
     )
     ws = offer_warp_specialize(st.ws_masks(), bias, kv_len, head_dim)
+    side_inputs = st.side_inputs(bias)
     if config is None:
         fwd = fwd_heuristic(head_dim, q.dtype.itemsize, side_inputs, warp_specialize=ws)
         st = dataclasses.replace(st, fwd_cfg=fwd)

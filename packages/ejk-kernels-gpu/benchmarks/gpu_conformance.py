@@ -28,6 +28,9 @@ BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
 # and the ordinary kernels with the tiles they stand in for (ordinary=True).
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
 WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
+# The Gluon forward (on Hopper the heuristic's pick at H=128, 16-bit, unmasked or causal),
+# with the ring depth the heuristic does not take.
+GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
 ORDINARY = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
 ORDINARY_BWD = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
 
@@ -61,6 +64,8 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
         kw["cu_seqlens_q"] = jnp.asarray(cu)
     if kw.pop("ws", False):
         kw["config"] = WS
+    if kw.pop("gluon2", False):
+        kw["config"] = GLUON2
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
     if kw.pop("ordinary", False):
@@ -102,7 +107,7 @@ def _case(rng, name, B, T, S, N, K, H, dtype=jnp.bfloat16, **kw):
 
 
 def _forward_only(name, B, T, S, N, K, H, sinks=False):
-    """An undifferentiated call without lse: on Hopper, the warp-specialised forward."""
+    """An undifferentiated call without lse: on Hopper, the Gluon forward at H=128."""
     keys = jax.random.split(jax.random.key(T + S + K), 4)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, S, K, H), jnp.bfloat16)
@@ -128,7 +133,9 @@ def main() -> int:
     args = parser.parse_args()
     from ejk_kernels_gpu._triton import hopper_gpu
 
-    print(jax.devices(), jax.__version__, "hopper (warp-specialised forward):", hopper_gpu())
+    print(
+        jax.devices(), jax.__version__, "hopper (Gluon and warp-specialised builds):", hopper_gpu()
+    )
     rng = np.random.default_rng(0)
     cases = [
         ("plain h128", 2, 1024, 1024, 16, 16, 128, {}),
@@ -140,9 +147,9 @@ def main() -> int:
         ("segments h128", 2, 1024, 1024, 8, 8, 128, dict(segments=True, causal=True)),
         ("packed causal h128", 1, 4096, 4096, 8, 2, 128, dict(packed=True, causal=True)),
         ("dropout h64", 2, 1024, 1024, 8, 8, 64, dict(dropout_rate=0.1, dropout_seed=3)),
-        # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward on Hopper;
+        # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward;
         # T % 128 != 0 exercises TMA's zero fill and clipped stores, K < N the GQA offsets.
-        ("ws gqa sinks h128", 2, 1000, 1024, 16, 4, 128, dict(sinks=True)),
+        ("ws gqa sinks h128", 2, 1000, 1024, 16, 4, 128, dict(sinks=True, ws=True)),
         # The warp-specialised forward on causal calls (block-relative mask, step 6).
         ("ws causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, ws=True)),
         ("ws causal sinks T<S", 2, 1000, 1024, 8, 8, 128, dict(causal=True, sinks=True, ws=True)),
@@ -154,6 +161,12 @@ def main() -> int:
         # The ordinary kernels on the calls the heuristics now give the warp-specialised ones.
         ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, dict(causal=True, ordinary=True)),
         ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, dict(ordinary=True)),
+        # The Gluon forward (on Hopper also the heuristic's pick in cases 0, 1, 20, 21 and the
+        # forward-only checks): causal with T > S and T < S (rows past the diagonal, clipped
+        # stores), GQA, sinks, two ring slots.
+        ("gluon causal gqa T>S", 1, 1536, 1024, 8, 2, 128, dict(causal=True)),
+        ("gluon causal sinks T<S", 2, 1000, 2048, 8, 8, 128, dict(causal=True, sinks=True)),
+        ("gluon2 plain gqa", 2, 1024, 2048, 16, 4, 128, dict(gluon2=True)),
         # float16 takes the warp-specialised builds too (16-bit inputs).
         ("fp16 causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, dtype=jnp.float16)),
         ("fp16 plain h128 T!=S", 2, 1000, 1024, 8, 8, 128, dict(dtype=jnp.float16, sinks=True)),

@@ -9,6 +9,9 @@ import pytest
 TOL = {
     "float32": dict(out=2e-5, lse=2e-5, grad=5e-5),
     "float16": dict(out=4e-3, lse=2e-3, grad=2e-2),
+    # bfloat16 runs in float32 in the interpreter (see _triton._interpretable): only the
+    # inputs' and outputs' rounding (8 bits of mantissa) remains.
+    "bfloat16": dict(out=8e-3, lse=2e-3, grad=2e-2),
 }
 
 

@@ -56,6 +56,27 @@ def test_dkdv_kernel_compiles_both_ways_of_computing_dq_for_hopper():
     assert all(r["fits"] for r in rows)
 
 
+def test_the_gluon_forward_builds_for_hopper_without_spills():
+    """Both Gluon configs, unmasked and causal, bf16 and fp16: three warpgroups, within
+    shared memory and scratch, and no register spills (ptxas), which would serialise its
+    pipelined matmuls."""
+    rows = []
+    for dtype in ("bfloat16", "float16"):
+        rows += _compile(
+            "--head-dims", "128", "--variants", "plain,causal", "--space", "heuristic",
+            "--kernels", "fwd_kernel", "--dtype", dtype,
+        )  # fmt: skip
+    gluon = [r for r in rows if r["config"]["gluon"]]
+    assert {(r["variant"], r["dtype"], r["config"]["num_stages"]) for r in gluon} == {
+        (variant, dtype, stages)
+        for variant in ("plain", "causal")
+        for dtype in ("bfloat16", "float16")
+        for stages in (2, 3)
+    }
+    assert all(r["kernel"] == "gluon_fwd_kernel" for r in gluon)
+    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
+
+
 def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():
     """The warp-specialised config compiles for causal calls into three warpgroups (a mask
     Triton could not specialise would fall back silently to one, `.reqntid 128`)."""

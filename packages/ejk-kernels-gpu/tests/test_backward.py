@@ -38,7 +38,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_match_reference(rng, make_inputs, tol, case, dtype, bwd):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)

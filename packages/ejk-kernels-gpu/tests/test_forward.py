@@ -70,7 +70,7 @@ def _resolve(rng, kw, q_len=T, kv_len=S, batch=B, heads=N):
     return kw
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_matches_reference(rng, make_inputs, tol, case, dtype):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)

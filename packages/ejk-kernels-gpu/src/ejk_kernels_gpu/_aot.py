@@ -11,7 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -27,7 +31,7 @@ from ._config import (
     fwd_heuristic,
     fwd_search_space,
 )
-from ._launch_fix import SCRATCH_PER_PROGRAM, threads_required
+from ._launch_fix import SCRATCH_PER_PROGRAM, compile_gluon, threads_required
 
 __all__ = ["compile_kernel", "main"]
 
@@ -45,7 +49,7 @@ _POINTER_TYPES = {
 # Features switched on for the compile: the heaviest variant (every mask branch) and the plain one.
 VARIANTS = {
     "plain": dict(causal=False),
-    "causal": dict(causal=True),
+    "causal": dict(causal=True, sinks=True),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
         bias=True, sinks=True,
@@ -75,6 +79,10 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype))
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
+    if cfg.gluon:  # the Gluon forward (its own arguments)
+        from ._ops import gluon_constexprs
+
+        return dict(gluon_constexprs(st, q, k, sinks, cfg), INTERPRET=False)
     consts = _common_constexprs(st, q, k, b, sinks)
     # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
     consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
@@ -89,12 +97,19 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
 
 
 def compile_kernel(
-    kernel: str, cfg: FlashConfig, head_dim: int, dtype: str = "bfloat16", variant: str = "plain"
+    kernel: str,
+    cfg: FlashConfig,
+    head_dim: int,
+    dtype: str = "bfloat16",
+    variant: str = "plain",
+    spills: bool = False,
 ) -> dict[str, Any]:
     """Compile one kernel for sm_90 and report its resources.
 
+    ``spills``: also run ptxas on the PTX for its spill count (`spill_stores`).
+
     Returns:
-        dict with the kernel, config, shared memory bytes, registers, spills, seconds.
+        dict with the kernel, config, shared memory bytes, scratch, threads, spills, seconds.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -102,6 +117,8 @@ def compile_kernel(
     module = importlib.import_module("ejk_kernels_gpu._kernels")
     if module.INTERPRET:
         raise RuntimeError("compile_kernel needs TRITON_INTERPRET unset (run it in a subprocess)")
+    if kernel == "fwd_kernel" and cfg.gluon:
+        kernel = "gluon_fwd_kernel"
     fn = getattr(module, kernel)
     consts = _constexprs(kernel, cfg, head_dim, dtype, variant)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -118,13 +135,17 @@ def compile_kernel(
         for i, name in enumerate(fn.arg_names)
         if signature[name] != "constexpr"
     }
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     start = time.perf_counter()
-    compiled = triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )
+    if cfg.gluon:
+        pointers = {n: t for n, t in signature.items() if t != "constexpr"}
+        compiled = compile_gluon(fn, pointers, consts, cfg.num_warps)
+    else:
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+        compiled = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        )
     meta = compiled.metadata
     scratch = int(getattr(meta, "global_scratch_size", 0) or 0)
     return dict(
@@ -139,6 +160,7 @@ def compile_kernel(
             num_stages=cfg.num_stages,
             warp_specialize=cfg.warp_specialize,
             atomic_dq=cfg.atomic_dq,
+            gluon=cfg.gluon,
         ),
         shared=int(meta.shared),
         # Global scratch (TMA descriptors) comes from a buffer of SCRATCH_PER_PROGRAM per program.
@@ -149,17 +171,38 @@ def compile_kernel(
         wgmma="wgmma" in compiled.asm["ptx"],
         # Threads the PTX requires: 384 for a warp-specialised build (three warpgroups).
         threads=threads_required(compiled.asm["ptx"]),
+        spill_stores=spill_stores(compiled.asm["ptx"]) if spills else None,
         seconds=round(time.perf_counter() - start, 2),
     )
+
+
+def spill_stores(ptx: str) -> int | None:
+    """Bytes of register spill stores ptxas reports for ``ptx`` (sm_90a); None if Triton's
+    ptxas cannot be found."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    path = get_ptxas(90).path
+    if not path:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.o")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 
 
 def _report(name: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str) -> bool:
-    """Compile one kernel, print its JSON line; True if it failed or does not fit."""
+    """Compile one kernel, print its JSON line; True if it failed or does not fit (or, for
+    the Gluon forward, spills registers)."""
     try:
-        row = compile_kernel(name, cfg, head_dim, dtype, variant)
+        row = compile_kernel(name, cfg, head_dim, dtype, variant, spills=cfg.gluon)
+        if row["spill_stores"]:
+            row["error"] = f"ptxas spills {row['spill_stores']} bytes"
     except Exception as exc:  # report every failure, then fail the run
         row = dict(kernel=name, variant=variant, head_dim=head_dim, config=str(cfg),
                    error=f"{type(exc).__name__}: {exc}"[:2000])  # fmt: skip
@@ -187,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                     space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
                 elif args.space == "full":
                     space = bwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
-                elif group == "fwd":
-                    space = (fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws),)
+                elif group == "fwd":  # the heuristic and every Hopper build the call can take
+                    full = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
+                    special = (c for c in full if c.warp_specialize or c.gluon)
+                    heuristic = fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws)
+                    space = tuple(dict.fromkeys((heuristic, *special)))
                 else:  # the heuristic and its twin (both ways of computing dq), and the
                     # warp-specialised one where the call could take it
                     cfg = bwd_heuristic(head_dim, itemsize, side)

@@ -51,6 +51,14 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             `ordinary_config`). The heuristics pick it (head_dim 128, 16-bit inputs) for
             every call that can take it, forward and backward (H100, docs/performance.md
             step 7).
+        gluon: forward only, Hopper (sm_90) only: run the forward written in Gluon
+            (`_gluon_forward`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
+            and two consumer warpgroups; 128x128 tiles, ``num_warps`` 4 per warpgroup,
+            ``num_stages`` slots in each of the k and v rings). Taken by calls the
+            warp-specialised loop could take, with head_dim 128, 16-bit inputs and a
+            positive scale (sinks allowed); any other call runs the ordinary kernel with the
+            same tiles (`ordinary_config`). The forward heuristic picks it wherever it can
+            run (H100: 0.95x cuDNN unmasked, docs/performance.md step 10).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -64,11 +72,26 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     num_stages: int = 2
     warp_specialize: bool = False
     atomic_dq: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("warp_specialize", "atomic_dq"):
+        for name in ("warp_specialize", "atomic_dq", "gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FlashConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.gluon and (self.warp_specialize or self.atomic_dq):
+            raise ValueError(
+                "FlashConfig.gluon is a forward build of its own: it cannot be combined with "
+                f"warp_specialize or atomic_dq, got {self!r}"
+            )
+        if self.gluon and (self.block_q, self.block_k, self.num_warps) != (128, 128, 4):
+            raise ValueError(
+                "FlashConfig.gluon runs 128x128 tiles with 4 warps per warpgroup: "
+                f"block_q=128, block_k=128, num_warps=4, got {self!r}"
+            )
+        if self.gluon and self.num_stages not in (2, 3):
+            raise ValueError(
+                f"FlashConfig.gluon takes num_stages 2 or 3 (k and v ring slots), got {self!r}"
+            )
         if self.warp_specialize and self.atomic_dq:
             raise ValueError(
                 "FlashConfig.warp_specialize and atomic_dq cannot both be set: the "
@@ -168,6 +191,14 @@ def _space(
 _WS_CONFIGS = {
     128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
 }
+# The Gluon forward; three ring slots measured 3-17 % faster than two on the benchmark's
+# head_dim-128 shapes (H100, docs/performance.md step 10), so the heuristic takes them.
+_GLUON_CONFIGS = {
+    128: (
+        FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True),
+        FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True),
+    ),
+}
 # Backward: 128 resident rows (keys in dk/dv, queries in dq; 64 per consumer warpgroup),
 # 64 streamed (the probe's dk/dv tiles).
 _WS_BWD_CONFIGS = {
@@ -182,17 +213,20 @@ def ordinary_config(
     side_inputs: bool = True,
     kinds: tuple[str, ...] = ("fwd",),
 ) -> FlashConfig:
-    """The ordinary-kernel config a warp-specialised one stands for where it cannot run.
+    """The ordinary-kernel config a warp-specialised or Gluon one stands for where it
+    cannot run.
 
     Same tiles; its two consumer warpgroups become ``2 * num_warps`` warps, and the
     producer's buffering one more pipeline stage where shared memory allows for every
     kernel of ``kinds`` (forward 128x128 tiles: (128, 128, 8, 3), the best ordinary
     forward config measured; backward 128x64: (128, 64, 8, 3)).
     """
-    if not cfg.warp_specialize:
+    if not (cfg.warp_specialize or cfg.gluon):
         return cfg
-    base = msgspec.structs.replace(cfg, num_warps=2 * cfg.num_warps, warp_specialize=False)
-    deeper = msgspec.structs.replace(base, num_stages=base.num_stages + 1)
+    base = msgspec.structs.replace(
+        cfg, num_warps=2 * cfg.num_warps, warp_specialize=False, gluon=False
+    )
+    deeper = msgspec.structs.replace(base, num_stages=min(base.num_stages + 1, 3))
     fits = all(fits_shared_memory(k, deeper, head_dim, itemsize, side_inputs) for k in kinds)
     return deeper if fits else base
 
@@ -207,7 +241,7 @@ def fwd_search_space(
     """
     space = _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
     if warp_specialize and itemsize == 2:
-        space += _WS_CONFIGS.get(head_dim, ())
+        space += _WS_CONFIGS.get(head_dim, ()) + _GLUON_CONFIGS.get(head_dim, ())
     return space
 
 
@@ -229,9 +263,13 @@ def fwd_heuristic(
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
-    ``warp_specialize``: the call can take the warp-specialised loop on this GPU (with
-    causal calls +10-20 % over the ordinary kernel, H100, docs/performance.md step 7).
+    ``warp_specialize``: the call can take the warp-specialised builds on this GPU: at
+    head_dim 128 the Gluon forward (16-bit; 612 against 494 TFLOP/s for the Triton
+    warp-specialised one unmasked, H100, docs/performance.md step 10), elsewhere the
+    warp-specialised loop (causal calls +10-20 % over the ordinary kernel, step 7).
     """
+    if warp_specialize and itemsize == 2 and head_dim in _GLUON_CONFIGS:
+        return _GLUON_CONFIGS[head_dim][0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:
         return _WS_CONFIGS[head_dim][0]
     if head_dim <= 64:

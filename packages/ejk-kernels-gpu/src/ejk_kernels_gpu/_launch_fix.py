@@ -11,6 +11,10 @@
    runs more warps than it was compiled with (producer plus consumer warpgroups);
    the PTX says how many in ``.reqntid``, while jax-triton launches ``num_warps``.
 
+3. Gluon kernels. jax-triton compiles through Triton's front end only; a Gluon kernel
+   (`_gluon_forward`) is compiled by ``triton.compile`` from a ``GluonASTSource``
+   (`compile_gluon`) and handed to jaxlib like any other, fixes 1 and 2 included.
+
 `install()` wraps jax-triton's compile step and its kernel constructor; it changes
 only kernels named in `SCRATCH_KERNELS` (fix 1) and kernels whose PTX asks for a
 thread count other than the one jax-triton would launch (fix 2), which would not
@@ -23,17 +27,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
+import tempfile
 from typing import Any
 
-__all__ = ["SCRATCH_KERNELS", "SCRATCH_PER_PROGRAM", "install", "scratch_bytes"]
+__all__ = ["SCRATCH_KERNELS", "SCRATCH_PER_PROGRAM", "compile_gluon", "install", "scratch_bytes"]
 
 # Bytes of global scratch one program may use: four 128-byte TMA descriptors and
 # the warp-specialisation barriers fit (the AOT tests check every config against it).
 SCRATCH_PER_PROGRAM = 2048
 # Kernels whose last explicit pointer argument is their global scratch (a benchmark's
 # own kernel may add its name).
-SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dq_kernel", "dkdv_kernel"}
+SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dq_kernel", "dkdv_kernel", "gluon_fwd_kernel"}
 
 
 def scratch_bytes(grid: tuple[int, ...]) -> int:
@@ -83,9 +89,62 @@ class _KernelLib:
         return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, *rest)
 
 
+def compile_gluon(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int,
+    capability: int = 90,
+) -> Any:  # fmt: skip
+    """``triton.compile`` of a Gluon kernel for ``sm_<capability>``.
+
+    ``signature`` maps each pointer argument to its Triton type (``"*bf16"``); the others
+    are the ``constexprs``. Pointers are declared 16-byte aligned (jax buffers are).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    full = dict(signature, **{name: "constexpr" for name in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in signature}
+    source = GluonASTSource(fn, full, dict(constexprs), attrs)
+    if not triton.knobs.cache.dir:  # jax-triton empties TRITON_CACHE_DIR when it imports
+        triton.knobs.cache.dir = os.path.join(tempfile.gettempdir(), "ejk-gluon-cache")
+    target = GPUTarget("cuda", capability, 32)
+    return triton.compile(source, target=target, options=dict(num_warps=num_warps))
+
+
+def _install_gluon(triton_lib: Any) -> None:
+    """Route Gluon kernels of `triton_call` through `compile_gluon` (fix 3)."""
+    original = triton_lib.get_or_create_triton_kernel
+    cache: dict[Any, Any] = {}
+
+    def get_or_create(backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw):
+        if not getattr(fn, "is_gluon", lambda: False)():
+            return original(backend_init_func, platform, fn, arg_dtypes, scalar_args, **kw)
+        metaparams = kw["metaparams"]
+        key = (fn, tuple(arg_dtypes), tuple(sorted(metaparams.items())), kw["num_warps"])
+        if key not in cache:
+            capability = kw["compute_capability"]
+            if capability is None:  # as jax-triton does: device 0's
+                capability = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+            signature = dict(zip(fn.arg_names, arg_dtypes, strict=False))
+            compiled = compile_gluon(fn, signature, metaparams, kw["num_warps"], capability)
+            name = compiled.metadata.name
+            ptx = compiled.asm["ptx"]
+            if name in SCRATCH_KERNELS:
+                ptx = redirect_scratch(ptx, name)
+            kernel = triton_lib.triton_kernel_call_lib.TritonKernel(
+                name, kw["num_warps"], kw["num_ctas"], compiled.metadata.shared, ptx, "",
+                capability,
+            )  # fmt: skip
+            attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(arg_dtypes))}
+            cache[key] = (kernel, attrs)
+        return cache[key]
+
+    triton_lib.get_or_create_triton_kernel = get_or_create
+
+
 @functools.cache
 def install() -> None:
-    """Apply both fixes to jax-triton's `triton_call` (idempotent)."""
+    """Apply the three fixes to jax-triton's `triton_call` (idempotent)."""
     from jax_triton import triton_lib
 
     compile_ttir = triton_lib.compile_ttir_inplace
@@ -100,3 +159,4 @@ def install() -> None:
 
     triton_lib.compile_ttir_inplace = compile_fixed
     triton_lib.triton_kernel_call_lib = _KernelLib(triton_lib.triton_kernel_call_lib)
+    _install_gluon(triton_lib)

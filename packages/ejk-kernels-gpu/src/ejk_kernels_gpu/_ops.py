@@ -81,6 +81,19 @@ def offer_warp_specialize(masks_ok: bool, bias: Any, kv_len: int, head_dim: int)
     return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
 
 
+def can_run_gluon(st: _Static, bias: Any, q: Any, kv_len: int) -> bool:
+    """Whether a call may run the Gluon forward (`_gluon_forward`): what the
+    warp-specialised loop takes, with head_dim 128, 16-bit inputs, a positive scale and
+    at least one query."""
+    return (
+        q.shape[3] == 128
+        and q.dtype.itemsize == 2
+        and q.shape[1] > 0
+        and st.scale > 0.0
+        and can_warp_specialize(st.ws_masks(), bias, kv_len, 128, 128)
+    )
+
+
 def runnable_config(
     st: _Static,
     cfg: FlashConfig,
@@ -90,14 +103,18 @@ def runnable_config(
     block: int,
     kinds: tuple[str, ...],
 ) -> tuple[FlashConfig, bool]:
-    """(config, warp-specialised) a launch runs: ``cfg`` where the call can take its
-    warp-specialised build, else its ordinary twin (`ordinary_config`) for ``kinds``.
+    """(config, special) a launch runs: ``cfg`` where the call can take its warp-specialised
+    or Gluon build (``special``), else its ordinary twin (`ordinary_config`) for ``kinds``.
     ``block``: the streamed key tile (forward) or the resident one (backward)."""
     head_dim = q.shape[3]
-    ws = cfg.warp_specialize and can_warp_specialize(st.ws_masks(), bias, kv_len, head_dim, block)
-    if cfg.warp_specialize and not ws:
+    if cfg.gluon:
+        special = can_run_gluon(st, bias, q, kv_len)
+    else:
+        masks = st.ws_masks()
+        special = cfg.warp_specialize and can_warp_specialize(masks, bias, kv_len, head_dim, block)
+    if not special:
         cfg = ordinary_config(cfg, head_dim, q.dtype.itemsize, st.side_inputs(bias), kinds)
-    return cfg, ws
+    return cfg, special
 
 
 def _window(sliding_window: int | Sequence[int] | None) -> tuple[int, int] | None:
@@ -224,10 +241,42 @@ def _common_constexprs(st: _Static, q: Array, k: Array, bias: Array | None, has_
     )
 
 
+def gluon_constexprs(st: _Static, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig):
+    """The constexpr arguments of `_gluon_forward.gluon_fwd_kernel`."""
+    _, q_len, heads, head_dim = q.shape
+    return dict(
+        T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
+        QK=float(st.scale * _LOG2E), CAUSAL=st.causal, HAS_SINKS=has_sinks,
+        BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _gluon_forward(st: _Static, q, k, v, sinks, cfg: FlashConfig) -> tuple[Array, Array]:
+    """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
+    batch, q_len, heads, _ = q.shape
+    grid = (-(-q_len // cfg.block_q), batch * heads)
+    out, lse, _ = launch(
+        "gluon_fwd_kernel",
+        grid,
+        (q, k, v, _dummy(jnp.float32) if sinks is None else sinks),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        ),
+        gluon_constexprs(st, q, k, sinks is not None, cfg),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
 def _forward(st: _Static, q, k, v, bias, sinks, tb: _Tables) -> tuple[Array, Array]:
     """(out, lse)."""
     batch, q_len, heads, _ = q.shape
     cfg, ws = runnable_config(st, st.fwd_cfg, bias, q, k.shape[1], st.fwd_cfg.block_k, ("fwd",))
+    if cfg.gluon:
+        return _gluon_forward(st, q, k, v, sinks, cfg)
     consts = _common_constexprs(st, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
     out, lse, _ = launch(
@@ -369,6 +418,8 @@ def flash_attention(
         raise TypeError(f"config must be a FlashConfig or None, got {config!r}")
     if bwd_config is not None and not isinstance(bwd_config, FlashConfig):
         raise TypeError(f"bwd_config must be a FlashConfig or None, got {bwd_config!r}")
+    if bwd_config is not None and bwd_config.gluon:
+        raise ValueError(f"bwd_config.gluon: the Gluon build is a forward only, got {bwd_config!r}")
 
     if bias is not None:
         bias = jnp.asarray(bias)

@@ -105,6 +105,16 @@ class _HostBuffer:
         return tuple(s // self.array.itemsize for s in self.array.strides)
 
 
+_BFLOAT16 = np.dtype(jax.numpy.bfloat16)
+
+
+def _interpretable(dtype: np.dtype) -> np.dtype:
+    """The dtype a buffer has in the interpreter: Triton's interpreter keeps bfloat16 as raw
+    16-bit integers and multiplies those bits (tl.dot) as numbers, so bfloat16 buffers run
+    as float32 there (and outputs are rounded back to bfloat16)."""
+    return np.dtype(np.float32) if dtype == _BFLOAT16 else dtype
+
+
 def _interpret_call(
     kernel: Any,
     grid: tuple[int, ...],
@@ -114,13 +124,16 @@ def _interpret_call(
     *inputs: Any,
 ) -> tuple[np.ndarray, ...]:
     # pure_callback hands over host arrays (jax or numpy, depending on the jax version).
-    ins = [_HostBuffer(np.ascontiguousarray(np.asarray(x))) for x in inputs]
+    arrays = [np.asarray(x) for x in inputs]
+    ins = [_HostBuffer(np.ascontiguousarray(x, _interpretable(x.dtype))) for x in arrays]
     outs = [
-        (np.zeros if z else np.empty)(s.shape, np.dtype(s.dtype))
+        (np.zeros if z else np.empty)(s.shape, _interpretable(np.dtype(s.dtype)))
         for s, z in zip(out_shapes, zeroed, strict=True)
     ]
     kernel[grid](*ins, *(_HostBuffer(o) for o in outs), **constexprs)
-    return tuple(outs)
+    return tuple(
+        o.astype(np.dtype(s.dtype), copy=False) for o, s in zip(outs, out_shapes, strict=True)
+    )
 
 
 def launch(

@@ -37,3 +37,58 @@ def tol_fixture():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# Calls that exercise the Hopper builds' edges: (causal, q_len, kv_len, kv_heads, sinks) with
+# query lengths off the 128-row tiles (TMA zero fill, clipped stores), longer than the keys,
+# and grouped kv heads (descriptor strides).
+HOPPER_EDGE_CASES = [
+    (False, 256, 256, 4, False),
+    (True, 256, 256, 4, False),
+    (True, 200, 256, 2, True),
+    (True, 384, 128, 1, False),
+]
+
+
+@pytest.fixture(name="edge", params=HOPPER_EDGE_CASES, ids=lambda c: "-".join(map(str, c)))
+def edge_fixture(request):
+    """One of `HOPPER_EDGE_CASES`."""
+    return request.param
+
+
+@pytest.fixture(name="on_hopper")
+def on_hopper_fixture(monkeypatch):
+    """Pretend to be on Hopper and watch `_ops.launch`. Returns ``watch(hook)``:
+    ``hook(name, grid, inputs, outs, consts, kwargs)`` sees every forward launch and may
+    return outputs that stand in for it (None: the launch runs as usual)."""
+    from ejk_kernels_gpu import _ops
+
+    launch = _ops.launch
+    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
+
+    def watch(hook):
+        def spy(name, grid, inputs, outs, consts, **kwargs):
+            stand_in = hook(name, grid, inputs, outs, consts, kwargs)
+            if stand_in is not None:
+                return stand_in
+            return launch(name, grid, inputs, outs, consts, **kwargs)
+
+        monkeypatch.setattr(_ops, "launch", spy)
+
+    return watch
+
+
+def scratch_ptx(name: str) -> str:
+    """A minimal PTX entry ``name``: four pointer parameters (the last but two explicit one,
+    2, is read as Triton's hidden global scratch would be), 384 threads."""
+    params = ",\n".join(f"\t.param .u64 .ptr .global .align 1 {name}_param_{i}" for i in range(4))
+    return (
+        f".visible .entry {name}(\n{params}\n)\n.reqntid 384\n{{\n"
+        f"\tld.param.b64 \t%rd4, [{name}_param_2];\n"
+        f"\tld.param.b64 \t%rd5, [{name}_param_0];\n}}\n"
+    )
+
+
+@pytest.fixture(name="scratch_ptx")
+def scratch_ptx_fixture():
+    return scratch_ptx

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ejk_attention import reference_attention
-from ejk_kernels_gpu import FlashConfig, _launch_fix, _ops, flash_attention
+from ejk_kernels_gpu import FlashConfig, _launch_fix, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
@@ -66,13 +66,12 @@ def test_ordinary_config_keeps_the_tiles():
 
 
 @pytest.fixture(name="gluon_launches")
-def gluon_launches_fixture(monkeypatch):
+def gluon_launches_fixture(on_hopper):
     """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernel's
     with the reference (out, lse) it must produce and an empty scratch buffer."""
     seen = []
-    launch = _ops.launch
 
-    def spy(name, grid, inputs, outs, consts, **kwargs):
+    def record(name, grid, inputs, outs, consts, kwargs):
         if name == "gluon_fwd_kernel":
             seen.append((name, grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
             q, k, v, sinks = inputs
@@ -84,22 +83,16 @@ def gluon_launches_fixture(monkeypatch):
             return out.astype(q.dtype), lse, jnp.zeros(outs[2].shape, outs[2].dtype)
         if name == "fwd_kernel":
             seen.append((name, grid, dict(consts), None, kwargs))
-        return launch(name, grid, inputs, outs, consts, **kwargs)
+        return None
 
-    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
-    monkeypatch.setattr(_ops, "launch", spy)
+    on_hopper(record)
     return seen
 
 
-@pytest.mark.parametrize(
-    ("causal", "q_len", "kv_len", "kv_heads", "sinks"),
-    [(False, 256, 256, 4, False), (True, 200, 256, 2, True), (True, 384, 128, 1, False)],
-)  # fmt: skip
-def test_unmasked_and_causal_calls_launch_it_by_default(
-    gluon_launches, rng, causal, q_len, kv_len, kv_heads, sinks
-):
+def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edge):
     """Its launch: grid, constexprs, outputs (lse [B, N, T]); values, lse and gradients of
     the whole call (the backward kernels, interpreted, take the lse it returns)."""
+    causal, q_len, kv_len, kv_heads, sinks = edge
     heads = 4
     q = jnp.asarray(rng.standard_normal((2, q_len, heads, 128)), jnp.bfloat16)
     kv = (2, kv_len, kv_heads, 128)
@@ -167,19 +160,6 @@ def test_other_calls_run_the_ordinary_kernel_correctly(gluon_launches, rng, kwar
     np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=tol)
 
 
-_GLUON_PTX = """.visible .entry gluon_fwd_kernel(
-\t.param .u64 .ptr .global .align 1 gluon_fwd_kernel_param_0,
-\t.param .u64 .ptr .global .align 1 gluon_fwd_kernel_param_1,
-\t.param .u64 .ptr .global .align 1 gluon_fwd_kernel_param_2,
-\t.param .u64 .ptr .global .align 1 gluon_fwd_kernel_param_3
-)
-.reqntid 384
-{
-\tld.param.b64 \t%rd4, [gluon_fwd_kernel_param_2];
-}
-"""
-
-
 class _Fn:
     """A kernel as the hook sees it (hashable, like a JITFunction)."""
 
@@ -192,7 +172,7 @@ class _Fn:
         return self.gluon
 
 
-def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch):
+def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch, scratch_ptx):
     """Triton kernels keep jax-triton's path; a Gluon kernel is compiled by `compile_gluon`
     once per signature and handed to jaxlib with its scratch redirected (the thread count
     follows from `_KernelLib`, which `install` puts in front of jaxlib)."""
@@ -204,7 +184,7 @@ def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch):
     def fake_compile(fn, signature, constexprs, num_warps, capability):
         compiled.append((signature, constexprs, num_warps, capability))
         meta = SimpleNamespace(name="gluon_fwd_kernel", shared=4096)
-        return SimpleNamespace(metadata=meta, asm={"ptx": _GLUON_PTX})
+        return SimpleNamespace(metadata=meta, asm={"ptx": scratch_ptx("gluon_fwd_kernel")})
 
     lib = SimpleNamespace(
         TritonKernel=lambda *args: made.append(args) or "kernel",

@@ -54,32 +54,23 @@ def test_a_warp_specialised_config_runs_everywhere(rng):
 
 
 @pytest.fixture(name="launches")
-def launches_fixture(monkeypatch):
+def launches_fixture(on_hopper):
     """Pretend to be on Hopper and record each forward launch's WS and CAUSAL constexprs."""
     seen = []
-    launch = _ops.launch
 
-    def spy(name, grid, inputs, outs, consts, **kwargs):
+    def record(name, grid, inputs, outs, consts, kwargs):
         if name == "fwd_kernel":
             seen.append((consts["WS"], consts["CAUSAL"]))
-        return launch(name, grid, inputs, outs, consts, **kwargs)
 
-    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
-    monkeypatch.setattr(_ops, "launch", spy)
+    on_hopper(record)
     return seen
 
 
-@pytest.mark.parametrize(
-    ("causal", "q_len", "kv_len", "kv_heads", "sinks"),
-    [(False, 256, 256, 4, False), (True, 256, 256, 4, False), (True, 200, 256, 2, True),
-     (True, 384, 128, 1, False)],
-)  # fmt: skip
-def test_warp_specialised_build_computes_attention(
-    launches, rng, causal, q_len, kv_len, kv_heads, sinks
-):
+def test_warp_specialised_build_computes_attention(launches, rng, edge):
     """Values and lse of the warp-specialised build (interpreted), causal included: query
     lengths off the block size (TMA zero fill and clipped stores), longer than the keys,
     grouped kv heads (descriptor strides)."""
+    causal, q_len, kv_len, kv_heads, sinks = edge
     q = jnp.asarray(rng.standard_normal((2, q_len, 4, 128)), jnp.float32)
     shape = (2, kv_len, kv_heads, 128)
     k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
@@ -135,15 +126,10 @@ def _grads(attn, q, k, v, s, d_out, **kwargs):
     return jax.grad(loss, argnums=(0, 1, 2, 3) if s is not None else (0, 1, 2))(q, k, v, s)
 
 
-@pytest.mark.parametrize(
-    ("causal", "q_len", "kv_len", "kv_heads", "sinks"),
-    [(False, 256, 256, 4, False), (True, 200, 256, 2, True), (True, 384, 128, 1, False)],
-)  # fmt: skip
-def test_warp_specialised_backward_computes_gradients(
-    bwd_launches, rng, causal, q_len, kv_len, kv_heads, sinks
-):
+def test_warp_specialised_backward_computes_gradients(bwd_launches, rng, edge):
     """dq, dk, dv (and dsinks) of the warp-specialised backward (interpreted): query lengths
     off the tiles (TMA zero fill, clipped stores, padded lse rows), grouped kv heads."""
+    causal, q_len, kv_len, kv_heads, sinks = edge
     q = jnp.asarray(rng.standard_normal((2, q_len, 4, 128)), jnp.float32)
     shape = (2, kv_len, kv_heads, 128)
     k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
@@ -182,30 +168,17 @@ def test_backward_takes_the_warp_specialised_build_by_default_where_it_can(
         assert [name for name, _ in bwd_launches] == ["dkdv_kernel", "dq_kernel"]
 
 
-_PTX = """.visible .entry fwd_kernel(
-\t.param .u64 .ptr .global .align 1 fwd_kernel_param_0,
-\t.param .u64 .ptr .global .align 1 fwd_kernel_param_1,
-\t.param .u64 .ptr .global .align 1 fwd_kernel_param_2,
-\t.param .u64 .ptr .global .align 1 fwd_kernel_param_3
-)
-.reqntid 384
-{
-\tld.param.b64 \t%rd4, [fwd_kernel_param_2];
-\tld.param.b64 \t%rd5, [fwd_kernel_param_0];
-}
-"""
-
-
-def test_scratch_is_read_from_the_last_explicit_argument():
-    fixed = redirect_scratch(_PTX, "fwd_kernel")
+def test_scratch_is_read_from_the_last_explicit_argument(scratch_ptx):
+    ptx = scratch_ptx("fwd_kernel")
+    fixed = redirect_scratch(ptx, "fwd_kernel")
     assert "[fwd_kernel_param_2]" not in fixed
     assert "ld.param.b64 \t%rd4, [fwd_kernel_param_1];" in fixed
     assert "[fwd_kernel_param_0]" in fixed  # other parameters untouched
-    assert threads_required(_PTX) == 384
+    assert threads_required(ptx) == 384
 
 
-def test_unexpected_ptx_fails_loudly():
+def test_unexpected_ptx_fails_loudly(scratch_ptx):
     with pytest.raises(RuntimeError, match="parameter list"):
         redirect_scratch(".visible .entry fwd_kernel(\n)\n", "fwd_kernel")
-    no_scratch = _PTX.replace("[fwd_kernel_param_2]", "[fwd_kernel_param_1]")
+    no_scratch = scratch_ptx("fwd_kernel").replace("[fwd_kernel_param_2]", "[fwd_kernel_param_1]")
     assert redirect_scratch(no_scratch, "fwd_kernel") == no_scratch

@@ -161,12 +161,15 @@ def main() -> int:
         # The ordinary kernels on the calls the heuristics now give the warp-specialised ones.
         ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, dict(causal=True, ordinary=True)),
         ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, dict(ordinary=True)),
-        # The Gluon forward (on Hopper also the heuristic's pick in cases 0, 1, 20, 21 and the
+        # The Gluon forward (on Hopper also the heuristic's pick in cases 0, 1, 22, 23 and the
         # forward-only checks): causal with T > S and T < S (rows past the diagonal, clipped
         # stores), GQA, sinks, two ring slots.
         ("gluon causal gqa T>S", 1, 1536, 1024, 8, 2, 128, dict(causal=True)),
         ("gluon causal sinks T<S", 2, 1000, 2048, 8, 8, 128, dict(causal=True, sinks=True)),
         ("gluon2 plain gqa", 2, 1024, 2048, 16, 4, 128, dict(gluon2=True)),
+        # Decoding shapes: one query row (the rest of the tile zero-filled), one key block.
+        ("gluon decode T=1", 2, 1, 4096, 8, 2, 128, {}),
+        ("gluon causal T=1 S=128", 2, 1, 128, 8, 8, 128, dict(causal=True, sinks=True)),
         # float16 takes the warp-specialised builds too (16-bit inputs).
         ("fp16 causal gqa h128", 2, 2048, 2048, 16, 4, 128, dict(causal=True, dtype=jnp.float16)),
         ("fp16 plain h128 T!=S", 2, 1000, 1024, 8, 8, 128, dict(dtype=jnp.float16, sinks=True)),

@@ -31,7 +31,7 @@ from ._config import (
     fwd_heuristic,
     fwd_search_space,
 )
-from ._launch_fix import SCRATCH_PER_PROGRAM, compile_gluon, threads_required
+from ._launch_fix import SCRATCH_PER_PROGRAM, compile_gluon, source_signature, threads_required
 
 __all__ = ["compile_kernel", "main"]
 
@@ -123,23 +123,13 @@ def compile_kernel(
     consts = _constexprs(kernel, cfg, head_dim, dtype, variant)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     data = _TRITON_DTYPE[dtype]
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        else:
-            kind = _POINTER_TYPES[name]
-            signature[name] = "*" + (data if kind == "data" else kind)
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(fn.arg_names)
-        if signature[name] != "constexpr"
-    }
+    kinds = {name: _POINTER_TYPES[name] for name in fn.arg_names if name not in consts}
+    pointers = {name: "*" + (data if k == "data" else k) for name, k in kinds.items()}
     start = time.perf_counter()
     if cfg.gluon:
-        pointers = {n: t for n, t in signature.items() if t != "constexpr"}
         compiled = compile_gluon(fn, pointers, consts, cfg.num_warps)
     else:
+        signature, attrs = source_signature(fn, pointers, consts)
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
         compiled = triton.compile(
             src,

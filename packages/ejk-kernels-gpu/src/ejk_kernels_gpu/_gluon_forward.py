@@ -115,14 +115,14 @@ def _step(j, state, q, zero_s, bufs, row_c, QK: gl.constexpr, BN: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(smem, bars, out, row0, n_blocks, sink, QK: gl.constexpr, HALF: gl.constexpr,
+def _consumer(smem, bars, dest, row0, n_blocks, sink, QK: gl.constexpr, HALF: gl.constexpr,
               BN: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
     """Rows ``row0 + C·HALF ..`` of the program's query block (consumer C of two)."""
     q_all, k_smem, v_smem = smem
     q_bars, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
-    o_desc, lse_ptr, T = out
+    o_desc, lse_ptr, T = dest
     q = q_all.index(C)
     row_c = row0 + C * HALF
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -219,15 +219,15 @@ def gluon_fwd_kernel(
     sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E if HAS_SINKS else 0.0
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bars, kv_bars)
-    out = (o_desc, lse_ptr + bn.to(gl.int64) * T, T)
+    dest = (o_desc, lse_ptr + bn.to(gl.int64) * T, T)  # where o and lse go
     # Consumers get 240 registers a thread (the default partition gets what is left: 240),
     # the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, out, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
+            (_consumer, (smem, bars, dest, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
                          CAUSAL, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, out, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
+            (_consumer, (smem, bars, dest, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
                          CAUSAL, HAS_SINKS, 1)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, kv_bars, n_blocks, BN, STAGES)),
         ],

@@ -32,7 +32,14 @@ import re
 import tempfile
 from typing import Any
 
-__all__ = ["SCRATCH_KERNELS", "SCRATCH_PER_PROGRAM", "compile_gluon", "install", "scratch_bytes"]
+__all__ = [
+    "SCRATCH_KERNELS",
+    "SCRATCH_PER_PROGRAM",
+    "compile_gluon",
+    "install",
+    "scratch_bytes",
+    "source_signature",
+]
 
 # Bytes of global scratch one program may use: four 128-byte TMA descriptors and
 # the warp-specialisation barriers fit (the AOT tests check every config against it).
@@ -89,22 +96,29 @@ class _KernelLib:
         return self._lib.TritonKernel(name, num_warps, num_ctas, shared, binary, *rest)
 
 
+def source_signature(
+    fn: Any, pointers: dict[str, str], constexprs: dict[str, Any]
+) -> tuple[dict[str, str], dict[tuple[int], list]]:
+    """(signature, attrs) of a compile source for ``fn``: ``pointers`` maps each pointer
+    argument to its Triton type (``"*bf16"``), every other argument of ``fn`` is one of
+    the ``constexprs``; pointers are declared 16-byte aligned (jax buffers are)."""
+    signature = {n: pointers.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in pointers}
+    return signature, attrs
+
+
 def compile_gluon(
-    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int,
+    fn: Any, pointers: dict[str, str], constexprs: dict[str, Any], num_warps: int,
     capability: int = 90,
 ) -> Any:  # fmt: skip
-    """``triton.compile`` of a Gluon kernel for ``sm_<capability>``.
-
-    ``signature`` maps each pointer argument to its Triton type (``"*bf16"``); the others
-    are the ``constexprs``. Pointers are declared 16-byte aligned (jax buffers are).
-    """
+    """``triton.compile`` of a Gluon kernel for ``sm_<capability>`` (arguments as
+    `source_signature` takes them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    full = dict(signature, **{name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in signature}
-    source = GluonASTSource(fn, full, dict(constexprs), attrs)
+    signature, attrs = source_signature(fn, pointers, constexprs)
+    source = GluonASTSource(fn, signature, dict(constexprs), attrs)
     if not triton.knobs.cache.dir:  # jax-triton empties TRITON_CACHE_DIR when it imports
         triton.knobs.cache.dir = os.path.join(tempfile.gettempdir(), "ejk-gluon-cache")
     target = GPUTarget("cuda", capability, 32)
@@ -125,8 +139,8 @@ def _install_gluon(triton_lib: Any) -> None:
             capability = kw["compute_capability"]
             if capability is None:  # as jax-triton does: device 0's
                 capability = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
-            signature = dict(zip(fn.arg_names, arg_dtypes, strict=False))
-            compiled = compile_gluon(fn, signature, metaparams, kw["num_warps"], capability)
+            pointers = dict(zip(fn.arg_names, arg_dtypes, strict=False))  # arrays come first
+            compiled = compile_gluon(fn, pointers, metaparams, kw["num_warps"], capability)
             name = compiled.metadata.name
             ptx = compiled.asm["ptx"]
             if name in SCRATCH_KERNELS:

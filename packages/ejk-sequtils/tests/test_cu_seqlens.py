@@ -51,7 +51,7 @@ def test_empty_sequence_inside_cu_seqlens():
     cu = jnp.array(EMPTY_MIDDLE)
     assert _np(es.prepare_sequence_ids(cu)) == [0, 0, 0, 2, 2]
     assert _np(es.prepare_position_ids(cu)) == [0, 1, 2, 0, 1]
-    assert _np(es.cu_seqlens_to_segment_ids(cu)) == [1, 1, 1, 3, 3]
+    assert _np(es.cu_seqlens_to_segment_ids(cu)) == [0, 0, 0, 2, 2]
     assert _np(es.prepare_token_indices(cu)) == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 1]]
 
 
@@ -72,12 +72,31 @@ def test_total_length_pads_and_truncates():
     cu = jnp.array([0, 2, 3])
     assert _np(es.prepare_sequence_ids(cu, total_length=5)) == [0, 0, 1, -1, -1]
     assert _np(es.prepare_position_ids(cu, total_length=5)) == [0, 1, 0, 0, 0]
-    assert _np(es.cu_seqlens_to_segment_ids(cu, total_length=5)) == [1, 1, 2, 0, 0]
+    assert _np(es.cu_seqlens_to_segment_ids(cu, total_length=5)) == [0, 0, 1, -1, -1]
     assert _np(es.prepare_sequence_ids(cu, total_length=2)) == [0, 0]
 
 
-def test_tokens_before_a_nonzero_start_are_padding():
-    assert _np(es.prepare_sequence_ids(jnp.array([2, 4]))) == [-1, -1, 0, 0]
+def test_cu_seqlens_to_segment_ids_numbers_from_0_and_pads_with_minus_1():
+    # Under the old rule (id = sequence index + 1, padding 0) this was [1, 1, 1, 3, 3, 0].
+    segment_ids = es.cu_seqlens_to_segment_ids(jnp.array(EMPTY_MIDDLE), 6)
+    assert segment_ids.dtype == jnp.int32
+    assert _np(segment_ids) == [0, 0, 0, 2, 2, -1]
+    # The first sequence (id 0) attends within itself; the padding token sees nothing.
+    mask = np.asarray(es.segment_ids_to_mask(segment_ids))
+    assert mask[:3, :3].all() and not mask[:3, 3:].any()
+    assert not mask[5].any() and not mask[:, 5].any()
+
+
+@pytest.mark.usefixtures("no_shape_checks")
+def test_cu_seqlens_must_start_at_0():
+    for fn in (es.prepare_sequence_ids, es.cu_seqlens_to_segment_ids, es.prepare_lens):
+        with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, got cu_seqlens\[0\]=2"):
+            fn(jnp.array([2, 4]))
+    with pytest.raises(ValueError, match=r"must start at 0, got cu_seqlens\[0\]=1"):
+        es.prepare_chunk_indices(np.array([1, 3, 5]), 2)
+    # A traced start cannot be checked: the tokens before it come out as padding.
+    traced = jax.jit(lambda cu: es.prepare_sequence_ids(cu, total_length=4))(jnp.array([2, 4]))
+    assert _np(traced) == [-1, -1, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -109,39 +128,61 @@ def test_chunk_offsets_and_indices():
 
 
 def test_segment_ids_to_cu_seqlens():
-    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([1, 1, 1, 3, 3]))) == [0, 3, 5]
-    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([7, 2, 2, 0, -1]))) == [0, 1, 3]
-    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0, 4, 4]))) == [2, 4]
-    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0]))) == [0]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0, 0, 2, 2]))) == [0, 3, 5]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([7, 2, 2, -1, -3]))) == [0, 1, 3]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([-1, -2, 4, 4]))) == [2, 4]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([-1, -1]))) == [0]
     jitted = jax.jit(lambda s: es.segment_ids_to_cu_seqlens(s, num_seqs=4))
-    assert _np(jitted(jnp.array([1, 1, 2, 0]))) == [0, 2, 3, 3, 3]
+    assert _np(jitted(jnp.array([0, 0, 1, -1]))) == [0, 2, 3, 3, 3]
     with pytest.raises(ValueError, match="num_seqs="):
-        jax.jit(es.segment_ids_to_cu_seqlens)(jnp.array([1, 1, 2, 0]))
+        jax.jit(es.segment_ids_to_cu_seqlens)(jnp.array([0, 0, 1, -1]))
+
+
+def test_segment_ids_to_cu_seqlens_id_0_is_a_sequence():
+    # Under the old rule id 0 was padding: [0, 0, 1, 1] gave [2, 4] (one sequence).
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0, 0, 1, 1]))) == [0, 2, 4]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([0]))) == [0, 1]
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([-1, 0, 0, -1]))) == [1, 3]
+    jitted = jax.jit(lambda s: es.segment_ids_to_cu_seqlens(s, num_seqs=2))
+    assert _np(jitted(jnp.array([0, 0, 1, 1]))) == [0, 2, 4]
 
 
 def test_segment_ids_to_cu_seqlens_rejects_what_cu_seqlens_cannot_hold():
-    with pytest.raises(ValueError, match=r"padding between sequences \(segment_ids\[2\]=0\)"):
-        es.segment_ids_to_cu_seqlens(jnp.array([1, 1, 0, 2]))
+    with pytest.raises(ValueError, match=r"padding between sequences \(segment_ids\[2\]=-1\)"):
+        es.segment_ids_to_cu_seqlens(jnp.array([0, 0, -1, 1]))
+    with pytest.raises(ValueError, match="each non-negative id in one contiguous run, got id 0"):
+        es.segment_ids_to_cu_seqlens(jnp.array([0, 1, 0]))
     with pytest.raises(ValueError, match="id 1 in several runs"):
         es.segment_ids_to_cu_seqlens(jnp.array([1, 2, 1]))
+    # 0 was padding under the old rule, so [1, 0, 2] had a hole; now it is three sequences.
+    assert _np(es.segment_ids_to_cu_seqlens(jnp.array([1, 0, 2]))) == [0, 1, 2, 3]
 
 
 def test_segment_ids_to_position_ids():
-    seg = jnp.array([[1, 1, 2, 2, 2, 0], [-1, 5, 5, 0, 5, 5]])
+    seg = jnp.array([[0, 0, 1, 1, 1, -1], [-1, 5, 5, -2, 5, 5]])
     assert _np(es.segment_ids_to_position_ids(seg)) == [[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 0, 1]]
     np.testing.assert_array_equal(
         jax.jit(es.segment_ids_to_position_ids)(seg), es.segment_ids_to_position_ids(seg)
     )
 
 
+def test_segment_ids_to_position_ids_row_starting_with_0_is_a_run():
+    # Compared with a zero-filled "previous", a leading 0 would not start a run.
+    seg = jnp.array([[0, 0, 0, -1], [0, 0, 3, 3], [-1, 0, 0, 0]])
+    expected = [[0, 1, 2, 0], [0, 1, 0, 1], [0, 0, 1, 2]]
+    assert _np(es.segment_ids_to_position_ids(seg)) == expected
+    assert _np(jax.jit(es.segment_ids_to_position_ids)(seg)) == expected
+
+
 def test_position_ids_to_segment_ids():
     pos = jnp.array([[0, 1, 2, 0, 1, 0, -1], [3, 4, 0, 1, 0, 0, 0]])
     assert _np(es.position_ids_to_segment_ids(pos)) == [
-        [1, 1, 1, 2, 2, 3, 0],
-        [1, 1, 2, 2, 3, 4, 5],
+        [0, 0, 0, 1, 1, 2, -1],
+        [0, 0, 1, 1, 2, 3, 4],
     ]
     valid = jnp.array([[1] * 7, [1, 1, 1, 1, 0, 0, 0]], bool)
-    assert _np(es.position_ids_to_segment_ids(pos, valid)[1]) == [1, 1, 2, 2, 0, 0, 0]
+    assert _np(es.position_ids_to_segment_ids(pos, valid)[1]) == [0, 0, 1, 1, -1, -1, -1]
+    assert _np(es.position_ids_to_segment_ids(jnp.array([-1, 0, 1]))) == [-1, 0, 0]
 
 
 def test_round_trips_on_an_example():
@@ -160,7 +201,8 @@ def test_round_trips_on_an_example():
             ValueError,
             r"non-decreasing, got cu_seqlens\[1\]=3 > cu_seqlens\[2\]=2",
         ),
-        (np.array([-1, 3]), ValueError, r"cu_seqlens\[0\]=-1"),
+        (np.array([-1, 3]), ValueError, r"must start at 0, got cu_seqlens\[0\]=-1"),
+        (np.array([2, 3]), ValueError, r"must start at 0, got cu_seqlens\[0\]=2"),
         (np.array([[0, 3]]), ValueError, r"1-D, got cu_seqlens.shape=\(1, 2\)"),
         (np.array([0.0, 3.0]), TypeError, "integer dtype, got cu_seqlens.dtype=float64"),
         (np.zeros(0, np.int32), ValueError, "at least one entry"),

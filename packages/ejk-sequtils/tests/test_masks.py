@@ -32,19 +32,31 @@ def test_cu_seqlens_from_mask_rejects_float_out_dtype():
         es.prepare_cu_seqlens_from_mask(jnp.ones((1, 2), bool), out_dtype=jnp.float32)
 
 
-def test_self_attention_mask_with_padding_ids_0_and_minus_1():
-    seg = jnp.array([[1, 1, 2, 0], [1, 2, -1, -1]])
+def test_self_attention_mask_id_0_is_a_segment_and_negatives_are_padding():
+    seg = jnp.array([[0, 0, 1, -1], [0, 1, -1, -1]])
     mask = es.segment_ids_to_mask(seg)
     assert mask.shape == (2, 4, 4)
     assert mask.dtype == jnp.bool_
+    # The first two tokens (id 0) get a 2x2 block; under the old rule they saw nothing.
     assert _np(mask[0].astype(int)) == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
     # Two padding tokens with equal ids (-1, -1) still see nothing.
     assert not bool(mask[1, 2:].any()) and not bool(mask[1, :, 2:].any())
+    assert _np(mask[1, 0]) == [True, False, False, False]
+
+
+def test_every_negative_id_is_padding():
+    mask = es.segment_ids_to_mask(jnp.array([[-1, -2, -2, 0]]))
+    assert _np(mask[0].astype(int)) == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
+    q_mask, kv_mask, _ = es.segment_ids_to_mask(
+        (jnp.array([[-1, -2]]), jnp.array([[-1, -2, 0]])), return_separate_masks=True
+    )
+    assert _np(q_mask) == [[False, False]]
+    assert _np(kv_mask) == [[False, False, True]]
 
 
 def test_cross_attention_mask_and_separate_masks():
-    q = jnp.array([[1, 1, 2, 0]])
-    kv = jnp.array([[1, 2, 2, 0, 0, 2]])
+    q = jnp.array([[0, 0, 1, -1]])
+    kv = jnp.array([[0, 1, 1, -1, -2, 1]])
     q_mask, kv_mask, mask = es.segment_ids_to_mask(
         (q, kv), dtype=jnp.float32, return_separate_masks=True
     )
@@ -72,20 +84,39 @@ def test_segment_ids_to_mask_errors():
 
 
 def test_mask_to_segment_ids_round_trip_on_packed_rows():
-    seg = jnp.array([[1, 1, 2, 2, 2, 0], [3, 0, 3, 4, 4, 4]])
+    seg = jnp.array([[0, 0, 1, 1, 1, -1], [3, -2, 3, 0, 0, 0]])
     mask = es.segment_ids_to_mask(seg)
     q_ids, kv_ids = es.mask_to_segment_ids(mask)
-    assert _np(q_ids) == [[1, 1, 2, 2, 2, 0], [1, 0, 1, 2, 2, 2]]
+    assert q_ids.dtype == kv_ids.dtype == jnp.int32
+    assert _np(q_ids) == [[0, 0, 1, 1, 1, -1], [0, -1, 0, 1, 1, 1]]
     np.testing.assert_array_equal(q_ids, kv_ids)
     np.testing.assert_array_equal(es.segment_ids_to_mask(q_ids), mask)
     assert _np(es.is_segment_representable(mask)) == [True, True]
 
 
 def test_mask_to_segment_ids_cross_attention_and_padding_id():
-    mask = es.segment_ids_to_mask((jnp.array([[2, 0, 1]]), jnp.array([[1, 1, 0, 2]])))
-    q_ids, kv_ids = es.mask_to_segment_ids(mask[0], padding_id=-1)
-    assert _np(q_ids) == [1, -1, 2]
-    assert _np(kv_ids) == [2, 2, -1, 1]
+    mask = es.segment_ids_to_mask((jnp.array([[1, -1, 0]]), jnp.array([[0, 0, -1, 1]])))
+    q_ids, kv_ids = es.mask_to_segment_ids(mask[0])
+    assert _np(q_ids) == [0, -1, 1]
+    assert _np(kv_ids) == [1, 1, -1, 0]
+    q_ids, kv_ids = es.mask_to_segment_ids(mask[0], padding_id=-5)
+    assert _np(q_ids) == [0, -5, 1]
+    assert _np(kv_ids) == [1, 1, -5, 0]
+
+
+def test_mask_to_segment_ids_numbers_from_0():
+    # One block covering everything is segment 0 (under the old rule it was 1).
+    q_ids, kv_ids = es.mask_to_segment_ids(jnp.ones((3, 2), bool))
+    assert _np(q_ids) == [0, 0, 0]
+    assert _np(kv_ids) == [0, 0]
+    q_ids, kv_ids = es.mask_to_segment_ids(jnp.zeros((2, 3), bool))
+    assert _np(q_ids) == [-1, -1]
+    assert _np(kv_ids) == [-1, -1, -1]
+    # Ids that a 0-padded mask-to-ids would turn into padding still rebuild the mask.
+    mask = es.segment_ids_to_mask(jnp.array([0, 1, 0, -1]))
+    assert bool(es.is_segment_representable(mask))
+    q_ids, _ = es.mask_to_segment_ids(mask)
+    assert _np(q_ids) == [0, 1, 0, -1]
 
 
 def test_mask_to_segment_ids_banded_mask_is_not_representable():
@@ -98,7 +129,7 @@ def test_mask_to_segment_ids_banded_mask_is_not_representable():
 
 
 def test_mask_to_segment_ids_per_head():
-    seg = jnp.array([[1, 1, 2, 2], [1, 2, 2, 2]])
+    seg = jnp.array([[0, 0, 1, 1], [0, 1, 1, 1]])
     mask = jnp.stack(
         [es.segment_ids_to_mask(seg), es.segment_ids_to_mask(seg[::-1])], axis=1
     )  # [2, 2, 4, 4]
@@ -115,7 +146,7 @@ def test_mask_to_segment_ids_per_head():
 
 
 def test_mask_to_segment_ids_under_jit_and_int_masks():
-    mask = es.segment_ids_to_mask(jnp.array([[1, 2, 2, 0]])).astype(jnp.int32)
+    mask = es.segment_ids_to_mask(jnp.array([[0, 1, 1, -1]])).astype(jnp.int32)
     eager = es.mask_to_segment_ids(mask)
     jitted = jax.jit(es.mask_to_segment_ids, static_argnames=("per_head", "padding_id"))(mask)
     for a, b in zip(eager, jitted, strict=True):
@@ -130,15 +161,18 @@ def test_mask_to_segment_ids_errors():
         ValueError, match=r"per_head=True needs a \[B, H, Q, K\] mask, got mask.shape=\(2, 2\)"
     ):
         es.mask_to_segment_ids(jnp.ones((2, 2), bool), per_head=True)
-    with pytest.raises(ValueError, match="padding_id must be an int <= 0, got padding_id=1"):
-        es.mask_to_segment_ids(jnp.ones((2, 2), bool), padding_id=1)
+    for bad in (0, 1, True, -1.0, "-1"):
+        with pytest.raises(
+            ValueError, match=rf"padding_id must be a negative int, got padding_id={bad!r}"
+        ):
+            es.mask_to_segment_ids(jnp.ones((2, 2), bool), padding_id=bad)
 
 
 def test_mask_to_segment_ids_on_several_row_blocks():
     # 600 rows: blocks of 256 rows, the last one overlapping the one before.
     rng = np.random.default_rng(0)
-    q = np.sort(rng.integers(-1, 40, 600)).astype(np.int32)
-    kv = rng.permutation(np.repeat(np.arange(-1, 40), 13)[:523]).astype(np.int32)
+    q = np.sort(rng.integers(-3, 40, 600)).astype(np.int32)
+    kv = rng.permutation(np.repeat(np.arange(-3, 40), 13)[:523]).astype(np.int32)
     mask = es.segment_ids_to_mask((q[None], kv[None]))
     q_ids, kv_ids = es.mask_to_segment_ids(mask)
     np.testing.assert_array_equal(es.segment_ids_to_mask((q_ids, kv_ids)), mask)

@@ -29,11 +29,11 @@ def _ref_pack(sequences, row_length, split):
     tokens, segments, positions = [], [], []
     for row in rows:
         t = [tok for piece in row for tok in piece]
-        s = [k + 1 for k, piece in enumerate(row) for _ in piece]
+        s = [k for k, piece in enumerate(row) for _ in piece]
         p = [i for piece in row for i in range(len(piece))]
         pad = row_length - len(t)
         tokens.append(t + [0] * pad)
-        segments.append(s + [0] * pad)
+        segments.append(s + [-1] * pad)
         positions.append(p + [0] * pad)
     return tokens, segments, positions
 
@@ -52,7 +52,7 @@ def test_pack_example():
         [10, 11, 12, 13, 14, 15, 20, 21],
         [1, 2, 3, 0, 0, 0, 0, 0],
     ]
-    assert segment_ids.tolist() == [[1] * 7 + [0], [1] * 6 + [2, 2], [1, 1, 1] + [0] * 5]
+    assert segment_ids.tolist() == [[0] * 7 + [-1], [0] * 6 + [1, 1], [0, 0, 0] + [-1] * 5]
     assert position_ids.tolist() == [[*range(7), 0], [*range(6), 0, 1], [0, 1, 2] + [0] * 5]
     assert tokens.dtype == seqs[0].dtype
     assert segment_ids.dtype == position_ids.dtype == np.int32
@@ -62,9 +62,14 @@ def test_pack_outputs_feed_the_other_functions():
     _tokens, segment_ids, position_ids = es.pack_sequences([[5, 6, 7], [8], [9, 9]], 4)
     np.testing.assert_array_equal(es.segment_ids_to_position_ids(segment_ids), position_ids)
     np.testing.assert_array_equal(
-        es.position_ids_to_segment_ids(position_ids, segment_ids > 0), segment_ids
+        es.position_ids_to_segment_ids(position_ids, segment_ids >= 0), segment_ids
     )
-    assert es.segment_ids_to_mask(segment_ids).shape == (2, 4, 4)
+    mask = np.asarray(es.segment_ids_to_mask(segment_ids))
+    assert mask.shape == (2, 4, 4)
+    # Every row's first sequence has id 0 and attends within itself.
+    assert segment_ids[:, 0].tolist() == [0, 0]
+    assert mask[0, :3, :3].all() and mask[1, :2, :2].all()
+    np.testing.assert_array_equal(mask.any(-1), segment_ids >= 0)
 
 
 def test_pack_split_and_errors():
@@ -94,6 +99,7 @@ def test_pack_empty_inputs_jax_arrays_and_pad_token():
     assert tokens.shape == (0, 4)
     tokens, segment_ids, _ = es.pack_sequences([jnp.array([3, 4], jnp.int32)], 4, pad_token=-7)
     assert tokens.tolist() == [[3, 4, -7, -7]]
+    assert segment_ids.tolist() == [[0, 0, -1, -1]]
     assert tokens.dtype == np.int32
 
 

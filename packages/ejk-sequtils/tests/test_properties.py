@@ -21,8 +21,9 @@ TOTAL_CHUNKS = 12
 FAST = settings(max_examples=25, deadline=None)
 
 lens_strategy = st.lists(st.integers(0, 5), min_size=NUM_SEQS, max_size=NUM_SEQS)
+# Ids >= 0 are segments (0 included), every negative id is padding.
 segment_rows = st.lists(
-    st.lists(st.integers(-1, 3), min_size=16, max_size=16), min_size=2, max_size=2
+    st.lists(st.integers(-2, 3), min_size=16, max_size=16), min_size=2, max_size=2
 )
 
 
@@ -38,13 +39,13 @@ def _ref_tokens(lens, total):
 
 
 def _ref_runs(row):
-    """Per token of one row: position within its run of one positive id (0 for padding)."""
+    """Per token of one row: position within its run of one id >= 0 (0 for padding)."""
     positions, prev, run_start = [], None, 0
     for i, v in enumerate(row):
-        if v > 0 and v != prev:
+        if v >= 0 and v != prev:
             run_start = i
-        positions.append(i - run_start if v > 0 else 0)
-        prev = v if v > 0 else None
+        positions.append(i - run_start if v >= 0 else 0)
+        prev = v if v >= 0 else None
     return positions
 
 
@@ -73,7 +74,7 @@ def test_per_token_views_match_brute_force(lens):
     assert np.asarray(seq).tolist() == [s for s, _ in ref]
     assert np.asarray(pos).tolist() == [p for _, p in ref]
     assert np.asarray(idx).tolist() == [list(r) for r in ref]
-    assert np.asarray(seg).tolist() == [s + 1 for s, _ in ref]
+    assert np.asarray(seg).tolist() == [s for s, _ in ref]  # padding -1, like seq
     assert np.asarray(got_lens).tolist() == lens
 
 
@@ -100,11 +101,13 @@ segments_to_cu = jax.jit(lambda s: es.segment_ids_to_cu_seqlens(s, num_seqs=NUM_
 
 @FAST
 @given(
-    st.lists(st.integers(1, 5), min_size=NUM_SEQS, max_size=NUM_SEQS), st.permutations(range(1, 7))
+    st.lists(st.integers(1, 5), min_size=NUM_SEQS, max_size=NUM_SEQS),
+    st.permutations(range(NUM_SEQS)),
+    st.integers(-3, -1),
 )
-def test_segment_ids_to_cu_seqlens_inverts_cu_seqlens(lens, ids):
-    # Non-empty sequences with arbitrary distinct ids, trailing padding.
-    segment_ids = np.zeros(TOTAL, np.int32)
+def test_segment_ids_to_cu_seqlens_inverts_cu_seqlens(lens, ids, pad):
+    # Non-empty sequences with arbitrary distinct ids >= 0 (0 among them), trailing padding.
+    segment_ids = np.full(TOTAL, pad, np.int32)
     cu = _cu(lens)
     for s in range(NUM_SEQS):
         segment_ids[cu[s] : cu[s + 1]] = ids[s]
@@ -127,15 +130,18 @@ def test_segment_id_views_match_brute_force(rows):
     segment_ids = np.array(rows, np.int32)
     positions, mask, (q_ids, kv_ids) = position_fns(segment_ids)
     assert np.asarray(positions).tolist() == [_ref_runs(r) for r in rows]
-    ref_mask = [[[a == b and a > 0 for b in r] for a in r] for r in rows]
+    ref_mask = [[[a == b and a >= 0 for b in r] for a in r] for r in rows]
     assert np.asarray(mask).tolist() == ref_mask
     # Rebuilding from the recovered ids gives the same mask, and the ids are a relabelling.
     np.testing.assert_array_equal(es.segment_ids_to_mask(q_ids), mask)
     np.testing.assert_array_equal(q_ids, kv_ids)
     for r, q in zip(rows, np.asarray(q_ids).tolist(), strict=True):
-        pairs = {(a, b) for a, b in zip(r, q, strict=True) if a > 0}
+        pairs = {(a, b) for a, b in zip(r, q, strict=True) if a >= 0}
         assert len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs})
-        assert all(b == 0 for a, b in zip(r, q, strict=True) if a <= 0)
+        # Recovered ids are 0, 1, ... in order of first appearance; padding is -1.
+        firsts = list(dict.fromkeys(a for a in r if a >= 0))
+        assert all(b == firsts.index(a) for a, b in pairs)
+        assert all(b == -1 for a, b in zip(r, q, strict=True) if a < 0)
 
 
 position_to_segment = jax.jit(es.position_ids_to_segment_ids)
@@ -146,12 +152,12 @@ position_to_segment = jax.jit(es.position_ids_to_segment_ids)
 def test_position_ids_to_segment_ids_matches_brute_force(rows):
     got = np.asarray(position_to_segment(np.array(rows, np.int32))).tolist()
     for row, out in zip(rows, got, strict=True):
-        ref, current, prev_valid = [], 0, False
+        ref, current, prev_valid = [], -1, False
         for p in row:
             valid = p >= 0
             if valid and (p == 0 or not prev_valid):
                 current += 1
-            ref.append(current if valid else 0)
+            ref.append(current if valid else -1)
             prev_valid = valid
         assert out == ref
 
@@ -179,24 +185,32 @@ def test_is_segment_representable_matches_brute_force(batch):
 cross_fns = jax.jit(
     lambda q, k: (
         es.segment_ids_to_mask((q, k)),
-        es.mask_to_segment_ids(es.segment_ids_to_mask((q, k)), padding_id=-1),
+        es.mask_to_segment_ids(es.segment_ids_to_mask((q, k))),
+        es.mask_to_segment_ids(es.segment_ids_to_mask((q, k)), padding_id=-4),
     )
 )
 
 
 @FAST
 @given(
-    st.lists(st.integers(-1, 3), min_size=5, max_size=5),
-    st.lists(st.integers(-1, 3), min_size=7, max_size=7),
+    st.lists(st.integers(-2, 3), min_size=5, max_size=5),
+    st.lists(st.integers(-2, 3), min_size=7, max_size=7),
 )
 def test_cross_masks_round_trip(q, k):
-    mask, (q_ids, kv_ids) = cross_fns(np.array([q], np.int32), np.array([k], np.int32))
-    assert np.asarray(mask)[0].tolist() == [[a == b and a > 0 for b in k] for a in q]
+    mask, (q_ids, kv_ids), (q_other, kv_other) = cross_fns(
+        np.array([q], np.int32), np.array([k], np.int32)
+    )
+    assert np.asarray(mask)[0].tolist() == [[a == b and a >= 0 for b in k] for a in q]
     rebuilt = es.segment_ids_to_mask((q_ids, kv_ids))
     np.testing.assert_array_equal(rebuilt, mask)
-    # -1 marks exactly the queries that see no key and the keys no query sees.
+    # -1 (the default padding_id) marks exactly the queries that see no key and the keys
+    # no query sees; every other id is >= 0.
     np.testing.assert_array_equal(np.asarray(q_ids)[0] == -1, ~np.asarray(mask)[0].any(1))
     np.testing.assert_array_equal(np.asarray(kv_ids)[0] == -1, ~np.asarray(mask)[0].any(0))
+    assert np.asarray(q_ids).min(initial=-1) >= -1 and np.asarray(kv_ids).min(initial=-1) >= -1
+    # Another padding_id changes the padding entries only.
+    np.testing.assert_array_equal(np.where(q_ids == -1, -4, q_ids), q_other)
+    np.testing.assert_array_equal(np.where(kv_ids == -1, -4, kv_ids), kv_other)
 
 
 lens_from_mask = jax.jit(

@@ -62,15 +62,20 @@ def check_integer_array(x, name: str, ndim: int | None = None) -> None:
 
 
 def check_cu_seqlens(cu_seqlens) -> None:
-    """``cu_seqlens``: 1-D integers, at least one entry, and (when concrete) >= 0 and non-decreasing."""
+    """``cu_seqlens``: 1-D integers, at least one entry, and (when concrete) valid values.
+
+    Valid values start at exactly 0 and never decrease. The attention kernels reject any
+    other start, so a non-zero ``cu_seqlens[0]`` is an error here too rather than a
+    stretch of leading padding.
+    """
     check_integer_array(cu_seqlens, "cu_seqlens", ndim=1)
     if cu_seqlens.shape[0] == 0:
         raise ValueError("cu_seqlens must have at least one entry (the leading 0), got shape (0,)")
     values = concrete_or_none(cu_seqlens)
     if values is None:
         return
-    if values[0] < 0:
-        raise ValueError(f"cu_seqlens must start at a value >= 0, got cu_seqlens[0]={values[0]}")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={values[0]}")
     drops = np.flatnonzero(np.diff(values) < 0)
     if drops.size:
         i = int(drops[0])

@@ -1,17 +1,21 @@
 """Packed sequences described by cumulative lengths, and the per-token views of them.
 
 A packed batch is one token stream holding several sequences back to back.
-``cu_seqlens = [0, len_0, len_0 + len_1, ...]`` (shape ``[num_seqs + 1]``) marks
-where each sequence starts; sequence ``s`` holds tokens ``cu_seqlens[s]`` up to
-``cu_seqlens[s + 1]`` (exclusive), so an empty sequence is two equal entries.
+``cu_seqlens = [0, len_0, len_0 + len_1, ...]`` (shape ``[num_seqs + 1]``, starting at
+exactly 0) marks where each sequence starts; sequence ``s`` holds tokens ``cu_seqlens[s]``
+up to ``cu_seqlens[s + 1]`` (exclusive), so an empty sequence is two equal entries.
+
+Segment ids ``int [*B, T]``: tokens attend only within equal non-negative ids; any
+negative id is padding. Ids made here number segments from 0 and give padding -1.
 
 Per-token outputs (position ids, sequence ids, ...) have one entry per token, and
 the number of tokens, ``cu_seqlens[-1]``, is a value. Every such function takes
 ``total_length=`` (and per-chunk functions ``total_chunks=``): a static length that
 makes it work under ``jax.jit``. Without it the length is read from a concrete
 ``cu_seqlens``; a traced one raises a ``ValueError`` asking for the argument.
-Tokens at or beyond ``cu_seqlens[-1]`` (and before ``cu_seqlens[0]``) are padding:
-sequence id -1, segment id 0, position id 0.
+Tokens at or beyond ``cu_seqlens[-1]`` are padding: sequence id -1, segment id -1,
+position id 0. (A concrete ``cu_seqlens`` must start at 0; a traced one cannot be
+checked, and tokens before a non-zero ``cu_seqlens[0]`` then come out as padding too.)
 """
 
 import jax
@@ -193,34 +197,44 @@ def prepare_chunk_indices(
 def cu_seqlens_to_segment_ids(
     cu_seqlens: Int[AnyArray, " C"], total_length: int | None = None
 ) -> Int[Array, " T"]:
-    """Segment ids (1-based sequence index, 0 for padding) of a packed token stream.
+    """Segment ids (0-based sequence index, -1 for padding) of a packed token stream.
 
-    ``[0, 3, 3, 5]`` gives ``[1, 1, 1, 3, 3]``: the id is the sequence index plus one,
-    so an empty sequence leaves a gap in the ids.
+    ``[0, 3, 3, 5]`` gives ``[0, 0, 0, 2, 2]``: the id is the sequence index (the same
+    values as `prepare_sequence_ids`), so an empty sequence leaves a gap in the ids.
+    Tokens attend only within equal non-negative ids; a negative id is padding.
 
     Args:
         cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
-        total_length: static number of tokens T; required under ``jax.jit``.
+        total_length: static number of tokens T; required under ``jax.jit``. Tokens
+            past ``cu_seqlens[-1]`` are padding; a smaller T truncates.
 
     Returns:
-        int32 ``[T]`` segment ids; padding tokens get 0.
+        int32 ``[T]`` segment ids; padding tokens get -1.
     """
     owner, _ = _token_owner_and_position(cu_seqlens, total_length, "cu_seqlens_to_segment_ids")
-    return owner + 1
+    return owner
 
 
 def _run_starts(segment_ids: Array) -> tuple[Array, Array]:
-    """``(valid, start)`` along the last axis: a run is a maximal stretch of one positive id."""
-    valid = segment_ids > 0
-    previous = jnp.concatenate(
-        [jnp.zeros_like(segment_ids[..., :1]), segment_ids[..., :-1]], axis=-1
+    """``(valid, start)`` along the last axis: a run is a maximal stretch of one id >= 0.
+
+    The first token of a row always differs from its (absent) predecessor, so a row that
+    begins with a valid id, 0 included, begins a run; no fill value stands in for it.
+    """
+    valid = segment_ids >= 0
+    changed = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids[..., :1], dtype=bool),
+            segment_ids[..., 1:] != segment_ids[..., :-1],
+        ],
+        axis=-1,
     )
-    return valid, valid & (segment_ids != previous)
+    return valid, valid & changed
 
 
 def _check_segment_runs(values: np.ndarray) -> None:
     """Concrete 1-D segment ids that cu_seqlens can hold: no padding between runs, one run per id."""
-    valid = values > 0
+    valid = values >= 0
     if not valid.any():
         return
     first, last = np.flatnonzero(valid)[[0, -1]]
@@ -231,12 +245,13 @@ def _check_segment_runs(values: np.ndarray) -> None:
             f"segment_ids has padding between sequences (segment_ids[{i}]={values[i]}); "
             "cu_seqlens can only describe padding before the first or after the last sequence"
         )
-    starts = np.flatnonzero(valid & (values != np.concatenate([[0], values[:-1]])))
+    changed = np.concatenate([[True], values[1:] != values[:-1]])
+    starts = np.flatnonzero(valid & changed)
     ids, counts = np.unique(values[starts], return_counts=True)
     if (counts > 1).any():
         raise ValueError(
-            f"segment_ids must hold each positive id in one contiguous run, got id {ids[counts > 1][0]} "
-            "in several runs"
+            "segment_ids must hold each non-negative id in one contiguous run, got id "
+            f"{ids[counts > 1][0]} in several runs"
         )
 
 
@@ -245,13 +260,14 @@ def segment_ids_to_cu_seqlens(
 ) -> Int[Array, " C"]:
     """Cumulative lengths of the sequences in one row of segment ids.
 
-    A sequence is a maximal run of one positive id; padding (ids <= 0) may come before the
-    first or after the last sequence only (checked when ``segment_ids`` is concrete).
+    A sequence is a maximal run of one non-negative id (0 included); padding (any negative
+    id) may come before the first or after the last sequence only (checked when
+    ``segment_ids`` is concrete).
     Segment ids cannot hold empty sequences, so ``cu_seqlens → segment ids → cu_seqlens``
     drops them and is otherwise exact.
 
     Args:
-        segment_ids: ``[T]`` segment ids of a packed token stream.
+        segment_ids: ``[T]`` segment ids of a packed token stream, negative for padding.
         num_seqs: static number of sequences; required under ``jax.jit``. With more than
             the number of runs, the extra sequences are empty (at the end); with fewer, the
             last sequence runs to the last valid token.
@@ -277,14 +293,14 @@ def segment_ids_to_cu_seqlens(
 
 
 def segment_ids_to_position_ids(segment_ids: Int[AnyArray, "*B T"]) -> Int[Array, "*B T"]:
-    """Each token's position within its run of equal positive segment ids.
+    """Each token's position within its run of equal non-negative segment ids.
 
-    A run is a maximal stretch of one positive id along the last axis, so
-    ``[1, 1, 2, 2, 2, 0]`` gives ``[0, 1, 0, 1, 2, 0]``; an id that reappears after
+    A run is a maximal stretch of one id ``>= 0`` along the last axis, so
+    ``[0, 0, 1, 1, 1, -1]`` gives ``[0, 1, 0, 1, 2, 0]``; an id that reappears after
     another id or after padding starts again at 0.
 
     Args:
-        segment_ids: ``[*B, T]`` segment ids, ``<= 0`` for padding.
+        segment_ids: ``[*B, T]`` segment ids, negative for padding.
 
     Returns:
         int32 ``[*B, T]`` position ids; padding gets 0.
@@ -302,7 +318,7 @@ def segment_ids_to_position_ids(segment_ids: Int[AnyArray, "*B T"]) -> Int[Array
 def position_ids_to_segment_ids(
     position_ids: Int[AnyArray, "*B T"], valid: Shaped[AnyArray, "*B T"] | None = None
 ) -> Int[Array, "*B T"]:
-    """Segment ids (1, 2, ... along each row, 0 for padding) from position ids.
+    """Segment ids (0, 1, ... along each row, -1 for padding) from position ids.
 
     A new sequence starts at each valid token whose position id is 0, and at the first
     valid token of a row or after padding (a row may begin mid-sequence). This is the
@@ -314,7 +330,7 @@ def position_ids_to_segment_ids(
             ``position_ids >= 0``.
 
     Returns:
-        int32 ``[*B, T]`` segment ids numbered from 1 in each row; padding gets 0.
+        int32 ``[*B, T]`` segment ids numbered from 0 in each row; padding gets -1.
     """
     check_integer_array(position_ids, "position_ids")
     if position_ids.ndim == 0:
@@ -332,4 +348,4 @@ def position_ids_to_segment_ids(
     axis = position_ids.ndim - 1
     previous_valid = jnp.concatenate([jnp.zeros_like(valid[..., :1]), valid[..., :-1]], axis=-1)
     start = valid & ((position_ids == 0) | ~previous_valid)
-    return jnp.where(valid, jnp.cumsum(start, axis=axis, dtype=jnp.int32), 0)
+    return jnp.where(valid, jnp.cumsum(start, axis=axis, dtype=jnp.int32) - 1, -1)

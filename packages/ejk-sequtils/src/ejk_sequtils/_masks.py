@@ -1,7 +1,9 @@
 """Attention masks: from segment ids, back to segment ids, and to sequence lengths.
 
-Segment ids ``int [*B, T]``: tokens attend only within equal positive ids; an id
-``<= 0`` (0 and -1 both appear in the wild) is padding and attends to nothing.
+Segment ids ``int [*B, T]``: tokens attend only within equal non-negative ids; any
+negative id is padding (it sees nothing and is seen by nothing), and 0 is an ordinary
+segment, as in ejKernel and JAX's splash attention. Ids made here number segments from 0
+and give padding -1 (or ``padding_id``).
 """
 
 from functools import partial
@@ -66,18 +68,19 @@ def segment_ids_to_mask(
     Shaped[Array, "*B T S"]
     | tuple[Shaped[Array, "*B T"], Shaped[Array, "*B S"], Shaped[Array, "*B T S"]]
 ):
-    """The attention mask of segment ids: query i sees key j when both ids are equal and positive.
+    """The attention mask of segment ids: query i sees key j when both ids are equal and >= 0.
 
     Args:
         segment_ids: ``[*B, T]`` ids for self-attention (then S = T), or a pair
             ``(q_segment_ids [*B, T], kv_segment_ids [*B, S])`` for cross-attention.
-            Ids ``<= 0`` are padding.
+            Negative ids are padding (0 is an ordinary segment).
         dtype: dtype of the masks (bool, or a number type giving 0/1).
         return_separate_masks: also return the query and key padding masks.
 
     Returns:
         ``[*B, T, S]`` attention mask; with ``return_separate_masks``, the tuple
-        ``(q_mask [*B, T], kv_mask [*B, S], attention_mask [*B, T, S])``.
+        ``(q_mask [*B, T], kv_mask [*B, S], attention_mask [*B, T, S])``, the first two
+        True where the id is ``>= 0``.
     """
     if isinstance(segment_ids, tuple | list):
         if len(segment_ids) != 2:
@@ -106,7 +109,7 @@ def segment_ids_to_mask(
 @partial(jax.jit, static_argnums=2)
 def _segment_mask(q_ids: Array, kv_ids: Array, dtype) -> tuple[Array, Array, Array]:
     # One fused pass over [*B, T, S]; eagerly each op would write a full-size array.
-    q_valid, kv_valid = q_ids > 0, kv_ids > 0
+    q_valid, kv_valid = q_ids >= 0, kv_ids >= 0
     mask = (q_ids[..., :, None] == kv_ids[..., None, :]) & q_valid[..., :, None]
     return q_valid.astype(dtype), kv_valid.astype(dtype), mask.astype(dtype)
 
@@ -137,14 +140,15 @@ def _fold_row_blocks(mask: Array, body, init):
 
 
 def _segment_ids_one(mask: Array) -> tuple[Array, Array]:
-    """Segment ids ``(q [Q], kv [K])`` of one bool mask ``[Q, K]``, 0 for padding.
+    """Segment ids ``(q [Q], kv [K])`` of one bool mask ``[Q, K]``, from 0, -1 for padding.
 
     Rows are keyed by their first attended column. In a mask that segment ids can
     represent, rows with one pattern share that column and rows with different
     patterns attend to disjoint columns, so the key separates exactly the row groups.
-    Ids are numbered in order of first appearance; a column takes the largest id of the
-    rows that attend to it (in a representable mask they all share one). Two passes over
-    the mask, O(Q·K), no sort and no hashing.
+    Ids are numbered 0, 1, ... in order of first appearance; a row that attends to nothing
+    gets -1. A column takes the largest id of the rows that attend to it (in a
+    representable mask they all share one), -1 when none does. Two passes over the mask,
+    O(Q·K), no sort and no hashing.
     """
     q_len, kv_len = mask.shape
     rows = jnp.arange(q_len, dtype=jnp.int32)
@@ -159,29 +163,32 @@ def _segment_ids_one(mask: Array) -> tuple[Array, Array]:
     first_row_of_key = jnp.full(kv_len + 1, q_len, jnp.int32).at[key].min(rows)
     representative = first_row_of_key[key]
     is_new = row_any & (representative == rows)
-    q_ids = jnp.where(row_any, jnp.cumsum(is_new, dtype=jnp.int32)[representative], 0)
+    q_ids = jnp.where(row_any, jnp.cumsum(is_new, dtype=jnp.int32)[representative] - 1, -1)
 
     def column_ids(block, start, height, kv_ids):
         block_ids = jax.lax.dynamic_slice_in_dim(q_ids, start, height)
-        return jnp.maximum(kv_ids, jnp.max(jnp.where(block, block_ids[:, None], 0), axis=0))
+        return jnp.maximum(kv_ids, jnp.max(jnp.where(block, block_ids[:, None], -1), axis=0))
 
-    kv_ids = _fold_row_blocks(mask, column_ids, jnp.zeros(kv_len, jnp.int32))
+    kv_ids = _fold_row_blocks(mask, column_ids, jnp.full(kv_len, -1, jnp.int32))
     return q_ids, kv_ids
 
 
 def _matches_one(mask: Array, q_ids: Array, kv_ids: Array) -> Array:
-    """Whether segment ids ``q_ids [Q]``, ``kv_ids [K]`` rebuild exactly ``mask [Q, K]``."""
+    """Whether segment ids ``q_ids [Q]``, ``kv_ids [K]`` rebuild exactly ``mask [Q, K]``.
+
+    A query sees a key when their ids are equal and ``>= 0``; negative ids are padding.
+    """
 
     def compare(block, start, height, ok):
         block_ids = jax.lax.dynamic_slice_in_dim(q_ids, start, height)
-        rebuilt = (block_ids[:, None] == kv_ids[None, :]) & (block_ids[:, None] > 0)
+        rebuilt = (block_ids[:, None] == kv_ids[None, :]) & (block_ids[:, None] >= 0)
         return ok & jnp.all(rebuilt == block)
 
     return _fold_row_blocks(mask, compare, jnp.bool_(True))
 
 
 def _mask_segment_ids(mask, per_head: bool, check: bool) -> tuple[Array, Array, Array | None]:
-    """``(q_ids, kv_ids, representable or None)`` with padding id 0, for the public functions."""
+    """``(q_ids, kv_ids, representable or None)`` with padding id -1, for the public functions."""
     if mask.ndim not in (2, 3, 4):
         raise ValueError(
             f"mask must be [Q, K], [B, Q, K] or [B, H, Q, K], got mask.shape={tuple(mask.shape)}"
@@ -220,7 +227,7 @@ def _mask_segment_ids_jit(mask: Array, per_head: bool, check: bool):
 
 
 def mask_to_segment_ids(
-    mask: Shaped[AnyArray, "*B T S"], per_head: bool = False, padding_id: int = 0
+    mask: Shaped[AnyArray, "*B T S"], per_head: bool = False, padding_id: int = -1
 ) -> tuple[Int[Array, "*R T"], Int[Array, "*R S"]]:
     """Segment ids ``(q, kv)`` whose `segment_ids_to_mask` is ``mask``, when such ids exist.
 
@@ -234,8 +241,9 @@ def mask_to_segment_ids(
     returned here rebuild a different mask. Use `is_segment_representable` to check
     (it compares the rebuilt mask with ``mask``).
 
-    Query ids are numbered 1, 2, ... in order of first appearance; a query that sees
-    no key and a key that no query sees get ``padding_id``.
+    Ids follow the convention of `segment_ids_to_mask`: equal non-negative ids attend,
+    negative ids are padding. Query ids are numbered 0, 1, ... in order of first
+    appearance; a query that sees no key and a key that no query sees get ``padding_id``.
 
     Args:
         mask: ``[T, S]``, ``[B, T, S]`` or ``[B, H, T, S]`` bool (or 0/1) mask, True
@@ -243,18 +251,19 @@ def mask_to_segment_ids(
         per_head: for a 4-D mask, ids per head ``[B, H, ...]``. Without it a 4-D mask
             gets ids per batch element ``[B, ...]``, built from the union over heads
             (exact only when every head has the same mask).
-        padding_id: the id of padding tokens, 0 or negative (-1 is common).
+        padding_id: the id of padding tokens, a negative int (default -1); 0 and positive
+            ids are segments.
 
     Returns:
         ``(q_segment_ids, kv_segment_ids)``, int32 of shapes ``[*B, T]`` and ``[*B, S]``
         (``*B`` without H when a 4-D mask is given without ``per_head``).
     """
-    if isinstance(padding_id, bool) or not isinstance(padding_id, int) or padding_id > 0:
-        raise ValueError(f"padding_id must be an int <= 0, got {padding_id=}")
+    if isinstance(padding_id, bool) or not isinstance(padding_id, int) or padding_id >= 0:
+        raise ValueError(f"padding_id must be a negative int, got padding_id={padding_id!r}")
     q_ids, kv_ids, _ = _mask_segment_ids(mask, per_head, check=False)
-    if padding_id != 0:
-        q_ids = jnp.where(q_ids > 0, q_ids, padding_id)
-        kv_ids = jnp.where(kv_ids > 0, kv_ids, padding_id)
+    if padding_id != -1:
+        q_ids = jnp.where(q_ids >= 0, q_ids, padding_id)
+        kv_ids = jnp.where(kv_ids >= 0, kv_ids, padding_id)
     return q_ids, kv_ids
 
 

@@ -43,8 +43,9 @@ def pack_sequences(
 
     Sequences are placed first-fit decreasing: longest first (ties keep input order),
     each into the first row with room, a new row when none has room. Within a row,
-    sequences get segment ids 1, 2, ... in placement order and position ids from 0;
-    the rest of the row is padding (``pad_token``, segment id 0, position id 0).
+    sequences get segment ids 0, 1, ... in placement order and position ids from 0;
+    the rest of the row is padding (``pad_token``, segment id -1, position id 0), as
+    `segment_ids_to_mask` reads them: equal non-negative ids attend, negative is padding.
     Empty sequences take no room and are left out. Runs on the host with NumPy; the
     result is deterministic.
 
@@ -58,7 +59,7 @@ def pack_sequences(
 
     Returns:
         ``(tokens, segment_ids, position_ids)``, each ``[rows, T]``; tokens in the
-        common dtype of the sequences, ids int32.
+        common dtype of the sequences, ids int32 (segment id -1 for padding).
     """
     row_length = check_positive_int(row_length, "row_length")
     if isinstance(sequences, np.ndarray) and sequences.ndim < 2:
@@ -104,7 +105,7 @@ def pack_sequences(
     pieces = order[by_row]  # piece ids in (row, placement) order
 
     tokens = np.full((num_rows, row_length), pad_token, dtype=dtype)
-    segment_ids = np.zeros((num_rows, row_length), np.int32)
+    segment_ids = np.full((num_rows, row_length), -1, np.int32)
     position_ids = np.zeros((num_rows, row_length), np.int32)
     if pieces.size:
         piece_lens = piece_len[pieces]
@@ -115,6 +116,6 @@ def pack_sequences(
         seq_offset = np.cumsum(lengths) - lengths
         source = np.repeat(seq_offset[piece_seq[pieces]] + piece_start[pieces], piece_lens) + within
         tokens.reshape(-1)[flat_target] = np.concatenate(arrays)[source]
-        segment_ids.reshape(-1)[flat_target] = np.repeat(rank + 1, piece_lens)
+        segment_ids.reshape(-1)[flat_target] = np.repeat(rank, piece_lens)
         position_ids.reshape(-1)[flat_target] = within
     return tokens, segment_ids, position_ids

@@ -21,7 +21,7 @@ def _inputs(seed=0):
 
 def _extras():
     rng = np.random.default_rng(1)
-    ids = lambda: jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), 1), jnp.int32)
+    ids = lambda: jnp.asarray(np.sort(rng.integers(-1, 3, (B, T)), 1), jnp.int32)
     return {
         "segment_ids": (ids(), ids()),
         "logits_soft_cap": 3.0,

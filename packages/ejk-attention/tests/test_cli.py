@@ -123,9 +123,9 @@ def test_implementation_none_tries_the_tuned_backend_first(pallas_calls):
 def test_tune_kernel_configs_through_the_executor(capsys):
     from ejk_attention._backends import kernel_executor
     from ejk_attention._bench import inputs_for, parse_case
-    from ejk_attention._validate import validate_attention
     from ejk_attention.cli import _invocation
     from ejk_kernels_gpu import FlashAttentionForward
+    from ejk_sequtils import validate_attention
 
     args = ["tune", "--shape", "1,16,16,2,1,16", "--iters", "1", "--warmup", "0", "--quiet"]
     args += ["--impl", "xla", "--kernels", "--max-candidates", "2"]  # the default cache dir

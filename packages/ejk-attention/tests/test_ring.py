@@ -32,7 +32,7 @@ def _inputs(tl=TL, sl=SL, seed=0):
 
 def _segments(length, seed):
     rng = np.random.default_rng(seed)
-    return jnp.asarray(np.sort(rng.integers(0, 4, size=(B, length)), axis=1), jnp.int32)
+    return jnp.asarray(np.sort(rng.integers(-1, 3, size=(B, length)), axis=1), jnp.int32)
 
 
 def _ring_fn(mesh, kw, with_seg, with_sinks, check=True):

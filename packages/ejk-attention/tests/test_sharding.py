@@ -29,8 +29,8 @@ def _inputs():
         "bias": jnp.asarray(rng.standard_normal((B, 1, T, S)), jnp.float32),
         "softmax_sinks": jnp.linspace(-1.0, 1.0, N),
         "segment_ids": (
-            jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32),
-            jnp.asarray(np.sort(rng.integers(0, 3, (B, S)), axis=1), jnp.int32),
+            jnp.asarray(np.sort(rng.integers(-1, 3, (B, T)), axis=1), jnp.int32),
+            jnp.asarray(np.sort(rng.integers(-1, 3, (B, S)), axis=1), jnp.int32),
         ),
         "causal": True,
         "return_lse": True,

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_sequtils import reference_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
 # The warp-specialised forward and backward, asked for explicitly (cases with ws=True,

@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_sequtils import reference_attention
 
 SMALL = FlashConfig(block_q=16, block_k=16)
 B, T, S, N, K, H = 2, 33, 47, 4, 2, 40
 
 
 def _ids(rng, batch, length):
-    ids = np.sort(rng.integers(0, 4, size=(batch, length)), axis=1)
+    ids = np.sort(rng.integers(-1, 3, size=(batch, length)), axis=1)  # -1: padding
     return jnp.asarray(ids, jnp.int32)
 
 
@@ -102,7 +102,7 @@ def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, tol):
 
 def test_fully_masked_rows_are_zero_not_nan(rng, make_inputs):
     q, k, v = make_inputs(rng, 1, 19, 23, 2, 2, 16, "float32")
-    q_ids = jnp.asarray(np.r_[np.zeros(5), np.ones(14)][None], jnp.int32)
+    q_ids = jnp.asarray(np.r_[-np.ones(5), np.ones(14)][None], jnp.int32)  # 5 padding rows
     kv_ids = jnp.asarray(np.r_[np.ones(10), 2 * np.ones(13)][None], jnp.int32)
     out, lse = flash_attention(q, k, v, segment_ids=(q_ids, kv_ids), config=SMALL, return_lse=True)
     assert bool(jnp.all(out[:, :5] == 0.0))

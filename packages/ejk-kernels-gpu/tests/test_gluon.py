@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, _launch_fix, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
+from ejk_sequtils import reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_sequtils import reference_attention
 
 SHAPES = [  # (B, T, S, N, K, H)
     (1, 17, 17, 3, 1, 64),
@@ -48,8 +48,8 @@ def test_sampled_grid(rng, shape, features, cfg):
     if "dropout" in features:
         kw.update(dropout_rate=0.2, dropout_seed=int(rng.integers(1 << 31)))
     if "segments" in features:
-        q_ids = np.sort(rng.integers(0, 3, (batch, q_len)), axis=1)
-        kv_ids = np.sort(rng.integers(0, 3, (batch, kv_len)), axis=1)
+        q_ids = np.sort(rng.integers(-1, 3, (batch, q_len)), axis=1)
+        kv_ids = np.sort(rng.integers(-1, 3, (batch, kv_len)), axis=1)
         kw["segment_ids"] = (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
     if "bias" in features:
         bias = jnp.asarray(rng.standard_normal((1, heads, q_len, kv_len)), jnp.float32)

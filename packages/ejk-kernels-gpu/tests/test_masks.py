@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import visibility_mask
 from ejk_kernels_gpu import _masks
+from ejk_sequtils import visibility_mask
 
 CU_Q = [0, 9, 9, 30, 38]
 CU_K = [0, 5, 12, 12, 33]

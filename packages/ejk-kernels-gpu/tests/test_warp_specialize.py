@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import reference_attention
 from ejk_kernels_gpu import FlashConfig, _backward_ops, _ops, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
 from ejk_kernels_gpu._launch_fix import redirect_scratch, threads_required
+from ejk_sequtils import reference_attention
 
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import reference_attention
 from ejk_kernels_tpu import (
     BlockSparseConfig,
     CausalMask,
@@ -20,6 +19,7 @@ from ejk_kernels_tpu import (
     NumpyMask,
     blocksparse_attention,
 )
+from ejk_sequtils import reference_attention
 
 DROPOUT_SEED = 0xDEADBEEF  # above 2**31: the uint32 bits must survive the int32 carrier
 SMALL_BLOCKS = BlockSparseConfig()  # 128 everywhere: several blocks per axis at T=256, S=384
@@ -67,11 +67,11 @@ def _inputs(case: Case, seed=0):
     sinks = jax.random.normal(ks[3], (n,), jnp.float32) if case.sinks else None
     seg = None
     if case.segments:
-        # Ragged segments, padding (id 0) at the ends, so some query rows see nothing.
+        # Ragged segments from id 0, padding (id -1) at the ends, so some query rows see nothing.
         rng = np.random.default_rng(seed)
-        q_ids = np.sort(rng.integers(0, 4, (b, t)), axis=1).astype(np.int32)
-        kv_ids = np.sort(rng.integers(1, 5, (b, s)), axis=1).astype(np.int32)
-        kv_ids[:, -7:] = 0
+        q_ids = np.sort(rng.integers(-1, 3, (b, t)), axis=1).astype(np.int32)
+        kv_ids = np.sort(rng.integers(0, 4, (b, s)), axis=1).astype(np.int32)
+        kv_ids[:, -7:] = -1
         seg = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
     return q, k, v, sinks, seg
 
@@ -227,7 +227,7 @@ def test_head_dims(head_dim):
 
 def test_fully_masked_rows_give_zeros_and_zero_gradients():
     t = 128
-    seg = jnp.asarray(np.r_[np.zeros(40), np.ones(88)].astype(np.int32))[None]
+    seg = jnp.asarray(np.r_[-np.ones(40), np.ones(88)].astype(np.int32))[None]  # 40 padding
     q, k, v = (jax.random.normal(jax.random.key(i), (1, t, 2, 64)) for i in range(3))
 
     def f(q):

@@ -120,8 +120,8 @@ def test_errors(build, exc, match):
     [(False, None), (True, None), (False, 3), (True, 4), (False, (2, 5)), (True, (6, 1))],
 )
 def test_attention_mask_matches_the_reference_visibility(causal, window):
-    from ejk_attention import visibility_mask
     from ejk_kernels_tpu import attention_mask
+    from ejk_sequtils import visibility_mask
 
     got = attention_mask(T, S, causal=causal, sliding_window=window).dense()
     want = np.asarray(visibility_mask(T, S, causal=causal, sliding_window=window))[0, 0]

@@ -1,12 +1,13 @@
 """One attention API over every ejk backend: XLA reference, Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
 
+from ejk_sequtils import dropout_keep_mask as dropout_keep_mask
+from ejk_sequtils import reference_attention as reference_attention
+from ejk_sequtils import visibility_mask as visibility_mask
+
 from ._backends import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ._blocksparse import blocksparse_attention as blocksparse_attention
 from ._dpa import dot_product_attention as dot_product_attention
 from ._flash import flash_attention as flash_attention
-from ._reference import dropout_keep_mask as dropout_keep_mask
-from ._reference import reference_attention as reference_attention
-from ._reference import visibility_mask as visibility_mask
 from ._ring import ring_attention as ring_attention
 
 __all__ = [

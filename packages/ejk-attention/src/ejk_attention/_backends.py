@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._reference import reference_attention
-from ._validate import AttentionRequest
+from ejk_sequtils import AttentionRequest, reference_attention
 
 __all__ = [
     "BACKENDS",
@@ -189,7 +188,7 @@ def _pallas_refuse(request: AttentionRequest, platform: str) -> str | None:
 
 
 def _packed_segment_ids(request: AttentionRequest) -> Any:
-    """``cu_seqlens`` as ``(q_ids, kv_ids)`` ``[1, T]``/``[1, S]`` (sequence index + 1, 0 padding).
+    """``cu_seqlens`` as ``(q_ids, kv_ids)`` ``[1, T]``/``[1, S]`` (sequence index, -1 padding).
 
     With one cu_seqlens for q and k, causal and window on global positions equal
     them on positions local to each sequence, so the kernels need no offsets.

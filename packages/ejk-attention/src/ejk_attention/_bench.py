@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ejk_sequtils import reference_attention, validate_attention
+
 from ._backends import default_order
 from ._flash import flash_attention
-from ._reference import reference_attention
-from ._validate import validate_attention
 
 __all__ = [
     "BASELINE",

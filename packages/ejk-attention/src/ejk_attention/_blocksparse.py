@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
+
+from ejk_sequtils import AttentionRequest, reference_attention, validate_attention
 
 from ._backends import (
     Backend,
@@ -23,8 +24,6 @@ from ._backends import (
     run_blocksparse_kernel,
     run_first,
 )
-from ._reference import _masked_softmax, visibility_mask
-from ._validate import AttentionRequest, validate_attention
 
 __all__ = ["blocksparse_attention"]
 
@@ -48,31 +47,24 @@ def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
 
 
 def _dense(request: AttentionRequest, mask: Any) -> Any:
-    """The xla path: the reference's masked softmax with the mask applied densely.
+    """The xla path: the reference with the mask as part of the visibility.
 
     The mask joins the visibility (not an additive -inf bias), so the soft cap,
     which maps -inf to -cap, cannot unmask anything.
     """
-    _, t, s, n, kh, _ = request.shape
-    f32 = jnp.float32
     dense = jnp.asarray(mask.dense())
     dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
-    hi = jax.lax.Precision.HIGHEST
-    kf = jnp.repeat(request.k.astype(f32), n // kh, axis=2)
-    vf = jnp.repeat(request.v.astype(f32), n // kh, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", request.q.astype(f32), kf, precision=hi)
-    logits = logits * request.softmax_scale
-    if request.logits_soft_cap is not None:
-        cap = request.logits_soft_cap
-        logits = cap * jnp.tanh(logits / cap)
-    sinks = None if request.softmax_sinks is None else request.softmax_sinks.astype(f32)
-    # A per-head mask cannot ride in the [B, 1, T, S] visibility: it masks the logits
-    # (after the soft cap) and the softmax treats -inf as unseen.
-    logits = jnp.where(dense, logits, -jnp.inf)
-    visible = visibility_mask(t, s, segment_ids=request.segment_ids)
-    probs, lse = _masked_softmax(logits, visible, sinks)
-    out = jnp.einsum("bnts,bsnh->btnh", probs, vf, precision=hi).astype(request.q.dtype)
-    return (out, lse) if request.return_lse else out
+    return reference_attention(
+        request.q,
+        request.k,
+        request.v,
+        softmax_scale=request.softmax_scale,
+        logits_soft_cap=request.logits_soft_cap,
+        softmax_sinks=request.softmax_sinks,
+        segment_ids=request.segment_ids,
+        mask=dense.astype(bool),
+        return_lse=request.return_lse,
+    )
 
 
 def _kernel(request: AttentionRequest, mask: Any, config: Any) -> Any:
@@ -106,7 +98,7 @@ def blocksparse_attention(
         mask: an `ejk_kernels_tpu` mask (``CausalMask``, ``LocalMask``, ``ChunkedCausalMask``,
             ``NumpyMask``, ``FullMask``, ``a & b``, ``a | b``) of shape ``(T, S)``, or a
             ``MultiHeadMask`` ``(1|N, T, S)``.
-        segment_ids: ``[B, T]`` (T == S) or ``(q_ids [B, T], kv_ids [B, S])``; ids <= 0 are padding.
+        segment_ids: ``[B, T]`` (T == S) or ``(q_ids [B, T], kv_ids [B, S])``; negative ids are padding.
         softmax_scale: default ``H ** -0.5``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.

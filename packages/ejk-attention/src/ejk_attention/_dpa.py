@@ -2,8 +2,8 @@
 
 The arguments map onto `flash_attention`'s: ``is_causal`` -> ``causal``,
 ``local_window_size`` -> ``sliding_window``, ``scale`` -> ``softmax_scale``, the
-sequence lengths -> ``(q_ids, kv_ids)`` segment ids (1 inside the length, 0 past
-it), and a boolean ``mask`` -> an additive bias with jax's large negative value,
+sequence lengths -> ``(q_ids, kv_ids)`` segment ids (0 inside the length, -1,
+padding, past it), and a boolean ``mask`` -> an additive bias with jax's large negative value,
 so masked-out logits behave exactly as in ``jax.nn``.
 """
 
@@ -35,16 +35,16 @@ def _rank4(x: AnyArray, name: str) -> Array:
 
 
 def _lengths_to_ids(lengths: AnyArray | None, batch: int, size: int, name: str) -> Array:
-    """Segment ids ``[B, size]``: 1 before ``lengths[b]``, 0 (padding) from it on."""
+    """Segment ids ``[B, size]``: 0 before ``lengths[b]``, -1 (padding) from it on."""
     if lengths is None:
-        return jnp.ones((batch, size), jnp.int32)
+        return jnp.zeros((batch, size), jnp.int32)
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
             f"{name} must be an integer array of shape ({batch},), got shape {lengths.shape} "
             f"dtype {lengths.dtype}"
         )
-    return (jnp.arange(size)[None, :] < lengths[:, None]).astype(jnp.int32)
+    return jnp.where(jnp.arange(size)[None, :] < lengths[:, None], 0, -1).astype(jnp.int32)
 
 
 def _bias_with_mask(

@@ -10,6 +10,8 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import ArrayLike, Float, Int, Integer
 
+from ejk_sequtils import AttentionRequest, validate_attention
+
 from ._backends import (
     IMPLEMENTATIONS,
     default_order,
@@ -19,7 +21,6 @@ from ._backends import (
 )
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import tuned_backend
-from ._validate import AttentionRequest, validate_attention
 
 __all__ = ["flash_attention"]
 
@@ -75,7 +76,7 @@ def flash_attention(
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
         segment_ids: ``[B, T]`` (self attention) or ``(q_ids [B, T], kv_ids [B, S])``;
-            tokens attend within equal ids > 0.
+            tokens attend within equal ids >= 0; negative ids are padding.
         cu_seqlens_q: ``[num_seqs + 1]`` offsets of packed query sequences (B == 1).
         cu_seqlens_k: offsets of packed key sequences; default ``cu_seqlens_q``.
         dropout_rate: probability of dropping an attention weight (ejk's counter-hash mask).

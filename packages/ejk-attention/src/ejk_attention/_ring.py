@@ -30,7 +30,7 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ._validate import validate_attention
+from ejk_sequtils import validate_attention, visibility_mask
 
 __all__ = ["ring_attention"]
 
@@ -63,18 +63,15 @@ def _visible(
     st: _Ring, q_len: int, kv_len: int, q_start: Array, k_start: Array, q_ids: Any, kv_ids: Any
 ) -> Array:
     """bool ``[B|1, 1, Tl, Sl]``: which keys of this block each local query sees."""
-    qi = q_start + jnp.arange(q_len)[:, None]
-    kj = k_start + jnp.arange(kv_len)[None, :]
-    vis = jnp.ones((q_len, kv_len), bool)
-    if st.causal:
-        vis &= kj <= qi
-    if st.window is not None:
-        vis &= (kj >= qi - st.window[0]) & (kj <= qi + st.window[1])
-    vis = vis[None, None]
-    if q_ids is not None:
-        same = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] > 0)
-        vis = vis & same[:, None]
-    return vis
+    return visibility_mask(
+        q_len,
+        kv_len,
+        causal=st.causal,
+        sliding_window=st.window,
+        segment_ids=None if q_ids is None else (q_ids, kv_ids),
+        q_offset=q_start,
+        kv_offset=k_start,
+    )
 
 
 def _block_hidden(st: _Ring, q_len: int, kv_len: int, q_start: Array, k_start: Array) -> Array:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._validate import AttentionRequest
+from ejk_sequtils import AttentionRequest
 
 __all__ = ["inferred_mesh", "shard_map_compat", "sharded_call"]
 

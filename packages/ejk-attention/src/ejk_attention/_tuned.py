@@ -16,7 +16,7 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
-from ._validate import AttentionRequest
+from ejk_sequtils import AttentionRequest
 
 __all__ = ["BackendChoice", "backend_key", "cache_types", "open_cache", "tuned_backend"]
 

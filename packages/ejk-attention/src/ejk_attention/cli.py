@@ -310,10 +310,10 @@ def _tune_kernel_configs(
 
     from ejk_executor import AutotunePolicy, ConfigSelectorChain, Executor
     from ejk_kernels_gpu import FlashAttentionForward
+    from ejk_sequtils import validate_attention
 
     from ._backends import triton_through
     from ._bench import inputs_for
-    from ._validate import validate_attention
 
     policy = AutotunePolicy(
         on_miss="autotune",

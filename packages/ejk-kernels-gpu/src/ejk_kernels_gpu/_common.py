@@ -121,9 +121,10 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
     if WINDOW_LEFT >= 0:
         visible = visible & (pos_k >= pos_q - WINDOW_LEFT) & (pos_k <= pos_q + WINDOW_RIGHT)
     if HAS_SEG:
-        qs = along_q(tl.load(P[4] + b * T + offs_m, mask=m_ok, other=0), TRANS)
-        ks = along_k(tl.load(P[5] + b * S + offs_n, mask=n_ok, other=0), TRANS)
-        visible = visible & (qs == ks) & (qs > 0)
+        # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
+        qs = along_q(tl.load(P[4] + b * T + offs_m, mask=m_ok, other=-1), TRANS)
+        ks = along_k(tl.load(P[5] + b * S + offs_n, mask=n_ok, other=-1), TRANS)
+        visible = visible & (qs == ks) & (qs >= 0)
     return visible
 
 

@@ -357,7 +357,7 @@ def flash_attention(
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Flash attention in Triton (FlashAttention-2), forward and backward kernels.
 
-    Same semantics as ``ejk_attention.reference_attention``: softmax over the keys
+    Same semantics as ``ejk_sequtils.reference_attention``: softmax over the keys
     each query sees, computed blockwise with an online softmax in float32.
 
     Args:
@@ -371,7 +371,7 @@ def flash_attention(
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
         segment_ids: ``[B, T]`` (needs ``T == S``) or ``(q_ids [B, T], kv_ids [B, S])``;
-            ids <= 0 are padding.
+            negative ids are padding (0 is an ordinary segment).
         cu_seqlens_q: int32 ``[num_seqs + 1]`` offsets of packed query sequences (needs B == 1).
         cu_seqlens_k: int32 ``[num_seqs + 1]`` key offsets; default ``cu_seqlens_q``.
         dropout_rate: probability of dropping a normalised attention weight, in ``[0, 1)``.

@@ -122,7 +122,7 @@ def visibility(tile_ref: Any, row_ids_ref: Any, col_ids_ref: Any, masked: bool) 
         visible = tile_ref[...].astype(jnp.int32) != 0
     if row_ids_ref is not None:
         rows = row_ids_ref[...]
-        same = (rows == col_ids_ref[...]) & (rows > 0)
+        same = (rows == col_ids_ref[...]) & (rows >= 0)  # negative ids are padding
         visible = same if visible is None else visible & same
     return visible
 

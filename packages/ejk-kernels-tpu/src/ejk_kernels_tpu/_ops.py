@@ -226,7 +226,7 @@ def blocksparse_attention(
             stores each distinct partial tile once; an array mask keeps every tile
             (`process_dynamic_mask`) but still skips its empty blocks.
         segment_ids: int ``[B, T]`` (needs T == S) or ``(q_ids [B, T], kv_ids [B, S])``;
-            a query sees a key only when the ids are equal and > 0.
+            a query sees a key only when the ids are equal and >= 0 (negative ids are padding).
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` one logit per query head, in the softmax denominator only.
@@ -297,9 +297,13 @@ def blocksparse_attention(
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple | list) else (segment_ids,) * 2
-        # Padding positions get id 0: they see nothing and are seen by nothing.
-        q_seg = jnp.pad(jnp.asarray(q_ids, jnp.int32), ((0, 0), (0, t_pad - q_len)))[..., None]
-        kv_seg = jnp.pad(jnp.asarray(kv_ids, jnp.int32), ((0, 0), (0, s_pad - kv_len)))[:, None, :]
+        # Padding positions get id -1: they see nothing and are seen by nothing.
+        q_seg = jnp.pad(
+            jnp.asarray(q_ids, jnp.int32), ((0, 0), (0, t_pad - q_len)), constant_values=-1
+        )[..., None]
+        kv_seg = jnp.pad(
+            jnp.asarray(kv_ids, jnp.int32), ((0, 0), (0, s_pad - kv_len)), constant_values=-1
+        )[:, None, :]
     sinks = None if softmax_sinks is None else jnp.asarray(softmax_sinks, jnp.float32)
     o, lse = _attention(
         to_kernel(q, t_pad),

@@ -1,4 +1,10 @@
-"""Packed sequences, cu_seqlens, segment ids and attention masks for JAX (jax + numpy only)."""
+"""Packed sequences, cu_seqlens, segment ids, masks, and the definition of attention (jax + numpy only).
+
+The definition every ejk backend follows lives here, below the kernels: the
+visibility rules (`visibility_mask`), the dropout keep-mask (`dropout_keep_mask`),
+the float32 reference (`reference_attention`) and the validation of a call
+(`validate_attention`, returning the `AttentionRequest` every backend receives).
+"""
 
 from ._cu_seqlens import cdiv as cdiv
 from ._cu_seqlens import cu_seqlens_to_segment_ids as cu_seqlens_to_segment_ids
@@ -11,6 +17,10 @@ from ._cu_seqlens import prepare_sequence_ids as prepare_sequence_ids
 from ._cu_seqlens import prepare_token_indices as prepare_token_indices
 from ._cu_seqlens import segment_ids_to_cu_seqlens as segment_ids_to_cu_seqlens
 from ._cu_seqlens import segment_ids_to_position_ids as segment_ids_to_position_ids
+from ._dropout import DROPOUT_HASH as DROPOUT_HASH
+from ._dropout import dropout_keep_mask as dropout_keep_mask
+from ._dropout import dropout_seed_u32 as dropout_seed_u32
+from ._dropout import dropout_threshold as dropout_threshold
 from ._masks import is_segment_representable as is_segment_representable
 from ._masks import mask_to_segment_ids as mask_to_segment_ids
 from ._masks import prepare_cu_seqlens_from_mask as prepare_cu_seqlens_from_mask
@@ -22,19 +32,36 @@ from ._numerics import log_sum_exp as log_sum_exp
 from ._numerics import safe_divide as safe_divide
 from ._numerics import unchunk_array as unchunk_array
 from ._packing import pack_sequences as pack_sequences
+from ._reference import fold_sinks as fold_sinks
+from ._reference import reference_attention as reference_attention
+from ._request import AttentionRequest as AttentionRequest
+from ._request import validate_attention as validate_attention
 from ._testing import assert_allclose as assert_allclose
 from ._testing import generate_attention_inputs as generate_attention_inputs
+from ._tolerances import ATTENTION_TOLERANCES as ATTENTION_TOLERANCES
+from ._tolerances import attention_tolerance as attention_tolerance
+from ._visibility import normalize_window as normalize_window
+from ._visibility import visibility_mask as visibility_mask
 
 __all__ = [
+    "ATTENTION_TOLERANCES",
+    "DROPOUT_HASH",
+    "AttentionRequest",
     "assert_allclose",
+    "attention_tolerance",
     "cdiv",
     "chunk_array",
     "cu_seqlens_to_segment_ids",
+    "dropout_keep_mask",
+    "dropout_seed_u32",
+    "dropout_threshold",
+    "fold_sinks",
     "generate_attention_inputs",
     "identity_dtype_convert",
     "is_segment_representable",
     "log_sum_exp",
     "mask_to_segment_ids",
+    "normalize_window",
     "pack_sequences",
     "position_ids_to_segment_ids",
     "prepare_chunk_indices",
@@ -45,9 +72,12 @@ __all__ = [
     "prepare_position_ids",
     "prepare_sequence_ids",
     "prepare_token_indices",
+    "reference_attention",
     "safe_divide",
     "segment_ids_to_cu_seqlens",
     "segment_ids_to_mask",
     "segment_ids_to_position_ids",
     "unchunk_array",
+    "validate_attention",
+    "visibility_mask",
 ]

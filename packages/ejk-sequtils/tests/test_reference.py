@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention._reference import dropout_keep_mask, reference_attention
+from ejk_sequtils import dropout_keep_mask, fold_sinks, reference_attention, visibility_mask
 
 B, T, S, N, K, H = 2, 7, 9, 6, 2, 5
 
@@ -79,7 +79,7 @@ def loop_attention(
                 continue
             if window is not None and not (li - window[0] <= lj <= li + window[1]):
                 continue
-            if seg is not None and not (seg[0][b, i] > 0 and seg[0][b, i] == seg[1][b, j]):
+            if seg is not None and not (seg[0][b, i] >= 0 and seg[0][b, i] == seg[1][b, j]):
                 continue
             x = scale * q[b, i, n] @ k[b, j, kvh]
             if bias is not None:
@@ -183,8 +183,8 @@ def test_packed_with_empty_sequences_and_padding():
 
 def test_fully_masked_rows_are_zero_with_zero_finite_gradients(qkv):
     q, k, v = map(jnp.asarray, qkv)
-    seg_q = jnp.array([[1, 1, 0, -1, 2, 2, 5]] * B, jnp.int32)  # 0, -1 padding; 5 sees no key
-    seg_k = jnp.array([[1, 1, 1, 2, 2, 0, 0, 3, 3]] * B, jnp.int32)
+    seg_q = jnp.array([[1, 1, -2, -1, 2, 2, 5]] * B, jnp.int32)  # -2, -1 padding; 5 sees no key
+    seg_k = jnp.array([[1, 1, 1, 2, 2, -1, -1, 3, 3]] * B, jnp.int32)
     sinks = jnp.linspace(-1.0, 1.0, N)
 
     def loss(q, k, v, sinks):
@@ -271,7 +271,7 @@ def test_low_precision_inputs_keep_their_dtype(qkv):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"sliding_window": (1, -2)}, r"sliding_window sizes must be ints >= 0"),
+        ({"sliding_window": (1, -2)}, r"sliding_window sizes must be >= 0"),
         ({"sliding_window": (1, 2, 3)}, r"sliding_window must be an int or \(left, right\)"),
         ({"dropout_rate": 0.1}, r"dropout_seed is required"),
         ({"dropout_rate": 1.0, "dropout_seed": 1}, r"dropout_rate must be in \[0, 1\)"),
@@ -291,3 +291,88 @@ def test_head_count_mismatch_is_named():
     k = jnp.zeros((1, 3, 2, 4))
     with pytest.raises(ValueError, match=r"heads=5 of q must be a multiple of kv_heads=2"):
         reference_attention(q, k, k)
+
+
+def test_segment_id_zero_is_an_ordinary_segment():
+    """ejKernel's and splash's convention: ids from 0, -1 for padding; no document is lost."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float32)
+    ids = jnp.asarray([[0, 0, 1, -1]], jnp.int32)
+    out = reference_attention(q, q, q, segment_ids=ids)
+    first_doc = reference_attention(q[:, :2], q[:, :2], q[:, :2])
+    np.testing.assert_allclose(out[:, :2], first_doc, rtol=1e-6, atol=1e-6)
+    assert np.any(np.asarray(out[:, :2]) != 0)
+    assert np.all(np.asarray(out[:, 3]) == 0)  # padding
+
+
+def test_padding_with_zero_keeps_real_tokens_exact():
+    """A model that pads with 0 (and numbers documents from 1) gets exact outputs on its
+    real tokens: padding is then a segment of its own, which no real token sees."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 6, 2, 8)), jnp.float32)
+    zero_pad = reference_attention(q, q, q, segment_ids=jnp.asarray([[1, 1, 2, 2, 0, 0]]))
+    neg_pad = reference_attention(q, q, q, segment_ids=jnp.asarray([[1, 1, 2, 2, -1, -1]]))
+    np.testing.assert_array_equal(zero_pad[:, :4], neg_pad[:, :4])
+
+
+def test_several_sinks_per_head_fold_by_logsumexp():
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 5, 4, 8)), jnp.float32) for _ in range(3))
+    sinks = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    got = reference_attention(q, k, v, softmax_sinks=sinks, return_lse=True)
+    want = reference_attention(q, k, v, softmax_sinks=fold_sinks(sinks), return_lse=True)
+    np.testing.assert_array_equal(got[0], want[0])
+    # The denominator holds every sink: compare with the loop that adds each exp(sink).
+    scores = np.einsum("btnh,bsnh->bnts", np.float64(q), np.float64(k)) * 8**-0.5
+    denom = np.exp(scores).sum(-1) + np.exp(np.float64(sinks)).sum(-1)[None, :, None]
+    np.testing.assert_allclose(got[1], np.log(denom), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda s: reference_attention(q, k, v, softmax_sinks=s).sum())(sinks)
+    assert g.shape == (4, 3) and np.all(np.isfinite(np.asarray(g)))
+    assert fold_sinks(jnp.zeros((4, 0))).shape == (4,)
+
+
+@pytest.mark.parametrize("empty", ["B", "T", "S"])
+def test_empty_axes(empty):
+    sizes = {"B": 2, "T": 5, "S": 7, **{empty: 0}}
+    q = jnp.ones((sizes["B"], sizes["T"], 2, 4))
+    k = jnp.ones((sizes["B"], sizes["S"], 1, 4))
+    out, lse = reference_attention(q, k, k, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (sizes["B"], 2, sizes["T"])
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    sinks = jnp.asarray([0.5, -1.0])
+    out, lse = reference_attention(q, k, k, softmax_sinks=sinks, return_lse=True)
+    assert np.all(np.asarray(out) == 0)
+    if empty == "S":
+        np.testing.assert_allclose(
+            lse, np.broadcast_to(np.asarray(sinks)[None, :, None], lse.shape)
+        )
+
+
+def test_visibility_offsets_are_global_positions():
+    full = visibility_mask(12, 12, causal=True, sliding_window=(3, 1))
+    part = visibility_mask(4, 6, causal=True, sliding_window=(3, 1), q_offset=8, kv_offset=3)
+    np.testing.assert_array_equal(part, full[:, :, 8:12, 3:9])
+
+
+def test_mask_joins_the_visibility():
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 2, 4)), jnp.float32) for _ in range(3))
+    mask = jnp.asarray(rng.random((1, 2, 5, 5)) < 0.6)
+    got = reference_attention(q, k, v, mask=mask, logits_soft_cap=2.0)
+    capped = reference_attention(q, k, v, bias=jnp.where(mask, 0.0, -jnp.inf), logits_soft_cap=2.0)
+    assert not np.allclose(got, capped)  # a soft cap would turn a -inf bias into -cap
+    np.testing.assert_allclose(
+        got, loop_attention_masked(q, k, v, mask, cap=2.0), rtol=2e-5, atol=2e-5
+    )
+
+
+def loop_attention_masked(q, k, v, mask, cap):
+    q, k, v, mask = (np.asarray(x, np.float64) for x in (q, k, v, mask))
+    s = np.einsum("btnh,bsnh->bnts", q, k) * q.shape[-1] ** -0.5
+    s = cap * np.tanh(s / cap)
+    s = np.where(np.broadcast_to(mask, s.shape) > 0, s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    p = np.where(np.isfinite(s), np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+    den = p.sum(-1, keepdims=True)
+    p = np.where(den > 0, p / np.where(den > 0, den, 1), 0)
+    return np.einsum("bnts,bsnh->btnh", p, v)

@@ -1,11 +1,12 @@
-"""Input validation shared by every public attention entry point.
+"""Validation of an attention call: one `AttentionRequest` that every backend receives.
 
 Every check raises ``ValueError`` (a wrong value or shape) or ``TypeError`` (a wrong
-kind of object or dtype) whose message starts with the argument's name and shows
-the offending value, so a user can fix the call without reading the source.
-The result is an `AttentionRequest`: the same arguments in one normal form
-(window as a pair, segment ids as a ``(q_ids, kv_ids)`` pair, the scale resolved),
-which is what the backends receive.
+kind of object or dtype) whose message names the argument and shows the offending
+value, so a user can fix the call without reading the source. The request holds the
+same arguments in one normal form (window as a pair, segment ids as a
+``(q_ids, kv_ids)`` pair, sinks folded to ``[N]``, the scale resolved). The facade
+validates once; the kernel packages' own public functions validate through this same
+code, and their internal entry points take the request without checking it again.
 """
 
 from __future__ import annotations
@@ -13,21 +14,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["AttentionRequest", "validate_attention", "validate_window"]
+from ._reference import fold_sinks
+from ._visibility import normalize_window, split_segment_ids
+
+__all__ = ["AttentionRequest", "validate_attention"]
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionRequest:
-    """A validated attention call in normal form (what a backend receives)."""
+    """A validated attention call in normal form (what a backend receives).
+
+    Arrays are kept as given (jax arrays, tracers or NumPy arrays); ``softmax_sinks`` is
+    ``[N]`` (several sinks per head already folded, differentiably), ``segment_ids`` a
+    ``(q_ids [B, T], kv_ids [B, S])`` pair, ``cu_seqlens_k`` set whenever
+    ``cu_seqlens_q`` is, ``sliding_window`` a ``(left, right)`` pair.
+    """
 
     q: Any
     k: Any
@@ -52,7 +61,7 @@ class AttentionRequest:
         return b, t, self.k.shape[1], n, self.k.shape[2], h
 
     def keyword_arguments(self) -> dict[str, Any]:
-        """The keyword arguments of `reference_attention` (and of the kernel entry points)."""
+        """The keyword arguments of `reference_attention` (and of the kernels' public functions)."""
         return {
             "softmax_scale": self.softmax_scale,
             "causal": self.causal,
@@ -83,24 +92,24 @@ class AttentionRequest:
         return frozenset(name for name, on in used.items() if on)
 
 
-def _array(x: Any, name: str) -> Any:
+def _array(x: Any, name: str, what: str) -> Any:
     """``x`` as something with ``.shape`` and ``.dtype`` (jax arrays and tracers kept as they are)."""
     if isinstance(x, jax.Array | np.ndarray):
         return x
     if isinstance(x, np.generic):
         return np.asarray(x)
-    raise TypeError(f"{name} must be a jax or NumPy array, got {type(x).__name__}")
+    raise TypeError(f"{name} must be {what}, got {x!r} of type {type(x).__name__}")
 
 
 def _float_array(x: Any, name: str) -> Any:
-    x = _array(x, name)
+    x = _array(x, name, "a floating jax or NumPy array")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={x.dtype}")
     return x
 
 
 def _int_array(x: Any, name: str) -> Any:
-    x = _array(x, name)
+    x = _array(x, name, "an integer jax or NumPy array")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {name}.dtype={x.dtype}")
     return x
@@ -126,41 +135,18 @@ def _flag(x: Any, name: str) -> bool:
     return bool(x)
 
 
-def validate_window(sliding_window: Any) -> tuple[int, int] | None:
-    """``sliding_window`` as ``(left, right)`` ints >= 0, or None."""
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool):
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
-    if isinstance(sliding_window, numbers.Integral):
-        pair = (int(sliding_window), int(sliding_window))
-    elif isinstance(sliding_window, Sequence) and not isinstance(sliding_window, str):
-        if len(sliding_window) != 2:
-            raise ValueError(
-                f"sliding_window must be an int or (left, right), got {sliding_window!r}"
-            )
-        if not all(
-            isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in sliding_window
-        ):
-            raise TypeError(f"sliding_window sizes must be ints, got {sliding_window!r}")
-        pair = (int(sliding_window[0]), int(sliding_window[1]))
-    else:
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
-    if pair[0] < 0 or pair[1] < 0:
-        raise ValueError(f"sliding_window sizes must be >= 0, got {sliding_window!r}")
-    return pair
-
-
 def _validate_cu_seqlens(cu: Any, name: str, length: int) -> Any:
     cu = _int_array(cu, name)
     if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must be rank 1 [num_seqs + 1] with >= 2 entries, got {cu.shape}")
+        raise ValueError(
+            f"{name} must be rank 1 [num_seqs + 1] with >= 2 entries, got {name}.shape={cu.shape}"
+        )
     value = _concrete(cu)
     if value is not None:
         if value[0] != 0:
             raise ValueError(f"{name} must start at 0, got {name}[0]={int(value[0])}")
         if np.any(np.diff(value) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {value.tolist()}")
+            raise ValueError(f"{name} must be non-decreasing, got {name}={value.tolist()}")
         if value[-1] > length:
             raise ValueError(
                 f"{name} ends at {int(value[-1])}, past the {length} packed tokens of its input"
@@ -169,26 +155,47 @@ def _validate_cu_seqlens(cu: Any, name: str, length: int) -> Any:
 
 
 def _validate_segment_ids(segment_ids: Any, batch: int, q_len: int, kv_len: int) -> tuple:
-    if isinstance(segment_ids, tuple | list):
-        if len(segment_ids) != 2:
-            raise ValueError(
-                f"segment_ids must be [B, T] or a (q_ids, kv_ids) pair, got {len(segment_ids)} items"
-            )
-        q_ids = _int_array(segment_ids[0], "segment_ids[0]")
-        kv_ids = _int_array(segment_ids[1], "segment_ids[1]")
-        names = ("segment_ids[0]", "segment_ids[1]")
-    else:
-        q_ids = kv_ids = _int_array(segment_ids, "segment_ids")
-        names = ("segment_ids", "segment_ids")
-        if q_len != kv_len:
-            raise ValueError(
-                f"segment_ids of shape {q_ids.shape} is for self attention (T == S), but "
-                f"q_len={q_len} != kv_len={kv_len}: pass a (q_ids, kv_ids) pair"
-            )
+    pair = isinstance(segment_ids, tuple | list)
+    q_ids, kv_ids = split_segment_ids(segment_ids)
+    names = ("segment_ids[0]", "segment_ids[1]") if pair else ("segment_ids", "segment_ids")
+    q_ids = _int_array(q_ids, names[0])
+    kv_ids = _int_array(kv_ids, names[1])
+    if not pair and q_len != kv_len:
+        raise ValueError(
+            f"segment_ids of shape {q_ids.shape} is for self attention (T == S), but "
+            f"q_len={q_len} != kv_len={kv_len}: pass a (q_ids, kv_ids) pair"
+        )
     for ids, length, name in ((q_ids, q_len, names[0]), (kv_ids, kv_len, names[1])):
         if ids.shape != (batch, length):
             raise ValueError(f"{name} must have shape {(batch, length)}, got {ids.shape}")
     return q_ids, kv_ids
+
+
+def _validate_sinks(softmax_sinks: Any, heads: int) -> Any:
+    sinks = _float_array(softmax_sinks, "softmax_sinks")
+    if sinks.ndim not in (1, 2) or sinks.shape[0] != heads:
+        raise ValueError(
+            f"softmax_sinks must have shape [N]=({heads},) or [N, num_sinks]=({heads}, num_sinks), "
+            f"got softmax_sinks.shape={sinks.shape}"
+        )
+    return fold_sinks(sinks)
+
+
+def _validate_seed(dropout_seed: Any, dropout_rate: Any) -> Any:
+    if dropout_seed is None:
+        raise ValueError(f"dropout_seed is required when dropout_rate={dropout_rate!r} > 0")
+    expected = "an int or an int32/uint32 scalar array"
+    if isinstance(dropout_seed, bool):
+        raise TypeError(f"dropout_seed must be {expected}, got {dropout_seed!r}")
+    if isinstance(dropout_seed, numbers.Integral):
+        return int(dropout_seed)
+    seed = _array(dropout_seed, "dropout_seed", expected)
+    if seed.shape != () or seed.dtype not in (jnp.int32, jnp.uint32):
+        raise TypeError(
+            f"dropout_seed must be {expected}, got dropout_seed.shape={seed.shape} "
+            f"dropout_seed.dtype={seed.dtype}"
+        )
+    return seed
 
 
 def validate_attention(
@@ -209,14 +216,24 @@ def validate_attention(
     dropout_seed: Any = None,
     return_lse: Any = False,
 ) -> AttentionRequest:
-    """Check every argument of `flash_attention` and return them in normal form."""
+    """Check every argument of an attention call (`reference_attention`'s) and return them
+    in normal form.
+
+    Empty axes are valid (B, T or S = 0); packed input (``cu_seqlens_q``) needs B = 1 and
+    may be combined with segment ids (a token then sees keys of its own sequence *and*
+    segment).
+
+    Raises:
+        TypeError: an argument of the wrong kind or dtype (the message names it).
+        ValueError: an argument of the wrong shape or value (the message names it).
+    """
     q = _float_array(q, "q")
     k = _float_array(k, "k")
     v = _float_array(v, "v")
     for x, name, layout in (
         (q, "q", "[B, T, N, H]"),
         (k, "k", "[B, S, K, H]"),
-        (v, "v", "[B, S, K, H]"),
+        (v, "v", "[B, S, K, Hv]"),
     ):
         if x.ndim != 4:
             raise ValueError(f"{name} must be rank 4 {layout}, got {name}.shape={x.shape}")
@@ -246,18 +263,19 @@ def validate_attention(
         )
         if not ok:
             raise ValueError(
-                f"bias must have shape [1|{batch}, 1|{heads}, {q_len}, {kv_len}], got {bias.shape}"
+                f"bias must have shape [1|{batch}, 1|{heads}, {q_len}, {kv_len}], "
+                f"got bias.shape={bias.shape}"
             )
 
     if softmax_scale is None:
-        scale = head_dim**-0.5
+        scale = head_dim**-0.5 if head_dim > 0 else 1.0
     else:
         scale = _real(softmax_scale, "softmax_scale")
         if not math.isfinite(scale) or scale <= 0.0:
             raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
 
     causal = _flag(causal, "causal")
-    window = validate_window(sliding_window)
+    window = normalize_window(sliding_window)
 
     if logits_soft_cap is not None:
         cap = _real(logits_soft_cap, "logits_soft_cap")
@@ -268,11 +286,7 @@ def validate_attention(
         logits_soft_cap = cap
 
     if softmax_sinks is not None:
-        softmax_sinks = _float_array(softmax_sinks, "softmax_sinks")
-        if softmax_sinks.shape != (heads,):
-            raise ValueError(
-                f"softmax_sinks must have shape [N]=({heads},), got {softmax_sinks.shape}"
-            )
+        softmax_sinks = _validate_sinks(softmax_sinks, heads)
 
     if segment_ids is not None:
         segment_ids = _validate_segment_ids(segment_ids, batch, q_len, kv_len)
@@ -298,22 +312,7 @@ def validate_attention(
     rate = _real(dropout_rate, "dropout_rate")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
-    if rate > 0.0:
-        if dropout_seed is None:
-            raise ValueError(f"dropout_seed is required when dropout_rate={dropout_rate!r} > 0")
-        if isinstance(dropout_seed, bool):
-            raise TypeError(
-                f"dropout_seed must be an int or an int32/uint32 scalar, got {dropout_seed!r}"
-            )
-        if not isinstance(dropout_seed, numbers.Integral):
-            seed = _array(dropout_seed, "dropout_seed")
-            if seed.shape != () or seed.dtype not in (jnp.int32, jnp.uint32):
-                raise TypeError(
-                    f"dropout_seed must be an int or an int32/uint32 scalar, got "
-                    f"shape {seed.shape} dtype {seed.dtype}"
-                )
-        else:
-            dropout_seed = int(dropout_seed)
+    seed = _validate_seed(dropout_seed, dropout_rate) if rate > 0.0 else None
 
     return AttentionRequest(
         q=q,
@@ -329,6 +328,6 @@ def validate_attention(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         dropout_rate=rate,
-        dropout_seed=dropout_seed,
+        dropout_seed=seed,
         return_lse=_flag(return_lse, "return_lse"),
     )

@@ -44,15 +44,6 @@ def _rounds(fn, *args, reps=10) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def median_time(fn, *args, reps=10, rounds=7) -> float:
-    """Median seconds per call of ``fn`` timed on its own (warmed up; ``rounds`` of ``reps``
-    calls). The probes use it; comparisons between variants belong in `bench_shape`, which
-    interleaves them."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    return statistics.median(_rounds(fn, *args, reps=reps) for _ in range(rounds))
-
-
 def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
     impls = {
         "ejk": lambda q, k, v: flash_attention(

@@ -1,15 +1,26 @@
-"""`dot_product_attention`: ``jax.nn.dot_product_attention``'s signature, ejk's backends.
+"""`dot_product_attention`: ``jax.nn.dot_product_attention``'s signature and behaviour, ejk's backends.
 
-The arguments map onto `flash_attention`'s: ``is_causal`` -> ``causal``,
-``local_window_size`` -> ``sliding_window``, ``scale`` -> ``softmax_scale``, the
-sequence lengths -> ``(q_ids, kv_ids)`` segment ids (0 inside the length, -1,
-padding, past it), and a boolean ``mask`` -> an additive bias with jax's large negative value,
-so masked-out logits behave exactly as in ``jax.nn``.
+Values and gradients equal ``jax.nn.dot_product_attention``'s on every backend,
+including the rows it treats specially:
+
+- a query row that ``mask``, causality, the window and the key lengths leave with no
+  key ("emptied") averages *every* value uniformly (jax.nn's masked logits all equal
+  its large negative number, so its softmax is uniform); its gradient reaches only v;
+- a query row past ``query_seq_lengths`` outputs zeros with zero gradients;
+- the residual is the log-sum-exp of jax.nn's padded logits (``large_negative + log S``
+  on those rows), in the key's dtype, without gradient.
+
+``"xla"`` and ``"cudnn"`` are jax.nn itself. ``"triton"`` and ``"pallas"`` run
+`flash_attention` with the mask as a ``-inf`` bias (a hidden key) and the lengths as
+segment ids, then give emptied rows jax.nn's average. One difference remains, on
+purpose: a row whose every visible logit is ``-inf`` (from ``bias``) is NaN in jax.nn
+and zeros here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +28,17 @@ import numpy as np
 from jax import Array
 from jaxtyping import Bool, Float, Int
 
+from ejk_sequtils import normalize_window, visibility_mask
+
+from ._backends import default_order, resolve_implementation
 from ._flash import flash_attention
 
 __all__ = ["dot_product_attention"]
 
 AnyArray = Array | np.ndarray
 
-# jax.nn's masking value: the float32 maximum, negated (softmax runs in float32).
-_LARGE_NEGATIVE = float(-np.finfo(np.float32).max)
+# jax.nn's masking value for float32 logits (softmax runs in float32 for every input dtype).
+_LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def _rank4(x: AnyArray, name: str) -> Array:
@@ -34,49 +48,127 @@ def _rank4(x: AnyArray, name: str) -> Array:
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _lengths_to_ids(lengths: AnyArray | None, batch: int, size: int, name: str) -> Array:
-    """Segment ids ``[B, size]``: 0 before ``lengths[b]``, -1 (padding) from it on."""
+def _lengths(lengths: AnyArray | None, batch: int, name: str) -> Array | None:
     if lengths is None:
-        return jnp.zeros((batch, size), jnp.int32)
+        return None
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
-            f"{name} must be an integer array of shape ({batch},), got shape {lengths.shape} "
-            f"dtype {lengths.dtype}"
+            f"{name} must be an integer array of shape ({batch},), got {name}.shape={lengths.shape} "
+            f"{name}.dtype={lengths.dtype}"
         )
+    return lengths
+
+
+def _ids(lengths: Array | None, batch: int, size: int) -> Array:
+    """Segment ids ``[B, size]``: 0 before ``lengths[b]``, -1 (padding) from it on."""
+    if lengths is None:
+        return jnp.zeros((batch, size), jnp.int32)
     return jnp.where(jnp.arange(size)[None, :] < lengths[:, None], 0, -1).astype(jnp.int32)
 
 
-def _bias_with_mask(
-    bias: AnyArray | None, mask: AnyArray | None, batch: int, heads: int, q_len: int, kv_len: int
-) -> Array | None:
-    """``bias`` and ``mask`` folded into one ``[1|B, 1|N, T, S]`` float32 bias (or None)."""
-    if bias is None and mask is None:
-        return None
+def _masks(bias: Any, mask: Any, batch: int, heads: int, q_len: int, kv_len: int):
+    """``bias`` and ``mask`` at rank 4, checked to broadcast to ``[B, N, T, S]``."""
     full = (batch, heads, q_len, kv_len)
-    parts = []
+    shapes = []
     if bias is not None:
         bias = _rank4(bias, "bias")
-        parts.append(bias.shape)
+        shapes.append(bias.shape)
     if mask is not None:
         mask = _rank4(mask, "mask")
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be a boolean array, got mask.dtype={mask.dtype}")
-        parts.append(mask.shape)
+        shapes.append(mask.shape)
     try:
-        np.broadcast_shapes(*parts, full)
+        np.broadcast_shapes(*shapes, full)
     except ValueError:
         raise ValueError(
-            f"bias and mask must broadcast to [B, N, T, S]={full}, got shapes {parts}"
+            f"bias and mask must broadcast to [B, N, T, S]={full}, got shapes {shapes}"
         ) from None
+    return bias, mask
+
+
+def _hiding_bias(bias: Array | None, mask: Array | None, q_len: int, kv_len: int) -> Array | None:
+    """One float32 ``[1|B, 1|N, T, S]`` bias: ``bias`` where ``mask`` holds, ``-inf`` (hidden) elsewhere."""
+    if bias is None and mask is None:
+        return None
+    parts = [x.shape for x in (bias, mask) if x is not None]
     # Batch and head axes stay 1 where every input has 1: the kernels broadcast them.
-    keep = (max(p[0] for p in parts), max(p[1] for p in parts), q_len, kv_len)
-    out = jnp.zeros(keep, jnp.float32)
+    shape = (max(p[0] for p in parts), max(p[1] for p in parts), q_len, kv_len)
+    out = jnp.zeros(shape, jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     if mask is not None:
-        out = jnp.where(mask, out, _LARGE_NEGATIVE)
+        out = jnp.where(mask, out, -jnp.inf)
     return out
+
+
+def _jax_nn(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
+    try:
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, implementation=implementation, **kw
+        )
+    except (ValueError, NotImplementedError, RuntimeError) as err:
+        if implementation == "xla":
+            raise
+        # jax raises these when cuDNN (or its version) cannot take the call.
+        raise NotImplementedError(f"cuDNN refused the call: {err}") from err
+
+
+def _flash(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
+    """`flash_attention` on ``implementation``, with jax.nn's emptied rows and residual."""
+    batch, q_len, heads, _ = query.shape
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    q_lens, kv_lens = kw["query_seq_lengths"], kw["key_value_seq_lengths"]
+    window = kw["local_window_size"]
+    segment_ids = None
+    if q_lens is not None or kv_lens is not None:
+        segment_ids = (_ids(q_lens, batch, q_len), _ids(kv_lens, batch, kv_len))
+    out, lse = flash_attention(
+        query,
+        key,
+        value,
+        _hiding_bias(bias, mask, q_len, kv_len),
+        softmax_scale=kw["scale"],
+        causal=kw["is_causal"],
+        sliding_window=window,
+        segment_ids=segment_ids,
+        return_lse=True,
+        implementation=implementation,
+    )
+    # Rows with a key under every rule (jax.nn's combined mask): [B|1, N|1, T].
+    visible = visibility_mask(
+        q_len,
+        kv_len,
+        causal=kw["is_causal"],
+        sliding_window=window,
+        segment_ids=None if kv_lens is None else (_ids(None, batch, q_len), segment_ids[1]),
+    )
+    if mask is not None:
+        visible = visible & mask
+    seen = jnp.any(visible, axis=-1)
+    seen = jnp.broadcast_to(seen, (batch, heads, q_len))
+    inside = jnp.ones((batch, q_len), bool) if q_lens is None else segment_ids[0] >= 0
+    emptied = (~seen) & inside[:, None, :]  # [B, N, T]
+    if kv_len > 0:
+        mean_v = jnp.mean(value.astype(jnp.float32), axis=1)  # [B, K, H]
+        mean_v = jnp.repeat(mean_v, heads // kv_heads, axis=1).astype(out.dtype)  # [B, N, H]
+        out = jnp.where(jnp.swapaxes(emptied, 1, 2)[..., None], mean_v[:, None], out)
+    if not kw["return_residual"]:
+        return out
+    if kv_len > 0:
+        lse = jnp.where(seen & inside[:, None, :], lse, _LARGE_NEGATIVE + np.log(kv_len))
+    residual = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(key.dtype))
+    return out, residual
+
+
+_BACKENDS = {"xla": _jax_nn, "cudnn": _jax_nn, "triton": _flash, "pallas": _flash}
+
+
+def _platform(query: Array) -> str:
+    if isinstance(query, jax.Array) and not isinstance(query, jax.core.Tracer):
+        return next(iter(query.devices())).platform
+    return jax.default_backend()
 
 
 def dot_product_attention(
@@ -90,11 +182,11 @@ def dot_product_attention(
     is_causal: bool = False,
     query_seq_lengths: Int[AnyArray, " B"] | None = None,
     key_value_seq_lengths: Int[AnyArray, " B"] | None = None,
-    local_window_size: int | tuple[int, int] | None = None,
+    local_window_size: int | Sequence[int] | None = None,
     implementation: str | Sequence[str] | None = None,
     return_residual: bool = False,
 ) -> Float[Array, "*B T N H"] | tuple[Float[Array, "*B T N H"], Float[Array, "*B T N"]]:
-    """A drop-in for ``jax.nn.dot_product_attention`` that runs ejk's backends.
+    """A drop-in for ``jax.nn.dot_product_attention``: its values and gradients, on ejk's backends.
 
     Args:
         query: ``[B, T, N, H]`` or ``[T, N, H]``.
@@ -105,25 +197,24 @@ def dot_product_attention(
         scale: logits scale; default ``H ** -0.5``.
         is_causal: query i sees keys ``j <= i``.
         query_seq_lengths: int32 ``[B]``; query rows from the length on output zeros.
-        key_value_seq_lengths: int32 ``[B]``; keys from the length on are ignored.
+        key_value_seq_lengths: int32 ``[B]``; keys from the length on are masked.
         local_window_size: ``(left, right)`` or ``w`` for ``(w, w)``.
-        implementation: None (ejk's choice for the platform), ``"xla"``, ``"cudnn"``, or any
-            of ejk's ``"triton"``, ``"pallas"``, or a sequence tried in order.
+        implementation: None (the platform's order: triton, cudnn, xla on GPU; pallas, xla
+            on TPU; xla elsewhere), ``"xla"`` or ``"cudnn"`` (jax.nn's own), ``"triton"``,
+            ``"pallas"``, or a sequence tried in order (a backend that cannot serve the
+            call is skipped with its reason).
         return_residual: also return the log-sum-exp ``[B, T, N]`` (in key's dtype, no gradient).
 
     Returns:
         The attention output shaped like ``query`` (and the residual with ``return_residual``).
-
-    One difference from ``jax.nn``'s xla path, on query rows that no key may see: here
-    they output zeros (or, when ``mask`` is what empties them, the average of the values
-    causality, window and lengths allow), where ``jax.nn`` averages every value.
+        Emptied rows follow jax.nn (see the module docstring).
     """
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched != (key.ndim == 3) or unbatched != (value.ndim == 3):
         raise ValueError(
             f"query, key and value must all be rank 4 or all rank 3, got shapes "
-            f"{query.shape}, {key.shape}, {value.shape}"
+            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
         )
     if unbatched:
         query, key, value = query[None], key[None], value[None]
@@ -131,27 +222,28 @@ def dot_product_attention(
         raise ValueError(f"query must be rank 3 or 4, got query.shape={query.shape}")
     batch, q_len, heads, _ = query.shape
     kv_len = key.shape[1] if key.ndim == 4 else 0
-    bias = _bias_with_mask(bias, mask, batch, heads, q_len, kv_len)
-    segment_ids = None
-    if query_seq_lengths is not None or key_value_seq_lengths is not None:
-        segment_ids = (
-            _lengths_to_ids(query_seq_lengths, batch, q_len, "query_seq_lengths"),
-            _lengths_to_ids(key_value_seq_lengths, batch, kv_len, "key_value_seq_lengths"),
+    bias, mask = _masks(bias, mask, batch, heads, q_len, kv_len)
+    window = normalize_window(local_window_size)
+    kw = {
+        "scale": scale,
+        "is_causal": is_causal,
+        "query_seq_lengths": _lengths(query_seq_lengths, batch, "query_seq_lengths"),
+        "key_value_seq_lengths": _lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
+        "local_window_size": window,
+        "return_residual": return_residual,
+    }
+    names = resolve_implementation(implementation) or default_order(_platform(query))
+    reasons = []
+    for name in names:
+        try:
+            result = _BACKENDS[name](name, query, key, value, bias, mask, kw)
+            break
+        except NotImplementedError as err:
+            reasons.append(f"{name}: {err}")
+    else:
+        raise NotImplementedError(
+            "no implementation could serve this dot_product_attention call; " + "; ".join(reasons)
         )
-    result = flash_attention(
-        query,
-        key,
-        value,
-        bias,
-        softmax_scale=scale,
-        causal=is_causal,
-        sliding_window=local_window_size,
-        segment_ids=segment_ids,
-        return_lse=return_residual,
-        implementation=implementation,
-    )
-    if not return_residual:
-        return result[0] if unbatched else result
-    out, lse = result
-    residual = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(key.dtype))
-    return (out[0], residual[0]) if unbatched else (out, residual)
+    if not unbatched:
+        return result
+    return (result[0][0], result[1][0]) if return_residual else result[0]

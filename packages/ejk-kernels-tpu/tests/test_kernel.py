@@ -18,7 +18,9 @@ from ejk_kernels_tpu import (
     block_sparse_heuristic,
     block_sparse_search_space,
     blocksparse_attention,
+    blocksparse_attention_request,
 )
+from ejk_sequtils import validate_attention
 
 T = 128
 
@@ -50,6 +52,20 @@ def test_executor_runs_the_kernel_with_the_heuristic_and_explicit_configs():
     space = list(kernel.config_space(on_tpu))
     assert space == block_sparse_search_space(T, T, 64, 4)
     assert len(block_sparse_search_space(1024, 1024, 64, 2)) > 1
+
+
+def test_the_facade_route_config_from_the_executor_then_the_request_entry():
+    """The facade selects a config (forward and backward block sizes) through the executor and
+    runs its validated request with it."""
+    q, k, v = _qkv()
+    mask = CausalMask((T, T))
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache()))
+    kernel = BlockSparseAttention()
+    cfg = executor.choose(kernel, q, k, v, mask=mask).cfg
+    assert isinstance(cfg, BlockSparseConfig) and cfg.block_q_dkv and cfg.block_kv_dq
+    request = validate_attention(q, k, v, causal=True)
+    out = blocksparse_attention_request(request, None, config=cfg)
+    np.testing.assert_allclose(out, executor(kernel, q, k, v, mask=mask), atol=1e-6)
 
 
 def test_executor_gradients_inside_jit():

@@ -20,7 +20,9 @@ from ._masks import MultiHeadMask as MultiHeadMask
 from ._masks import NumpyMask as NumpyMask
 from ._masks import attention_mask as attention_mask
 from ._ops import blocksparse_attention as blocksparse_attention
+from ._ops import blocksparse_attention_request as blocksparse_attention_request
 from ._ops import default_interpret as default_interpret
+from ._ops import unsupported_reason as unsupported_reason
 
 __all__ = [
     "BlockSparseAttention",
@@ -37,11 +39,13 @@ __all__ = [
     "block_sparse_heuristic",
     "block_sparse_search_space",
     "blocksparse_attention",
+    "blocksparse_attention_request",
     "default_interpret",
     "fits_vmem",
     "process_dynamic_mask",
     "process_dynamic_mask_dkv",
     "process_mask",
     "process_mask_dkv",
+    "unsupported_reason",
     "vmem_bytes",
 ]

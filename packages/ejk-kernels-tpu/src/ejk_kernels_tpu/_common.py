@@ -17,6 +17,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ejk_sequtils import DROPOUT_HASH, dropout_threshold
+
 from ._mask_info import FULL, PARTIAL
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T: contract the last axes of both tiles
@@ -132,7 +134,8 @@ def _i32(c: int) -> np.int32:
     return np.uint32(c).view(np.int32)
 
 
-_GOLDEN, _MUR1, _MUR2 = _i32(0x9E3779B1), _i32(0x85EBCA6B), _i32(0xC2B2AE35)
+# ejk_sequtils.DROPOUT_HASH: the constants of the keep-mask hash every ejk backend draws.
+_GOLDEN, _MUR1, _MUR2 = (_i32(c) for c in DROPOUT_HASH)
 
 
 def _srl(x: jax.Array, n: int) -> jax.Array:
@@ -140,7 +143,7 @@ def _srl(x: jax.Array, n: int) -> jax.Array:
 
 
 def _mix(h: jax.Array, x: jax.Array) -> jax.Array:
-    """One round of the ejk dropout hash, on int32 bits (reference-spec.md, "Dropout")."""
+    """One round of the ejk dropout hash (`ejk_sequtils.dropout_keep_mask`), on int32 bits."""
     h = h ^ (x * _GOLDEN)
     h = (h ^ _srl(h, 16)) * _MUR1
     h = (h ^ _srl(h, 13)) * _MUR2
@@ -160,15 +163,16 @@ def dropout_scale(
     """``keep / (1 - rate)`` (0 where dropped) for one score tile, f32 ``shape``.
 
     The keep bit of (b, n, query i, key j) is ``mix(mix(mix(mix(seed, b), n), i), j) >> 8
-    >= round(rate * 2**24)``, as every ejk backend computes it. ``row0``/``col0`` are the
-    tile's first row/column; rows are queries, or keys when ``transposed`` (dkv tiles).
+    >= dropout_threshold(rate)``, as `ejk_sequtils.dropout_keep_mask` computes it.
+    ``row0``/``col0`` are the tile's first row/column; rows are queries, or keys when
+    ``transposed`` (dkv tiles).
     """
     rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     q_idx, k_idx = (cols, rows) if transposed else (rows, cols)
     h = jnp.full(shape, seed_ref[0], jnp.int32)
     h = _mix(_mix(_mix(_mix(h, batch), head), q_idx), k_idx)
-    threshold = round(st.dropout_rate * (1 << 24))
+    threshold = dropout_threshold(st.dropout_rate)
     keep = _srl(h, 8) >= threshold  # < 2**24 after the shift: a signed compare is exact
     return jnp.where(keep, jnp.float32(1.0 / (1.0 - st.dropout_rate)), jnp.float32(0.0))
 

@@ -19,14 +19,17 @@ class BlockSparseAttention(Kernel[BlockSparseConfig, Any]):
     Call as ``executor(BlockSparseAttention(), q, k, v, mask=mask, segment_ids=...,
     softmax_scale=..., logits_soft_cap=..., softmax_sinks=..., return_lse=...)``; the
     mask (hashable) and the other non-array arguments are static parts of the cache key.
-    Gradients come from the kernels' own custom_vjp.
+    Gradients come from the kernels' own custom_vjp. A config holds the block sizes of the
+    forward and both backward kernels, so one selection serves the whole training step: the
+    facade takes ``executor.choose(BlockSparseAttention(), q, k, v, mask=...).cfg`` and runs
+    its validated request with ``blocksparse_attention_request(request, mask, config=cfg)``.
     """
 
     name = "ejk_kernels_tpu.blocksparse_attention"
     version = "1"
     config_type = BlockSparseConfig
 
-    def run(self, q, k, v, *, cfg: BlockSparseConfig, mask, **kwargs: Any) -> Any:
+    def run(self, q, k, v, *, cfg: BlockSparseConfig, mask=None, **kwargs: Any) -> Any:
         return blocksparse_attention(q, k, v, mask, config=cfg, **kwargs)
 
     @staticmethod

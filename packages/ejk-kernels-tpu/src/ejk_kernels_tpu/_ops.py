@@ -1,4 +1,8 @@
-"""`blocksparse_attention`: validation, padding, layout and the custom_vjp over the three kernels."""
+"""`blocksparse_attention`: validation, padding, layout and the custom_vjp over the three kernels.
+
+`blocksparse_attention` validates through `ejk_sequtils.validate_attention`;
+`blocksparse_attention_request` takes the validated `AttentionRequest` (the facade's entry).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int, Integer
+
+from ejk_sequtils import (
+    AttentionRequest,
+    dropout_seed_u32,
+    reference_attention,
+    validate_attention,
+)
 
 from ._backward import dkv as _dkv_kernel
 from ._backward import dq as _dq_kernel
@@ -23,9 +33,14 @@ from ._mask_info import (
     process_mask,
     process_mask_dkv,
 )
-from ._masks import Mask, MultiHeadMask, pad_mask
+from ._masks import FullMask, Mask, MultiHeadMask, attention_mask, pad_mask
 
-__all__ = ["blocksparse_attention", "default_interpret"]
+__all__ = [
+    "blocksparse_attention",
+    "blocksparse_attention_request",
+    "default_interpret",
+    "unsupported_reason",
+]
 
 
 def default_interpret() -> Any:
@@ -101,156 +116,146 @@ def _attention_bwd(st: Static, res, cts):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _dropout_seed(rate: float, seed: Any) -> jax.Array | None:
-    """The seed as int32 ``[1]`` holding its uint32 bits, or None without dropout."""
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate=!r}")
-    if rate == 0.0:
-        return None
-    if seed is None:
-        raise ValueError(f"dropout_seed is required when dropout_rate={rate} > 0")
-    if isinstance(seed, bool):
-        raise TypeError(f"dropout_seed must be an int or a uint32/int32 scalar, got {seed!r}")
-    if isinstance(seed, int):
-        return jnp.asarray([np.uint32(seed & 0xFFFFFFFF).view(np.int32)])
-    seed = jnp.asarray(seed)
-    if seed.shape != ():
-        raise ValueError(f"dropout_seed must be a scalar, got shape {seed.shape}")
-    if seed.dtype == jnp.uint32:
-        seed = jax.lax.bitcast_convert_type(seed, jnp.int32)
-    elif seed.dtype != jnp.int32:
-        raise TypeError(
-            f"dropout_seed must be an int or a uint32/int32 scalar, got dtype {seed.dtype}"
-        )
-    return seed.reshape(1)
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _check_inputs(q, k, v, mask, segment_ids, softmax_sinks, logits_soft_cap):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"q, k, v must be rank 4 [B, T, N, H]; got {q.shape}, {k.shape}, {v.shape}"
-        )
-    batch, q_len, heads, head_dim = q.shape
-    kv_batch, kv_len, kv_heads, _ = k.shape
-    if kv_batch != batch or k.shape[0] != v.shape[0]:
-        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must agree on [B, S, K]; got {k.shape} and {v.shape}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k head_dim must equal q's {head_dim=}, got k shape {k.shape}")
-    if v.shape[3] != head_dim:
-        raise NotImplementedError(
-            f"blocksparse_attention needs v head_dim == {head_dim=}, got {v.shape}"
-        )
-    if heads % kv_heads:
-        raise ValueError(f"{heads=} of q must be a multiple of {kv_heads=} of k and v")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not isinstance(mask, Mask):
-        if not (hasattr(mask, "shape") and hasattr(mask, "dtype")):
-            raise TypeError(
-                f"mask must be a Mask, a MultiHeadMask or a bool array, got {type(mask).__name__}"
-            )
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"an array mask must have dtype bool, got {mask.dtype}")
-        shape = tuple(mask.shape)
-        if (
-            shape[-2:] != (q_len, kv_len)
-            or len(shape) not in (2, 3)
-            or (len(shape) == 3 and shape[0] not in (1, heads))
-        ):
-            raise ValueError(
-                f"an array mask must be [{q_len=}, {kv_len=}] or [1 or {heads=}, T, S], got {shape}"
-            )
-    elif isinstance(mask, MultiHeadMask):
+def unsupported_reason(request: AttentionRequest, *, interpret: Any = None) -> str | None:
+    """Why the block-sparse kernels cannot serve ``request``, or None when they can.
+
+    Causal and sliding-window visibility are served (folded into the mask); what is
+    refused has no place in the kernels.
+
+    Args:
+        request: a validated call (`ejk_sequtils.validate_attention`).
+        interpret: as in `blocksparse_attention_request` (float16 compiles only in the
+            interpreter); default `default_interpret()`.
+    """
+    q, v = request.q, request.v
+    if request.bias is not None:
+        return "the block-sparse kernels take no additive bias (express -inf entries as the mask)"
+    if request.cu_seqlens_q is not None:
+        return "the block-sparse kernels take no cu_seqlens (pass packed sequences as segment_ids)"
+    if v.shape[3] != q.shape[3]:
+        return f"the block-sparse kernels need v's head_dim {v.shape[3]} == q's {q.shape[3]}"
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        return f"the block-sparse kernels take float32, bfloat16 or float16, got {q.dtype}"
+    interpret = default_interpret() if interpret is None else interpret
+    if interpret is False and q.dtype == jnp.float16:
+        # Mosaic has no float16 matmul path (the deviceless v6e compile fails).
+        return "the block-sparse kernels on TPU take float32 or bfloat16, got float16"
+    return None
+
+
+def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
+    """``mask`` is None, a `Mask` of shape ``(T, S)``, a `MultiHeadMask` ``(1|N, T, S)`` or a
+    bool array ``[T, S]`` / ``[1|N, T, S]``."""
+    if mask is None:
+        return
+    if isinstance(mask, MultiHeadMask):
         if mask.shape[0] not in (1, heads) or mask.shape[1:] != (q_len, kv_len):
             raise ValueError(
                 f"MultiHeadMask shape {mask.shape} must be (1 or {heads=}, {q_len=}, {kv_len=})"
             )
-    elif mask.shape != (q_len, kv_len):
-        raise ValueError(f"mask shape {mask.shape} must be ({q_len=}, {kv_len=})")
-    if segment_ids is not None:
-        if isinstance(segment_ids, tuple | list):
-            q_ids, kv_ids = segment_ids
-        else:
-            if q_len != kv_len:
-                raise ValueError(
-                    f"a single segment_ids array needs q_len == kv_len, got {q_len=}, {kv_len=}; "
-                    "pass (q_ids, kv_ids)"
-                )
-            q_ids = kv_ids = segment_ids
-        if jnp.shape(q_ids) != (batch, q_len) or jnp.shape(kv_ids) != (batch, kv_len):
-            raise ValueError(
-                f"segment_ids must be [B, T] = {(batch, q_len)} and [B, S] = {(batch, kv_len)}, "
-                f"got {jnp.shape(q_ids)} and {jnp.shape(kv_ids)}"
-            )
-    if softmax_sinks is not None and jnp.shape(softmax_sinks) != (heads,):
-        raise ValueError(f"softmax_sinks must be [N] = ({heads},), got {jnp.shape(softmax_sinks)}")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap=}")
+        return
+    if isinstance(mask, Mask):
+        if mask.shape != (q_len, kv_len):
+            raise ValueError(f"mask shape {mask.shape} must be ({q_len=}, {kv_len=})")
+        return
+    if not (hasattr(mask, "shape") and hasattr(mask, "dtype")):
+        raise TypeError(
+            f"mask must be a Mask, a MultiHeadMask or a bool array, got {type(mask).__name__}"
+        )
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"an array mask must have dtype bool, got {mask.dtype}")
+    shape = tuple(mask.shape)
+    if (
+        shape[-2:] != (q_len, kv_len)
+        or len(shape) not in (2, 3)
+        or (len(shape) == 3 and shape[0] not in (1, heads))
+    ):
+        raise ValueError(
+            f"an array mask must be [{q_len=}, {kv_len=}] or [1 or {heads=}, T, S], got {shape}"
+        )
 
 
-def blocksparse_attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K H"],
-    mask: Mask | Bool[Array, "T S"] | Bool[Array, "#N T S"],
+def _with_visibility(mask: Any, request: AttentionRequest) -> Any:
+    """``mask`` (None: every key) and the request's causal / sliding-window visibility."""
+    _, q_len, kv_len, *_ = request.shape
+    rule = attention_mask(
+        q_len, kv_len, causal=request.causal, sliding_window=request.sliding_window
+    )
+    if mask is None:
+        return rule
+    if isinstance(rule, FullMask):
+        return mask
+    if isinstance(mask, MultiHeadMask):
+        return MultiHeadMask([m & rule for m in mask.masks])
+    if isinstance(mask, Mask):
+        return mask & rule
+    return jnp.asarray(mask) & jnp.asarray(rule.dense())
+
+
+def _empty_call(request: AttentionRequest, mask: Any) -> Any:
+    """`reference_attention`'s answer for a call with an empty axis (nothing to launch)."""
+    kwargs = request.keyword_arguments()
+    if mask is not None:
+        dense = jnp.asarray(mask.dense() if isinstance(mask, Mask) else mask)
+        kwargs["mask"] = dense.reshape((1,) * (4 - dense.ndim) + dense.shape)
+    return reference_attention(request.q, request.k, request.v, **kwargs)
+
+
+def _kernel_seed(request: AttentionRequest) -> jax.Array | None:
+    """The dropout seed as int32 ``[1]`` holding its uint32 bits (the SMEM carrier), or None."""
+    if request.dropout_seed is None:
+        return None
+    seed = dropout_seed_u32(request.dropout_seed)
+    return jax.lax.bitcast_convert_type(seed, jnp.int32).reshape(1)
+
+
+def blocksparse_attention_request(
+    request: AttentionRequest,
+    mask: Mask | Bool[Array, "T S"] | Bool[Array, "#N T S"] | None = None,
     *,
-    segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    softmax_sinks: Float[Array, " N"] | None = None,
-    dropout_rate: float = 0.0,
-    dropout_seed: int | Integer[Array, ""] | None = None,
-    return_lse: bool = False,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
-    """Block-sparse attention on TPU (Pallas), differentiable in q, k, v and the sinks.
+    """Block-sparse attention of an already validated call (the facade's entry point).
 
-    Blocks the mask leaves empty are skipped (no copy, no compute); full blocks skip mask
-    evaluation. Off TPU the same kernels run in Pallas' TPU interpreter.
+    ``request`` is not checked again (`ejk_sequtils.validate_attention` did that); only the
+    mask, which is not part of it, is. The request's causal and sliding-window visibility
+    join the mask. A call with an empty axis (B, T, S, N or H = 0) launches nothing and gets
+    `reference_attention`'s answer (zeros; lse -inf or the sink; zero gradients).
 
     Args:
-        q: queries ``[B, T, N, H]``.
-        k, v: keys and values ``[B, S, K, H]``, ``N % K == 0`` (GQA/MQA).
-        mask: a `Mask` of shape ``(T, S)`` for every head, a `MultiHeadMask` ``(N, T, S)``,
-            or a (possibly traced) bool array ``[T, S]`` / ``[1 or N, T, S]``. A static mask
-            stores each distinct partial tile once; an array mask keeps every tile
-            (`process_dynamic_mask`) but still skips its empty blocks.
-        segment_ids: int ``[B, T]`` (needs T == S) or ``(q_ids [B, T], kv_ids [B, S])``;
-            a query sees a key only when the ids are equal and >= 0 (negative ids are padding).
-        softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
-        logits_soft_cap: ``cap * tanh(logits / cap)``.
-        softmax_sinks: ``[N]`` one logit per query head, in the softmax denominator only.
-        dropout_rate: probability in ``[0, 1)`` of dropping a normalised weight (kept ones are
-            scaled by ``1 / (1 - rate)``); the keep mask is ejk's counter hash of
-            (seed, batch, query head, row, column), identical in every backend.
-        dropout_seed: a Python int or a uint32/int32 scalar; required when dropout_rate > 0.
-        return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (dropout leaves it alone).
-        config: block sizes; default `block_sparse_heuristic`.
-        interpret: False to compile for TPU, or `pltpu.InterpretParams`; default: interpret
-            unless the default backend is a TPU.
+        request: the validated call (`ejk_sequtils.AttentionRequest`).
+        mask: as in `blocksparse_attention`; None: every key (before causal / window).
+        config: block sizes of the forward and backward kernels; default
+            `block_sparse_heuristic`.
+        interpret: False to compile for TPU, or `pltpu.InterpretParams`; default
+            `default_interpret()`.
 
     Returns:
-        ``out [B, T, N, H]`` in q's dtype, and with ``return_lse`` ``(out, lse [B, N, T])``.
-        A query row that sees no key gives zeros (lse -inf, or the sink's logit).
+        ``out [B, T, N, H]`` in q's dtype, and with ``request.return_lse`` ``(out, lse [B, N, T])``.
+
+    Raises:
+        NotImplementedError: what the kernels cannot serve, with `unsupported_reason`'s reason.
+        ValueError, TypeError: a mask or config of the wrong shape or kind.
     """
-    _check_inputs(q, k, v, mask, segment_ids, softmax_sinks, logits_soft_cap)
-    seed = _dropout_seed(dropout_rate, dropout_seed)
-    _, q_len, heads, head_dim = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
+    interpret = default_interpret() if interpret is None else interpret
+    reason = unsupported_reason(request, interpret=interpret)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    batch, q_len, kv_len, heads, kv_heads, head_dim = request.shape
+    _check_mask(mask, heads, q_len, kv_len)
+    if config is not None and not isinstance(config, BlockSparseConfig):
+        raise TypeError(f"config must be a BlockSparseConfig, got {type(config).__name__}")
+    if 0 in (batch, q_len, kv_len, heads, head_dim):
+        return _empty_call(request, mask)
+    mask = _with_visibility(mask, request)
+    q, k, v = request.q, request.k, request.v
     if config is None:
         config = block_sparse_heuristic(q_len, kv_len, head_dim, q.dtype.itemsize)
-    elif not isinstance(config, BlockSparseConfig):
-        raise TypeError(f"config must be a BlockSparseConfig, got {type(config).__name__}")
     fq = lambda b: effective_block(b, q_len)
     fk = lambda b: effective_block(b, kv_len)
     fwd = (fq(config.block_q), fk(config.block_kv))
@@ -270,24 +275,18 @@ def blocksparse_attention(
         _tables(mask, dq, False),
         _tables(mask, dkv, True),
     )
-    interpret = default_interpret() if interpret is None else interpret
-    if interpret is False and q.dtype == jnp.float16:
-        # Mosaic has no float16 matmul path (the deviceless v6e compile fails).
-        raise NotImplementedError(
-            "blocksparse_attention on TPU takes float32 or bfloat16, got float16"
-        )
     st = Static(
         heads=heads,
         kv_heads=kv_heads,
         fwd=fwd,
         dq=dq,
         dkv=dkv,
-        scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
-        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        has_segments=segment_ids is not None,
-        has_sinks=softmax_sinks is not None,
+        scale=float(request.softmax_scale),
+        soft_cap=request.logits_soft_cap,
+        has_segments=request.segment_ids is not None,
+        has_sinks=request.softmax_sinks is not None,
         interpret=interpret,
-        dropout_rate=float(dropout_rate),
+        dropout_rate=request.dropout_rate,
     )
 
     def to_kernel(x, length):
@@ -295,8 +294,8 @@ def blocksparse_attention(
         return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
 
     q_seg = kv_seg = None
-    if segment_ids is not None:
-        q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple | list) else (segment_ids,) * 2
+    if request.segment_ids is not None:
+        q_ids, kv_ids = request.segment_ids
         # Padding positions get id -1: they see nothing and are seen by nothing.
         q_seg = jnp.pad(
             jnp.asarray(q_ids, jnp.int32), ((0, 0), (0, t_pad - q_len)), constant_values=-1
@@ -304,7 +303,8 @@ def blocksparse_attention(
         kv_seg = jnp.pad(
             jnp.asarray(kv_ids, jnp.int32), ((0, 0), (0, s_pad - kv_len)), constant_values=-1
         )[:, None, :]
-    sinks = None if softmax_sinks is None else jnp.asarray(softmax_sinks, jnp.float32)
+    sinks = request.softmax_sinks
+    sinks = None if sinks is None else jnp.asarray(sinks).astype(jnp.float32)
     o, lse = _attention(
         to_kernel(q, t_pad),
         to_kernel(k, s_pad),
@@ -312,9 +312,79 @@ def blocksparse_attention(
         q_seg,
         kv_seg,
         sinks,
-        seed,
+        _kernel_seed(request),
         tables,
         st,
     )
     out = jnp.swapaxes(o[:, :, :q_len], 1, 2)
-    return (out, lse[:, :, :q_len, 0]) if return_lse else out
+    return (out, lse[:, :, :q_len, 0]) if request.return_lse else out
+
+
+def blocksparse_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K Hv"],
+    mask: Mask | Bool[Array, "T S"] | Bool[Array, "#N T S"] | None,
+    *,
+    segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    softmax_sinks: Float[Array, " N *num_sinks"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: int | Integer[Array, ""] | None = None,
+    return_lse: bool = False,
+    config: BlockSparseConfig | None = None,
+    interpret: Any = None,
+) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
+    """Block-sparse attention on TPU (Pallas), differentiable in q, k, v and the sinks.
+
+    Blocks the mask leaves empty are skipped (no copy, no compute); full blocks skip mask
+    evaluation. Off TPU the same kernels run in Pallas' TPU interpreter. The attention
+    arguments are checked by `ejk_sequtils.validate_attention` (the checks every ejk
+    backend shares), then `blocksparse_attention_request` runs the call.
+
+    Args:
+        q: queries ``[B, T, N, H]``.
+        k, v: keys and values ``[B, S, K, H]``, ``N % K == 0`` (GQA/MQA).
+        mask: a `Mask` of shape ``(T, S)`` for every head, a `MultiHeadMask` ``(N, T, S)``,
+            or a (possibly traced) bool array ``[T, S]`` / ``[1 or N, T, S]``; None: every
+            key. A static mask stores each distinct partial tile once; an array mask keeps
+            every tile (`process_dynamic_mask`) but still skips its empty blocks.
+        segment_ids: int ``[B, T]`` (needs T == S) or ``(q_ids [B, T], kv_ids [B, S])``;
+            a query sees a key only when the ids are equal and >= 0 (negative ids are padding).
+        softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
+        logits_soft_cap: ``cap * tanh(logits / cap)``.
+        softmax_sinks: ``[N]`` one logit per query head, or ``[N, num_sinks]`` (folded to one
+            per head by logsumexp), in the softmax denominator only.
+        dropout_rate: probability in ``[0, 1)`` of dropping a normalised weight (kept ones are
+            scaled by ``1 / (1 - rate)``); the keep mask is ejk's counter hash of
+            (seed, batch, query head, row, column), `ejk_sequtils.dropout_keep_mask`.
+        dropout_seed: a Python int or a uint32/int32 scalar; required when dropout_rate > 0.
+        return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (dropout leaves it alone).
+        config: block sizes; default `block_sparse_heuristic`.
+        interpret: False to compile for TPU, or `pltpu.InterpretParams`; default: interpret
+            unless the default backend is a TPU.
+
+    Returns:
+        ``out [B, T, N, H]`` in q's dtype, and with ``return_lse`` ``(out, lse [B, N, T])``.
+        A query row that sees no key gives zeros (lse -inf, or the sink's logit); an empty
+        axis (B, T or S = 0) gives `reference_attention`'s answer without a launch.
+
+    Raises:
+        ValueError, TypeError: a bad argument (the message names it).
+        NotImplementedError: what `unsupported_reason` names (v's head_dim != q's, float64,
+            float16 when compiling for TPU).
+    """
+    request = validate_attention(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks,
+        segment_ids=segment_ids,
+        dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
+        return_lse=return_lse,
+    )
+    return blocksparse_attention_request(request, mask, config=config, interpret=interpret)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-# Tolerances against the float32 reference, keyed by dtype (interpreter: exact f32 dots).
-TOL = {
-    "float32": dict(out=2e-5, lse=2e-5, grad=5e-5),
-    "float16": dict(out=4e-3, lse=2e-3, grad=2e-2),
-    # bfloat16 runs in float32 in the interpreter (see _triton._interpretable): only the
-    # inputs' and outputs' rounding (8 bits of mantissa) remains.
-    "bfloat16": dict(out=8e-3, lse=2e-3, grad=2e-2),
-}
+from ejk_sequtils import assert_allclose, attention_tolerance
+
+
+def close(actual, expected, dtype, quantity: str, name: str = "") -> None:
+    """``actual`` within the one tolerance table (`ejk_sequtils.attention_tolerance`) of
+    ``expected``, the float32 reference's result for inputs of ``dtype``."""
+    tol = attention_tolerance(dtype, quantity)
+    assert_allclose(actual, expected, rtol=tol, atol=tol, err_msg=name or quantity)
 
 
 def make_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype):
@@ -29,9 +29,9 @@ def make_inputs_fixture():
     return make_inputs
 
 
-@pytest.fixture(name="tol")
-def tol_fixture():
-    return TOL
+@pytest.fixture(name="close")
+def close_fixture():
+    return close
 
 
 @pytest.fixture
@@ -58,22 +58,23 @@ def edge_fixture(request):
 
 @pytest.fixture(name="on_hopper")
 def on_hopper_fixture(monkeypatch):
-    """Pretend to be on Hopper and watch `_ops.launch`. Returns ``watch(hook)``:
-    ``hook(name, grid, inputs, outs, consts, kwargs)`` sees every forward launch and may
-    return outputs that stand in for it (None: the launch runs as usual)."""
-    from ejk_kernels_gpu import _ops
+    """Pretend to be on Hopper and watch `_forward_launch.launch`. Returns ``watch(hook)``:
+    ``hook(name, grid, inputs, outs, consts, kwargs)`` sees every forward launch (``name``:
+    the kernel's) and may return outputs that stand in for it (None: the launch runs as
+    usual)."""
+    from ejk_kernels_gpu import _forward_launch, _options
 
-    launch = _ops.launch
-    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
+    launch = _forward_launch.launch
+    monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
 
     def watch(hook):
-        def spy(name, grid, inputs, outs, consts, **kwargs):
-            stand_in = hook(name, grid, inputs, outs, consts, kwargs)
+        def spy(kernel, grid, inputs, outs, consts, **kwargs):
+            stand_in = hook(kernel.__name__, grid, inputs, outs, consts, kwargs)
             if stand_in is not None:
                 return stand_in
-            return launch(name, grid, inputs, outs, consts, **kwargs)
+            return launch(kernel, grid, inputs, outs, consts, **kwargs)
 
-        monkeypatch.setattr(_ops, "launch", spy)
+        monkeypatch.setattr(_forward_launch, "launch", spy)
 
     return watch
 

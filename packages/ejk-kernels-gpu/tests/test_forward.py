@@ -18,18 +18,14 @@ def _ids(rng, batch, length):
     return jnp.asarray(ids, jnp.int32)
 
 
-def _check(got, want, tol, name):
+def _check(close, got, want, dtype, name):
+    """Shapes and dtypes first, then values (``want``: the float32 reference's)."""
     got_out, got_lse = got
     want_out, want_lse = want
-    assert got_out.shape == want_out.shape and got_out.dtype == want_out.dtype, name
+    assert got_out.shape == want_out.shape and got_out.dtype == jnp.dtype(dtype), name
     assert got_lse.shape == want_lse.shape and got_lse.dtype == jnp.float32, name
-    out_err = float(jnp.max(jnp.abs(got_out.astype(jnp.float32) - want_out.astype(jnp.float32))))
-    assert not np.isnan(np.asarray(got_out, np.float32)).any(), name
-    assert out_err <= tol["out"] * 10, (name, out_err)
-    finite = jnp.isfinite(want_lse)
-    assert bool(jnp.all(jnp.isfinite(got_lse) == finite)), name
-    lse_err = float(jnp.max(jnp.where(finite, jnp.abs(got_lse - want_lse), 0.0)))
-    assert lse_err <= tol["lse"] * 10, (name, lse_err)
+    close(got_out, want_out, dtype, "out", name)
+    close(got_lse, want_lse, dtype, "lse", name)
 
 
 CASES = {
@@ -72,19 +68,20 @@ def _resolve(rng, kw, q_len=T, kv_len=S, batch=B, heads=N):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_matches_reference(rng, make_inputs, tol, case, dtype):
+def test_forward_matches_reference(rng, make_inputs, close, case, dtype):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)
     kw = _resolve(rng, CASES[case])
     if "bias" in kw:
         kw["bias"] = kw["bias"].astype(dtype)
     got = flash_attention(q, k, v, config=SMALL, return_lse=True, **kw)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].astype(jnp.float32)
     want = reference_attention(*f32, return_lse=True, **kw)
-    want = (want[0].astype(dtype), want[1])
-    _check(got, want, tol[dtype], case)
+    _check(close, got, want, dtype, case)
 
 
-def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, tol):
+def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, close):
     total_q, total_k = 41, 37
     cu_q = jnp.asarray([0, 9, 9, 30, 38], jnp.int32)  # an empty sequence, 3 padding rows
     cu_k = jnp.asarray([0, 5, 12, 12, 33], jnp.int32)  # a sequence with queries but no keys
@@ -97,7 +94,7 @@ def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, tol):
         want = reference_attention(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True, **kw
         )
-        _check(got, want, tol["float32"], str(kw.keys()))
+        _check(close, got, want, "float32", str(kw.keys()))
 
 
 def test_fully_masked_rows_are_zero_not_nan(rng, make_inputs):
@@ -153,7 +150,7 @@ def test_under_jit_with_traced_offsets_and_seed(rng, make_inputs):
         (dict(softmax_sinks=jnp.zeros(3)), (ValueError, TypeError), "softmax_sinks"),
         (dict(bias=jnp.zeros((3, 1, 5, 7))), (ValueError, TypeError), "bias"),
         (dict(cu_seqlens_k=jnp.asarray([0, 7])), ValueError, "cu_seqlens_q"),
-        (dict(segment_ids=jnp.zeros((1, 5), jnp.int32)), ValueError, "q_len == kv_len"),
+        (dict(segment_ids=jnp.zeros((1, 5), jnp.int32)), ValueError, "self attention"),
         (dict(config=dict(block_q=16)), TypeError, "config"),
     ],
 )
@@ -167,9 +164,9 @@ def test_bad_arguments_are_named(kwargs, exc, match):
 def test_bad_shapes_and_dtypes_are_named():
     q = jnp.zeros((1, 5, 3, 8))
     k = jnp.zeros((1, 7, 2, 8))
-    with pytest.raises(ValueError, match="multiple of kv_heads"):
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
         flash_attention(q, k, k)
-    with pytest.raises(TypeError, match=r"float16, bfloat16 or float32|parameter 'q'"):
+    with pytest.raises(TypeError, match=r"q must have a floating dtype|parameter 'q'"):
         flash_attention(q.astype(jnp.int32), k, k)
     with pytest.raises(ValueError, match="batch 1"):
         flash_attention(

@@ -1,4 +1,4 @@
-"""The launch order of the kernels' programs (`_common.grid_order`), in Triton's interpreter."""
+"""The launch order of the kernels' programs (`_kernel_common.grid_order`), in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ _triton.kernels()  # chooses Triton's backend (here the interpreter) before trit
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from ejk_kernels_gpu._common import GRID_GROUP, grid_order  # noqa: E402
+from ejk_kernels_gpu._kernel_common import GRID_GROUP, grid_order  # noqa: E402
 
 
 @triton.jit

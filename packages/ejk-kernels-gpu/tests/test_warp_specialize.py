@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, _backward_ops, _ops, flash_attention
+from ejk_kernels_gpu import FlashConfig, _backward_launch, _options, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
-from ejk_kernels_gpu._launch_fix import redirect_scratch, threads_required
+from ejk_kernels_gpu._jax_triton_fix import redirect_scratch, threads_required
 from ejk_sequtils import reference_attention
 
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
@@ -105,14 +105,14 @@ def test_warp_specialised_backward_runs_no_atomic_dq():
 def bwd_launches_fixture(monkeypatch):
     """Pretend to be on Hopper and record each backward launch's kernel and WS constexpr."""
     seen = []
-    launch = _backward_ops.launch
+    launch = _backward_launch.launch
 
-    def spy(name, grid, inputs, outs, consts, **kwargs):
-        seen.append((name, consts["WS"]))
-        return launch(name, grid, inputs, outs, consts, **kwargs)
+    def spy(kernel, grid, inputs, outs, consts, **kwargs):
+        seen.append((kernel.__name__, consts["WS"]))
+        return launch(kernel, grid, inputs, outs, consts, **kwargs)
 
-    monkeypatch.setattr(_ops, "hopper_gpu", lambda: True)
-    monkeypatch.setattr(_backward_ops, "launch", spy)
+    monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_backward_launch, "launch", spy)
     return seen
 
 
@@ -180,5 +180,5 @@ def test_scratch_is_read_from_the_last_explicit_argument(scratch_ptx):
 def test_unexpected_ptx_fails_loudly(scratch_ptx):
     with pytest.raises(RuntimeError, match="parameter list"):
         redirect_scratch(".visible .entry fwd_kernel(\n)\n", "fwd_kernel")
-    no_scratch = scratch_ptx("fwd_kernel").replace("[fwd_kernel_param_2]", "[fwd_kernel_param_1]")
+    no_scratch = scratch_ptx("fwd_kernel").replace("[fwd_kernel_param_2]", "[fwd_kernel_param_0]")
     assert redirect_scratch(no_scratch, "fwd_kernel") == no_scratch

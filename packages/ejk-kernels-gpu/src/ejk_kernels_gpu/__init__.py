@@ -4,24 +4,28 @@ On a GPU the kernels run through jax-triton; on a CPU through Triton's
 interpreter (called with a host callback), so the same kernels are tested in CI.
 """
 
+from ._api import attention as attention
+from ._api import flash_attention as flash_attention
+from ._api import unsupported_reason as unsupported_reason
 from ._config import FlashConfig as FlashConfig
 from ._config import bwd_heuristic as bwd_heuristic
 from ._config import bwd_search_space as bwd_search_space
 from ._config import fits_shared_memory as fits_shared_memory
 from ._config import fwd_heuristic as fwd_heuristic
 from ._config import fwd_search_space as fwd_search_space
-from ._kernel import FlashAttentionBackward as FlashAttentionBackward
-from ._kernel import FlashAttentionForward as FlashAttentionForward
-from ._ops import flash_attention as flash_attention
+from ._executor_kernels import FlashAttentionBackward as FlashAttentionBackward
+from ._executor_kernels import FlashAttentionForward as FlashAttentionForward
 
 __all__ = [
     "FlashAttentionBackward",
     "FlashAttentionForward",
     "FlashConfig",
+    "attention",
     "bwd_heuristic",
     "bwd_search_space",
     "fits_shared_memory",
     "flash_attention",
     "fwd_heuristic",
     "fwd_search_space",
+    "unsupported_reason",
 ]

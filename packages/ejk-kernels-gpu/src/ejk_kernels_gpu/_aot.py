@@ -31,7 +31,13 @@ from ._config import (
     fwd_heuristic,
     fwd_search_space,
 )
-from ._launch_fix import SCRATCH_PER_PROGRAM, compile_gluon, source_signature, threads_required
+from ._jax_triton_fix import (
+    SCRATCH_PER_PROGRAM,
+    compile_gluon,
+    source_signature,
+    threads_required,
+)
+from ._options import CallOptions, dq_by_tma, gluon_constexprs, kernel_constexprs
 
 __all__ = ["compile_kernel", "main"]
 
@@ -58,13 +64,10 @@ VARIANTS = {
 
 
 def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str):
-    from ._backward_ops import dq_by_tma
-    from ._ops import _common_constexprs, _Static
-
     feats = dict(VARIANTS[variant])
     bias = feats.pop("bias", False)
     sinks = feats.pop("sinks", False)
-    st = _Static(
+    opts = CallOptions(
         scale=head_dim**-0.5,
         causal=feats.get("causal", False),
         window=feats.get("window"),
@@ -80,10 +83,8 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
     if cfg.gluon:  # the Gluon forward (its own arguments)
-        from ._ops import gluon_constexprs
-
-        return dict(gluon_constexprs(st, q, k, sinks, cfg), INTERPRET=False)
-    consts = _common_constexprs(st, q, k, b, sinks)
+        return dict(gluon_constexprs(opts, q, k, sinks, cfg), INTERPRET=False)
+    consts = kernel_constexprs(opts, q, k, b, sinks)
     # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
     consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
@@ -114,12 +115,18 @@ def compile_kernel(
     import triton
     from triton.backends.compiler import GPUTarget
 
-    module = importlib.import_module("ejk_kernels_gpu._kernels")
+    module = importlib.import_module("ejk_kernels_gpu._jit_kernels")
     if module.INTERPRET:
         raise RuntimeError("compile_kernel needs TRITON_INTERPRET unset (run it in a subprocess)")
     if kernel == "fwd_kernel" and cfg.gluon:
         kernel = "gluon_fwd_kernel"
-    fn = getattr(module, kernel)
+    by_name = {
+        "fwd_kernel": module.fwd_kernel,
+        "gluon_fwd_kernel": module.gluon_fwd_kernel,
+        "dq_kernel": module.dq_kernel,
+        "dkdv_kernel": module.dkdv_kernel,
+    }
+    fn = by_name[kernel]
     consts = _constexprs(kernel, cfg, head_dim, dtype, variant)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     data = _TRITON_DTYPE[dtype]

@@ -52,7 +52,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             every call that can take it, forward and backward (H100, docs/performance.md
             step 7).
         gluon: forward only, Hopper (sm_90) only: run the forward written in Gluon
-            (`_gluon_forward`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
+            (`_gluon_forward_kernel`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
             and two consumer warpgroups; 128x128 tiles, ``num_warps`` 4 per warpgroup,
             ``num_stages`` slots in each of the k and v rings). Taken by calls the
             warp-specialised loop could take, with head_dim 128, 16-bit inputs and a

@@ -3,12 +3,23 @@
 All in jnp on int32 (the offsets of packed sequences are traced values). A row's
 range ``[lo, hi)`` holds every key it may see under causal, window and packed
 bounds; segment ids are not ranges, so with them no block counts as fully visible.
+`kernel_tables` gathers every integer side input of a call's kernels (`Tables`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 from jax import Array
+
+from ejk_sequtils import AttentionRequest, dropout_seed_u32
+
+from ._options import CallOptions
+
+__all__ = ["Packing", "Tables", "block_table", "dummy", "kernel_tables", "ranges"]
 
 _BIG = 2**30
 
@@ -137,3 +148,67 @@ def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool)
     full_lo = jnp.where(has_full, full_lo, end_up)
     full_hi = jnp.where(has_full, full_hi, end_up)
     return jnp.stack([start, full_lo, full_hi, end], axis=1).astype(jnp.int32)
+
+
+def dummy(dtype: object = jnp.int32) -> Array:
+    """A one-element stand-in for a pointer argument the launch does not use."""
+    return jnp.zeros((1,), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """Integer side inputs of the kernels (not differentiated)."""
+
+    q_sid: Any  # jax arrays; float0 zeros when JAX builds their tangents
+    k_sid: Any
+    q_pos: Any
+    k_pos: Any
+    q_seg: Any
+    k_seg: Any
+    fwd_ranges: Any
+    dq_ranges: Any
+    dkdv_ranges: Any
+    seed: Any
+
+    def masking(self) -> tuple[Any, ...]:
+        """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
+        return (self.q_sid, self.k_sid, self.q_pos, self.k_pos, self.q_seg, self.k_seg)
+
+
+jax.tree_util.register_dataclass(
+    Tables,
+    data_fields=[f.name for f in dataclasses.fields(Tables)],
+    meta_fields=[],
+)
+
+
+def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
+    """The `Tables` of a validated request run with ``opts``."""
+    _, q_len, kv_len, *_ = request.shape
+    packing = None
+    if request.cu_seqlens_q is not None:
+        cu_q = jnp.asarray(request.cu_seqlens_q, jnp.int32)
+        cu_k = jnp.asarray(request.cu_seqlens_k, jnp.int32)
+        packing = Packing(cu_q, cu_k, q_len, kv_len)
+    rlo, rhi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=True)
+    clo, chi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=False)
+    exact = not opts.has_seg
+    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
+    fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k, exact)
+    dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k, exact)
+    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
+    dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k, exact)
+    if packing is None:
+        q_sid = k_sid = q_pos = k_pos = dummy()
+    else:
+        q_sid, k_sid = packing.q_sid, packing.k_sid
+        q_pos, k_pos = packing.q_pos.astype(jnp.int32), packing.k_pos.astype(jnp.int32)
+    if request.segment_ids is None:
+        q_seg = k_seg = dummy()
+    else:
+        q_seg, k_seg = (jnp.asarray(x, jnp.int32) for x in request.segment_ids)
+    if request.dropout_seed is None:
+        seed = dummy(jnp.uint32)
+    else:
+        seed = dropout_seed_u32(request.dropout_seed).reshape(1)
+    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _jax_triton_fix
+
 __all__ = ["gpu_available", "hopper_gpu", "kernels", "launch"]
 
 
@@ -49,7 +51,7 @@ def kernels() -> ModuleType:
                 "in the environment, or call ejk_kernels_gpu before importing triton"
             )
         os.environ["TRITON_INTERPRET"] = "1"
-    return importlib.import_module("ejk_kernels_gpu._kernels")
+    return importlib.import_module("ejk_kernels_gpu._jit_kernels")
 
 
 def interpreting() -> bool:
@@ -137,7 +139,7 @@ def _interpret_call(
 
 
 def launch(
-    kernel_name: str,
+    kernel: Any,
     grid: tuple[int, ...],
     inputs: Sequence[jax.Array],
     out_shapes: Sequence[jax.ShapeDtypeStruct],
@@ -147,10 +149,10 @@ def launch(
     num_stages: int,
     zeroed: Sequence[bool] | None = None,
 ) -> tuple[jax.Array, ...]:
-    """Run ``kernels().<kernel_name>`` on ``inputs``; its outputs follow the inputs.
+    """Run ``kernel`` on ``inputs``; its outputs follow the inputs.
 
     Args:
-        kernel_name: attribute of the kernels module.
+        kernel: a kernel of the `kernels` module (a ``triton.jit`` or ``gluon.jit`` function).
         grid: the launch grid.
         inputs: arrays passed as pointers, in the kernel's order.
         out_shapes: shapes and dtypes of the outputs, passed as pointers after the inputs.
@@ -163,7 +165,6 @@ def launch(
         The outputs as jax arrays.
     """
     module = kernels()
-    kernel = getattr(module, kernel_name)
     zeroed = tuple(zeroed) if zeroed is not None else (False,) * len(out_shapes)
     constexprs = dict(constexprs, INTERPRET=module.INTERPRET)
     if module.INTERPRET:
@@ -179,9 +180,7 @@ def launch(
         raise NotImplementedError(
             f"ejk_kernels_gpu on a GPU needs jax-triton (pip install 'ejk-kernels-gpu[gpu]'): {err}"
         ) from None
-    from ._launch_fix import install
-
-    install()  # global scratch and warp counts for Hopper kernels
+    _jax_triton_fix.install()  # global scratch and warp counts for Hopper kernels
     outs = jax_triton.triton_call(
         *inputs,
         kernel=kernel,

@@ -3,20 +3,24 @@
 Imported only through `ejk_kernels_gpu._triton.kernels`, after the Triton
 backend (GPU or interpreter) has been chosen.
 
-Two tuples travel through every helper so that signatures stay short:
-``P``, the runtime pointers of the masking tables ``(qsid, ksid, qpos, kpos,
-qseg, kseg)``, and ``F``, the constexpr features
-``(T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)`` (tuple
-items keep their constexpr-ness when indexed, not when star-unpacked).
+Two named tuples travel through every helper so that signatures stay short and
+every option is read by name: `Options` (``F``), the compile-time options of a call
+(``F.CAUSAL``, ``F.SCALE``, ...), which each kernel builds from its constexpr
+arguments and passes on as a constexpr; and `MaskTables` (``P``), the runtime
+pointers of the masking tables. Triton (3.6, compiled and interpreted) keeps a
+NamedTuple's fields and their constexpr-ness through calls and attribute access.
 
 Softmax runs in base 2 (``exp2`` is the hardware instruction; FlashAttention-2
 and the Triton tutorial do the same): `logits` returns a tile ``x`` whose logits
-in log2 units are ``x * LOG2_FACTOR``. In the plain case (no bias, no soft cap,
-positive scale) ``x`` is the raw ``q·kᵀ`` and the factor is ``scale·log2(e)``, so
-scaling and max-subtraction fuse into one FMA; otherwise ``x`` is the natural
-logit and the factor ``log2(e)``.
+in log2 units are ``x * LOG2_FACTOR``. In the plain case (no bias, no soft cap)
+``x`` is the raw ``q·kᵀ`` and the factor is ``scale·log2(e)``, so scaling and
+max-subtraction fuse into one FMA; otherwise ``x`` is the natural
+logit, the running max and the lse stay in natural units, and the max is
+subtracted before the multiplication by ``log2(e)``: a finite bias as low as
+-FLT_MAX stays finite (``-FLT_MAX·log2(e)`` would overflow to -inf and hide the key).
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -28,6 +32,43 @@ _MUR2 = tl.constexpr(0xC2B2AE35)
 # Rows of the grid scheduled together by `grid_order`: four (batch, head) rows of 32
 # 128-row blocks (4k tokens) fill an H100's 132 SMs about once.
 GRID_GROUP = tl.constexpr(4)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+class Options(NamedTuple):
+    """The compile-time options of one kernel launch (each kernel builds it from its
+    constexpr arguments; the forward and dq kernels set the dk/dv-only fields False)."""
+
+    T: int  # query rows
+    S: int  # key rows
+    H: int  # head dim
+    BLOCK_D: int  # head dim padded to a power of two
+    SCALE: float  # softmax scale
+    SOFT_CAP: float  # 0.0: none
+    HAS_BIAS: bool
+    VARLEN: bool  # packed sequences (cu_seqlens)
+    HAS_SEG: bool  # segment ids
+    CAUSAL: bool
+    WINDOW_LEFT: int  # -1: no window
+    WINDOW_RIGHT: int
+    DROPOUT_THRESHOLD: int  # 0: no dropout
+    DROPOUT_SCALE: float
+    LOG2_FACTOR: float  # see the module docstring
+    BIAS_SN: int  # the bias's head stride (0: broadcast over heads)
+    DQ_ATOMIC: bool  # dk/dv kernel: add dq into a float32 buffer
+    DQ_TMA: bool  # ... by TMA reduces
+    LSE_FACTOR: float  # the backward's lse units: log2 (LOG2E, plain case) or natural (1.0)
+
+
+class MaskTables(NamedTuple):
+    """Runtime pointers of the masking tables: packed sequence ids and positions, segment ids."""
+
+    qsid: object
+    ksid: object
+    qpos: object
+    kpos: object
+    qseg: object
+    kseg: object
 
 
 @triton.jit
@@ -95,35 +136,28 @@ def store_tile(base, rows, offs_d, value, ROW_STRIDE: tl.constexpr, N_ROWS: tl.c
 @triton.jit
 def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
     """bool [BLOCK_M, BLOCK_N] ([BLOCK_N, BLOCK_M] if TRANS): which keys each query sees."""
-    T: tl.constexpr = F[0]
-    S: tl.constexpr = F[1]
-    VARLEN: tl.constexpr = F[7]
-    HAS_SEG: tl.constexpr = F[8]
-    CAUSAL: tl.constexpr = F[9]
-    WINDOW_LEFT: tl.constexpr = F[10]
-    WINDOW_RIGHT: tl.constexpr = F[11]
-    m_ok = offs_m < T
-    n_ok = offs_n < S
+    m_ok = offs_m < F.T
+    n_ok = offs_n < F.S
     visible = along_q(m_ok, TRANS) & along_k(n_ok, TRANS)
-    if VARLEN:
+    if F.VARLEN:
         # Packed input: sequence ids (padding rows/columns get ids that never match)
         # and positions local to their sequence.
-        qsid = tl.load(P[0] + offs_m, mask=m_ok, other=-1)
-        ksid = tl.load(P[1] + offs_n, mask=n_ok, other=-2)
+        qsid = tl.load(P.qsid + offs_m, mask=m_ok, other=-1)
+        ksid = tl.load(P.ksid + offs_n, mask=n_ok, other=-2)
         visible = visible & (along_q(qsid, TRANS) == along_k(ksid, TRANS))
-        pos_q = along_q(tl.load(P[2] + offs_m, mask=m_ok, other=0), TRANS)
-        pos_k = along_k(tl.load(P[3] + offs_n, mask=n_ok, other=0), TRANS)
+        pos_q = along_q(tl.load(P.qpos + offs_m, mask=m_ok, other=0), TRANS)
+        pos_k = along_k(tl.load(P.kpos + offs_n, mask=n_ok, other=0), TRANS)
     else:
         pos_q = along_q(offs_m, TRANS)
         pos_k = along_k(offs_n, TRANS)
-    if CAUSAL:
+    if F.CAUSAL:
         visible = visible & (pos_k <= pos_q)
-    if WINDOW_LEFT >= 0:
-        visible = visible & (pos_k >= pos_q - WINDOW_LEFT) & (pos_k <= pos_q + WINDOW_RIGHT)
-    if HAS_SEG:
+    if F.WINDOW_LEFT >= 0:
+        visible = visible & (pos_k >= pos_q - F.WINDOW_LEFT) & (pos_k <= pos_q + F.WINDOW_RIGHT)
+    if F.HAS_SEG:
         # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
-        qs = along_q(tl.load(P[4] + b * T + offs_m, mask=m_ok, other=-1), TRANS)
-        ks = along_k(tl.load(P[5] + b * S + offs_n, mask=n_ok, other=-1), TRANS)
+        qs = along_q(tl.load(P.qseg + b * F.T + offs_m, mask=m_ok, other=-1), TRANS)
+        ks = along_k(tl.load(P.kseg + b * F.S + offs_n, mask=n_ok, other=-1), TRANS)
         visible = visible & (qs == ks) & (qs >= 0)
     return visible
 
@@ -195,25 +229,19 @@ def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.co
     ``(a, c)`` is ``(q, k)`` for a [BLOCK_M, BLOCK_N] tile, or ``(k, q)`` with TRANS for
     its transpose, which the dk/dv kernel uses so that no register tile needs transposing.
     """
-    T: tl.constexpr = F[0]
-    S: tl.constexpr = F[1]
-    SCALE: tl.constexpr = F[4]
-    SOFT_CAP: tl.constexpr = F[5]
-    HAS_BIAS: tl.constexpr = F[6]
-    LOG2_FACTOR: tl.constexpr = F[14]
     s = tl.dot(a, tl.trans(c))
-    if LOG2_FACTOR == 1.4426950408889634:  # not the plain case: natural logits
-        s = s * SCALE
-    if HAS_BIAS:
+    if F.LOG2_FACTOR == LOG2E:  # natural logits (see the module docstring)
+        s = s * F.SCALE
+    if F.HAS_BIAS:
         # Masked on both axes even in fully visible blocks: the resident side of a
         # program (rows in fwd/dq, columns in dk/dv) may run past the end.
         qi = along_q(offs_m, TRANS)
         kj = along_k(offs_n, TRANS)
-        b_off = qi * S + kj
-        bmask = (qi < T) & (kj < S)
+        b_off = qi * F.S + kj
+        bmask = (qi < F.T) & (kj < F.S)
         s += tl.load(bias_base + b_off, mask=bmask, other=0.0).to(tl.float32)
-    if SOFT_CAP > 0.0:
-        s = SOFT_CAP * tanh(s / SOFT_CAP)
+    if F.SOFT_CAP > 0.0:
+        s = F.SOFT_CAP * tanh(s / F.SOFT_CAP)
     if MASKED:
         s = tl.where(visibility(offs_m, offs_n, b, P, F, TRANS), s, float("-inf"))
     return s
@@ -222,11 +250,9 @@ def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.co
 @triton.jit
 def dropout_weights(p, seed, b, n, offs_m, offs_n, F: tl.constexpr):
     """``p`` with dropped entries zeroed and kept ones scaled by ``1 / (1 - rate)``."""
-    DROPOUT_THRESHOLD: tl.constexpr = F[12]
-    DROPOUT_SCALE: tl.constexpr = F[13]
-    if DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD, False)
-        p = tl.where(keep, p * DROPOUT_SCALE, 0.0)
+    if F.DROPOUT_THRESHOLD > 0:
+        keep = dropout_keep(seed, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, False)
+        p = tl.where(keep, p * F.DROPOUT_SCALE, 0.0)
     return p
 
 
@@ -236,8 +262,8 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
                 BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """Recompute one tile's probabilities and the gradient of the pre-cap logits.
 
-    FlashAttention-2, Alg. 2: ``P = exp(s - lse)`` (in base 2: ``lse`` comes in log2
-    units), ``dP = dO·vᵀ`` (times the dropout scale where kept), ``dS = P ∘ (dP - delta)``
+    FlashAttention-2, Alg. 2: ``P = exp(s - lse)`` (in base 2; ``lse`` comes in log2
+    units in the plain case, in natural units with natural logits: ``F.LSE_FACTOR``), ``dP = dO·vᵀ`` (times the dropout scale where kept), ``dS = P ∘ (dP - delta)``
     with ``delta = rowsum(dO ∘ O)``; through the soft cap ``1 - (s/cap)²``.
     With TRANS every tile is transposed ([BLOCK_N, BLOCK_M]: ``Pᵀ = exp(k·qᵀ ...)``,
     ``dPᵀ = v·dOᵀ``), as the dk/dv kernel consumes them (FlashAttention-2's dK, dV loop).
@@ -246,10 +272,6 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
     Returns:
         (P after dropout, dX), float32 tiles.
     """
-    SOFT_CAP: tl.constexpr = F[5]
-    DROPOUT_THRESHOLD: tl.constexpr = F[12]
-    DROPOUT_SCALE: tl.constexpr = F[13]
-    LOG2_FACTOR: tl.constexpr = F[14]
     if TRANS:
         s = logits(k, q, bias_base, offs_m, offs_n, b, P, F, MASKED, TRANS)
         dp = tl.dot(v, tl.trans(do))
@@ -258,23 +280,27 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
         dp = tl.dot(do, tl.trans(v))
     if BLOCK_CAUSAL:
         s = block_causal(s, diag, TRANS)
-    p = tl.math.exp2(s * LOG2_FACTOR - along_q(lse, TRANS))
-    if DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, DROPOUT_THRESHOLD, TRANS)
-        p_drop = tl.where(keep, p * DROPOUT_SCALE, 0.0)
-        dp = tl.where(keep, dp * DROPOUT_SCALE, 0.0)
+    if F.LOG2_FACTOR == LOG2E:  # natural logits and lse: subtract before scaling
+        p = tl.math.exp2((s - along_q(lse, TRANS)) * LOG2E)
+    else:
+        p = tl.math.exp2(s * F.LOG2_FACTOR - along_q(lse, TRANS))
+    if F.DROPOUT_THRESHOLD > 0:
+        keep = dropout_keep(seed, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, TRANS)
+        p_drop = tl.where(keep, p * F.DROPOUT_SCALE, 0.0)
+        dp = tl.where(keep, dp * F.DROPOUT_SCALE, 0.0)
     else:
         p_drop = p
     ds = p * (dp - along_q(delta, TRANS))
-    if SOFT_CAP > 0.0:
-        t = tl.where(s == float("-inf"), 0.0, s / SOFT_CAP)
+    if F.SOFT_CAP > 0.0:
+        t = tl.where(s == float("-inf"), 0.0, s / F.SOFT_CAP)
         ds = ds * (1.0 - t * t)
     return p_drop, ds
 
 
 @triton.jit
 def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr, FACTOR: tl.constexpr):
-    """Per-row float32 statistics times ``FACTOR`` (lse in log2 units, delta with 1.0).
+    """Per-row float32 statistics times ``FACTOR`` (the lse with ``F.LSE_FACTOR``, delta
+    with 1.0).
 
     A -inf lse (a row with no visible key) becomes 0, so ``exp2(-inf - 0)`` gives 0.
     """

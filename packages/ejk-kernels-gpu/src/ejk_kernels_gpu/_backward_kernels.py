@@ -8,12 +8,20 @@ summed over the group in registers; it also writes the logits gradient for
 each tile's ``dS·K`` into a float32 buffer (FlashAttention-2's single backward
 loop), and the dq kernel is not launched. Both skip blocks through the same range
 tables as the forward (rows for dq, columns for dk/dv).
+
+The loops carry the call's `Options` ``F`` and masking tables ``P`` (see `_kernel_common`)
+and the program's context (`_DqContext`, `_DkDvContext`).
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-from ._common import (
+from ._kernel_common import (
+    LOG2E,
+    MaskTables,
+    Options,
     grad_logits,
     grid_order,
     line,
@@ -26,15 +34,50 @@ from ._common import (
 )
 
 
+class _DqContext(NamedTuple):
+    """What every key block of one dq program reads besides its k and v tiles."""
+
+    q: object  # the resident query and output-gradient tiles, their lse and delta rows
+    do: object
+    lse: object
+    delta: object
+    k_base: object  # this (batch, kv head)'s k and v slabs
+    v_base: object
+    bias_base: object
+    seed: object
+    b: object
+    n: object
+    offs_m: object
+    offs_d: object
+
+
+class _DkDvContext(NamedTuple):
+    """What every query block of one dk/dv program reads besides its q, dO, lse, delta."""
+
+    k: object  # the resident key and value tiles
+    v: object
+    q_base: object  # the GQA group's first query head: q, dO slabs, lse and delta rows
+    do_base: object
+    lse_base: object
+    delta_base: object
+    bias_base: object
+    dbias_base: object
+    dq_acc: object  # float32 dq buffer (pointer) or its TMA descriptor (DQ_TMA)
+    seed: object
+    b: object
+    n0: object  # the group's first query head
+    offs_n: object
+    offs_d: object
+
+
 @triton.jit
 def _dq_step(dq, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
              MASKED: tl.constexpr, diag, BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """dq += dS·K for one key block, given its k and v tiles (BLOCK_CAUSAL: `block_causal`)."""
-    q, do, lse, delta, _, _, bias_base, seed, b, n, offs_m, _ = ctx
     offs_n = start_n + tl.arange(0, BLOCK_N)
     _, ds = grad_logits(
-        q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P, F, MASKED, False,
-        diag, BLOCK_CAUSAL,
+        ctx.q, k, v, ctx.do, ctx.lse, ctx.delta, ctx.bias_base, ctx.seed, ctx.b, ctx.n,
+        ctx.offs_m, offs_n, P, F, MASKED, False, diag, BLOCK_CAUSAL,
     )  # fmt: skip
     return tl.dot(ds.to(k.dtype), k, dq)
 
@@ -42,13 +85,9 @@ def _dq_step(dq, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def _dq_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
               KV_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    _, _, _, _, k_base, v_base, _, _, _, _, _, offs_d = ctx
-    S: tl.constexpr = F[1]
-    H: tl.constexpr = F[2]
-    BLOCK_D: tl.constexpr = F[3]
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
-    v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
+    k = load_tile(ctx.k_base, offs_n, ctx.offs_d, KV_STRIDE, F.S, F.H, F.BLOCK_D, MASKED)
+    v = load_tile(ctx.v_base, offs_n, ctx.offs_d, KV_STRIDE, F.S, F.H, F.BLOCK_D, MASKED)
     return _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, MASKED, 0, False)
 
 
@@ -59,8 +98,7 @@ def _dq_ws_block(dq, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr, K_
     `_fwd_ws_block`."""
     k = K_DESC.load([start_n, 0])
     v = V_DESC.load([start_n, 0])
-    CAUSAL: tl.constexpr = F[9]
-    return _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, CAUSAL)
+    return _dq_step(dq, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0, F.CAUSAL)
 
 
 @triton.jit
@@ -81,7 +119,7 @@ def _dq_ws_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _dq_loop(dq, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
              KV_STRIDE: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    if INTERPRET:  # see _forward._fwd_loop
+    if INTERPRET:  # see _forward_kernel._fwd_loop
         start_n = start
         while start_n < end:
             dq = _dq_block(dq, start_n, ctx, P, F, BLOCK_N, KV_STRIDE, MASKED)
@@ -108,10 +146,15 @@ def dq_kernel(
     """dq of one query block. With ``WS`` (Hopper; fully visible or causal-only calls, see
     `FlashConfig.warp_specialize`) every tile moves through TMA in one warp-specialised
     loop; lse and delta then come as ``[B, N, LSE_T]`` rows padded with zeros, and
-    `scratch_ptr` stands for the descriptors' global scratch (see _launch_fix)."""
-    F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
-    P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
+    `scratch_ptr` stands for the descriptors' global scratch (see _jax_triton_fix)."""
+    F: tl.constexpr = Options(
+        T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
+        VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT, DROPOUT_THRESHOLD=DROPOUT_THRESHOLD,
+        DROPOUT_SCALE=DROPOUT_SCALE, LOG2_FACTOR=LOG2_FACTOR, BIAS_SN=BIAS_SN, DQ_ATOMIC=False,
+        DQ_TMA=False, LSE_FACTOR=1.0 if LOG2_FACTOR == LOG2E else LOG2E,
+    )  # fmt: skip
+    P = MaskTables(qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
     pid_m, pid_bn = grid_order(True)
@@ -128,18 +171,18 @@ def dq_kernel(
         q = slab(q_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
         do = slab(do_ptr + q_off, T, H, N * H, BLOCK_M, H).load([row0, 0])
         rows = pid_bn.to(tl.int64) * LSE_T
-        lse = row_stats(line(lse_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.4426950408889634)
+        lse = row_stats(line(lse_ptr + rows, LSE_T, BLOCK_M).load([row0]), F.LSE_FACTOR)
         delta = row_stats(line(delta_ptr + rows, LSE_T, BLOCK_M).load([row0]), 1.0)
     else:
         q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
         do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-        lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, 1.4426950408889634)
+        lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, F.LSE_FACTOR)
         delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
     seed = tl.load(seed_ptr)
-    ctx = (q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
+    ctx = _DqContext(q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
@@ -162,17 +205,14 @@ def dq_kernel(
 def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: tl.constexpr,
                 Q_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Step ``it`` of a range: query head ``it // n_blocks`` of the group, its query block ``it % n_blocks``."""
-    _, _, q_ptr, do_ptr, lse_ptr, delta_ptr, _, _, _, _, _, _, _, offs_d = ctx
-    T: tl.constexpr = F[0]
-    H: tl.constexpr = F[2]
-    BLOCK_D: tl.constexpr = F[3]
     g = it // n_blocks
     row0 = start + (it - g * n_blocks) * BLOCK_M
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    q = load_tile(q_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    do = load_tile(do_ptr + g * H, offs_m, offs_d, Q_STRIDE, T, H, BLOCK_D, MASKED)
-    lse = load_rows(lse_ptr + g * T, offs_m, T, MASKED, 1.4426950408889634)
-    delta = load_rows(delta_ptr + g * T, offs_m, T, MASKED, 1.0)
+    offs_d = ctx.offs_d
+    q = load_tile(ctx.q_base + g * F.H, offs_m, offs_d, Q_STRIDE, F.T, F.H, F.BLOCK_D, MASKED)
+    do = load_tile(ctx.do_base + g * F.H, offs_m, offs_d, Q_STRIDE, F.T, F.H, F.BLOCK_D, MASKED)
+    lse = load_rows(ctx.lse_base + g * F.T, offs_m, F.T, MASKED, F.LSE_FACTOR)
+    delta = load_rows(ctx.delta_base + g * F.T, offs_m, F.T, MASKED, 1.0)
     return _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED,
                       0, False)  # fmt: skip
 
@@ -182,16 +222,14 @@ def _dkdv_ws_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M
                    Q_DESC, DO_DESC, LSE_DESC, DELTA_DESC, key0, LSE_T: tl.constexpr):  # fmt: skip
     """`_dkdv_block` through TMA: q and dO tiles of the group's ``[T, G·H]`` slabs, lse and
     delta of its ``G`` padded rows of ``LSE_T``; causal calls masked by `block_causal`."""
-    H: tl.constexpr = F[2]
-    CAUSAL: tl.constexpr = F[9]
     g = it // n_blocks
     row0 = start + (it - g * n_blocks) * BLOCK_M
-    q = Q_DESC.load([row0, g * H])
-    do = DO_DESC.load([row0, g * H])
-    lse = row_stats(LSE_DESC.load([g * LSE_T + row0]), 1.4426950408889634)
+    q = Q_DESC.load([row0, g * F.H])
+    do = DO_DESC.load([row0, g * F.H])
+    lse = row_stats(LSE_DESC.load([g * LSE_T + row0]), F.LSE_FACTOR)
     delta = row_stats(DELTA_DESC.load([g * LSE_T + row0]), 1.0)
     return _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F, BLOCK_M, 0, False,
-                      row0 - key0, CAUSAL)  # fmt: skip
+                      row0 - key0, F.CAUSAL)  # fmt: skip
 
 
 @triton.jit
@@ -200,40 +238,35 @@ def _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F: tl.constexpr, BLOC
                BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """dk, dv (and dq, the logits gradient) updates of query head ``g`` of the group, rows
     from ``row0``, given their tiles."""
-    (k, v, _, _, _, _, bias_ptr, dbias_ptr, dq_acc, seed, b, n0, offs_n, offs_d) = ctx  # fmt: skip
-    T: tl.constexpr = F[0]
-    S: tl.constexpr = F[1]
-    H: tl.constexpr = F[2]
-    BLOCK_D: tl.constexpr = F[3]
-    HAS_BIAS: tl.constexpr = F[6]
-    BIAS_SN: tl.constexpr = F[15]
-    DQ_ATOMIC: tl.constexpr = F[16]
-    DQ_TMA: tl.constexpr = F[17]
-    n = n0 + g
+    k = ctx.k
+    offs_n = ctx.offs_n
+    n = ctx.n0 + g
     offs_m = row0 + tl.arange(0, BLOCK_M)
     # Transposed tiles [BLOCK_N, BLOCK_M]: dV += Pᵀ·dO and dK += dSᵀ·q need no register transpose.
     pt, dst = grad_logits(
-        q, k, v, do, lse, delta, bias_ptr + g * BIAS_SN, seed, b, n, offs_m, offs_n, P, F,
-        MASKED, True, diag, BLOCK_CAUSAL,
+        q, k, ctx.v, do, lse, delta, ctx.bias_base + g * F.BIAS_SN, ctx.seed, ctx.b, n, offs_m,
+        offs_n, P, F, MASKED, True, diag, BLOCK_CAUSAL,
     )  # fmt: skip
-    if HAS_BIAS:
+    if F.HAS_BIAS:
         # The bias gradient is the logits gradient; every (row, column) is visited once.
-        off = g * (T * S) + offs_m[None, :] * S + offs_n[:, None]
-        tl.store(dbias_ptr + off, dst, mask=(offs_m[None, :] < T) & (offs_n[:, None] < S))
+        off = g * (F.T * F.S) + offs_m[None, :] * F.S + offs_n[:, None]
+        ok = (offs_m[None, :] < F.T) & (offs_n[:, None] < F.S)
+        tl.store(ctx.dbias_base + off, dst, mask=ok)
     dv = tl.dot(pt.to(do.dtype), do, dv)
     ds = dst.to(q.dtype)
     dk = tl.dot(ds, q, dk)
-    if DQ_ATOMIC:
+    if F.DQ_ATOMIC:
         # dQ_i += dS_ij·K_j (FlashAttention-2, Alg. 2, line 21); other key blocks add theirs.
         dq = tl.dot(tl.trans(ds), k)
-        if DQ_TMA:
+        if F.DQ_TMA:
             # One asynchronous bulk reduce of the tile (rows past T are clipped), as
             # FlashAttention-3 accumulates dQ; `dq_acc` is the batch's [T, N·H] descriptor.
-            dq_acc.atomic_add([row0, n * H], dq)
+            ctx.dq_acc.atomic_add([row0, n * F.H], dq)
         else:
-            ptrs = dq_acc + g * H + offs_m[:, None] * Q_STRIDE + offs_d[None, :]
-            if MASKED or BLOCK_D != H:
-                ok = (offs_m[:, None] < T) & (offs_d[None, :] < H)
+            offs_d = ctx.offs_d
+            ptrs = ctx.dq_acc + g * F.H + offs_m[:, None] * Q_STRIDE + offs_d[None, :]
+            if MASKED or F.BLOCK_D != F.H:
+                ok = (offs_m[:, None] < F.T) & (offs_d[None, :] < F.H)
                 tl.atomic_add(ptrs, dq, mask=ok, sem="relaxed")
             else:
                 tl.atomic_add(ptrs, dq, sem="relaxed")
@@ -249,7 +282,7 @@ def _dkdv_loop(dk, dv, start, end, ctx, P, F: tl.constexpr, G: tl.constexpr, BLO
     software pipeline instead of G loops that each fill and drain their own.
     """
     n_blocks = (end - start + BLOCK_M - 1) // BLOCK_M
-    if INTERPRET:  # see _forward._fwd_loop
+    if INTERPRET:  # see _forward_kernel._fwd_loop
         it = 0
         while it < G * n_blocks:
             dk, dv = _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED)
@@ -296,13 +329,17 @@ def dkdv_kernel(
     """dk, dv (and the logits gradient with a bias); with ``DQ_ATOMIC`` also the unscaled
     dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller), by
     TMA reduces with ``DQ_TMA`` (Hopper, ``BLOCK_D == H``; the descriptor lives in the
-    global scratch that `scratch_ptr` stands for, see _launch_fix) or else by atomic adds.
+    global scratch that `scratch_ptr` stands for, see _jax_triton_fix) or else by atomic adds.
     With ``WS`` (no dq here) every tile moves through TMA in one warp-specialised loop, as
     in `dq_kernel`: lse and delta as ``[B, N, LSE_T]`` rows padded with zeros."""
-    F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR,
-                       BIAS_SN, DQ_ATOMIC, DQ_TMA)  # fmt: skip
-    P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
+    F: tl.constexpr = Options(
+        T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
+        VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT, DROPOUT_THRESHOLD=DROPOUT_THRESHOLD,
+        DROPOUT_SCALE=DROPOUT_SCALE, LOG2_FACTOR=LOG2_FACTOR, BIAS_SN=BIAS_SN, DQ_ATOMIC=DQ_ATOMIC,
+        DQ_TMA=DQ_TMA, LSE_FACTOR=1.0 if LOG2_FACTOR == LOG2E else LOG2E,
+    )  # fmt: skip
+    P = MaskTables(qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     # Heaviest key blocks first (causal: the first ones).
     pid_n, pid_bk = grid_order(False)
@@ -332,7 +369,7 @@ def dkdv_kernel(
         dq_acc = slab(dq_acc_ptr + b64 * (T * N * H), T, N * H, N * H, BLOCK_M, BLOCK_D)
     else:
         dq_acc = dq_acc_ptr + q_off
-    ctx = (
+    ctx = _DkDvContext(
         k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
         dq_acc, seed, b, n0, offs_n, offs_d,

@@ -6,40 +6,33 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, head_block
-from ._launch_fix import scratch_bytes
-from ._triton import hopper_gpu, launch
+from ._jax_triton_fix import scratch_bytes
+from ._masks import Tables, dummy
+from ._options import CallOptions, dq_by_tma, kernel_constexprs, runnable_config
+from ._triton import hopper_gpu, kernels, launch
 
-__all__ = ["backward", "dq_by_tma"]
-
-
-def dq_by_tma(cfg: FlashConfig, head_dim: int, hopper: bool) -> bool:
-    """Whether the dk/dv kernel adds its dq tiles as TMA reduces (``DQ_TMA``).
-
-    Atomic dq on Hopper, with whole-tile rows: a power-of-two head_dim, so a tile of the
-    ``[T, N·H]`` descriptor never reaches into the next head's columns.
-    """
-    return cfg.atomic_dq and hopper and head_block(head_dim) == head_dim
+__all__ = ["backward"]
 
 
-def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple[Array, ...]:
+def backward(
+    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, out, lse, d_out, d_lse=None
+) -> tuple[Array | None, ...]:
     """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input).
 
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
-    from ._ops import _common_constexprs, _dummy, runnable_config
-
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    cfg, ws = runnable_config(st, st.bwd_cfg, bias, q, kv_len, st.bwd_cfg.block_q, ("dq", "dkdv"))
+    bwd = opts.bwd_cfg
+    cfg, ws = runnable_config(opts, bwd, bias, q, kv_len, bwd.block_q, ("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
     # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
     if d_lse is not None:
         # Rows without mass (lse = -inf) have P = 0 everywhere: their d_lse cannot matter.
         delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
-    consts = _common_constexprs(st, q, k, bias, sinks is not None)
+    consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
     del consts["HAS_SINKS"]
     # The warp-specialised build reads lse and delta through TMA as rows of a length that
     # keeps every row 16-byte aligned, zero-padded (see dq_kernel).
@@ -51,22 +44,22 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
     # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
     dq_consts = dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
     dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
-    bias_in = _dummy(q.dtype) if bias is None else bias
-    tables = (tb.q_sid, tb.k_sid, tb.q_pos, tb.k_pos, tb.q_seg, tb.k_seg)
+    bias_in = dummy(q.dtype) if bias is None else bias
+    masking = tables.masking()
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
     scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
     dk, dv, dlogits, dq_sum, _ = launch(
-        "dkdv_kernel",
+        kernels().dkdv_kernel,
         grid,
-        (q, k, v, bias_in, d_out, *rows, *tables, tb.dkdv_ranges, tb.seed),
+        (q, k, v, bias_in, d_out, *rows, *masking, tables.dkdv_ranges, tables.seed),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
-            scratch,  # global scratch for TMA descriptors (see _launch_fix); unused otherwise
+            scratch,  # global scratch for TMA descriptors (see _jax_triton_fix); unused otherwise
         ),
         dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
         num_warps=cfg.num_warps,
@@ -76,13 +69,13 @@ def backward(st, q, k, v, bias, sinks, tb, out, lse, d_out, d_lse=None) -> tuple
         zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
     )
     if cfg.atomic_dq:
-        dq = (dq_sum * st.scale).astype(q.dtype)
+        dq = (dq_sum * opts.scale).astype(q.dtype)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)
         dq, _ = launch(
-            "dq_kernel",
+            kernels().dq_kernel,
             dq_grid,
-            (q, k, v, bias_in, d_out, *rows, *tables, tb.dq_ranges, tb.seed),
+            (q, k, v, bias_in, d_out, *rows, *masking, tables.dq_ranges, tables.seed),
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),

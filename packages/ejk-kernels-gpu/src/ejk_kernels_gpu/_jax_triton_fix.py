@@ -19,13 +19,16 @@
 only kernels named in `SCRATCH_KERNELS` (fix 1) and kernels whose PTX asks for a
 thread count other than the one jax-triton would launch (fix 2), which would not
 run correctly otherwise. Both fixes check the PTX they rewrite and raise if it is
-not shaped as expected, so a future jax-triton or Triton fails loudly, not wrongly.
+not shaped as expected, and `install` refuses (RuntimeError) any Triton or jax-triton
+version but the ones it was written for (`SUPPORTED_VERSIONS`), so a newer one fails
+loudly, not wrongly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import os
 import re
@@ -35,6 +38,8 @@ from typing import Any
 __all__ = [
     "SCRATCH_KERNELS",
     "SCRATCH_PER_PROGRAM",
+    "SUPPORTED_VERSIONS",
+    "check_versions",
     "compile_gluon",
     "install",
     "scratch_bytes",
@@ -47,6 +52,27 @@ SCRATCH_PER_PROGRAM = 2048
 # Kernels whose last explicit pointer argument is their global scratch (a benchmark's
 # own kernel may add its name).
 SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dq_kernel", "dkdv_kernel", "gluon_fwd_kernel"}
+
+
+# The versions whose launch path and PTX layout these fixes were written against.
+SUPPORTED_VERSIONS = {"triton": "3.6.0", "jax_triton": "0.3.1"}
+
+
+def check_versions() -> None:
+    """Raise RuntimeError unless the imported triton and jax_triton are `SUPPORTED_VERSIONS`."""
+    found = {}
+    for name in SUPPORTED_VERSIONS:
+        module = importlib.import_module(name)
+        found[name] = str(getattr(module, "__version__", "unknown"))
+    if found != SUPPORTED_VERSIONS:
+        wanted = ", ".join(f"{n} {v}" for n, v in SUPPORTED_VERSIONS.items())
+        got = ", ".join(f"{n} {v}" for n, v in found.items())
+        raise RuntimeError(
+            f"ejk_kernels_gpu's jax-triton launch fix (_jax_triton_fix) was written for {wanted}, "
+            f"found {got}: it rewrites the PTX of Hopper kernels and jax-triton's compile step, "
+            "which another version may lay out differently; install those versions "
+            "(pip install 'ejk-kernels-gpu[gpu]')"
+        )
 
 
 def scratch_bytes(grid: tuple[int, ...]) -> int:
@@ -63,12 +89,28 @@ def redirect_scratch(ptx: str, name: str) -> str:
 
     Triton's parameter list ends with (..., scratch argument, global scratch,
     profile scratch); every load of the global-scratch parameter is pointed at
-    the argument before it.
+    the argument before it. Refused (RuntimeError): parameters not numbered 0..n-1, or
+    fewer than three; any of the last three not a 64-bit global pointer (Triton 3.6's two
+    hidden parameters are); a scratch argument the kernel reads itself (it only sizes the
+    launch, so a read means the hidden parameters are not the last two).
     """
     params = _param_indices(ptx, name)
     if len(params) < 3 or params != list(range(len(params))):
         raise RuntimeError(f"unexpected parameter list in the PTX of {name}: {params}")
     hidden, mine = params[-2], params[-3]
+    for i in params[-3:]:
+        if not re.search(
+            rf"\.param \.u64 \.ptr \.global[^\n]*\b{re.escape(name)}_param_{i}\b", ptx
+        ):
+            raise RuntimeError(
+                f"parameter {i} of {name} is not a global pointer in its PTX: the last three "
+                "must be the scratch argument and Triton's two hidden scratch pointers"
+            )
+    if re.search(rf"\[{re.escape(name)}_param_{mine}\]", ptx):
+        raise RuntimeError(
+            f"the PTX of {name} reads parameter {mine}, which should be its unused scratch "
+            f"argument (the third last): the hidden parameters are not where expected"
+        )
     loads = rf"\[{re.escape(name)}_param_{hidden}\]"
     if not re.search(loads, ptx):
         return ptx  # the kernel makes no use of global scratch
@@ -158,8 +200,10 @@ def _install_gluon(triton_lib: Any) -> None:
 
 @functools.cache
 def install() -> None:
-    """Apply the three fixes to jax-triton's `triton_call` (idempotent)."""
-    from jax_triton import triton_lib
+    """Apply the three fixes to jax-triton's `triton_call` (idempotent); RuntimeError on
+    versions other than `SUPPORTED_VERSIONS` (`check_versions`)."""
+    check_versions()
+    triton_lib = importlib.import_module("jax_triton.triton_lib")
 
     compile_ttir = triton_lib.compile_ttir_inplace
 

@@ -9,12 +9,20 @@ inside ``[full_lo, full_hi)`` are fully visible and run without a mask.
 On Hopper the fully visible and the causal-only calls can take a warp-specialised loop
 fed by TMA (`_fwd_ws_loop`), which has to stay a single loop: causal calls mask every
 block there, with block-relative positions (see `_fwd_step`).
+
+The loops carry the call's `Options` ``F`` and masking tables ``P`` (see `_kernel_common`)
+and this program's `_Context`.
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
-from ._common import (
+from ._kernel_common import (
+    LOG2E,
+    MaskTables,
+    Options,
     block_causal,
     dropout_weights,
     grid_order,
@@ -26,16 +34,26 @@ from ._common import (
 )
 
 
+class _Context(NamedTuple):
+    """What every key block of one forward program reads besides its k and v tiles."""
+
+    q: object  # the resident [BLOCK_M, BLOCK_D] query tile
+    k_base: object  # this (batch, kv head)'s k and v slabs
+    v_base: object
+    bias_base: object
+    seed: object  # dropout seed
+    b: object  # batch index
+    n: object  # query head
+    offs_m: object  # query rows
+    offs_d: object  # head-dim columns
+
+
 @triton.jit
 def _fwd_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
                KV_STRIDE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    _, k_base, v_base, _, _, _, _, _, offs_d = ctx
-    S: tl.constexpr = F[1]
-    H: tl.constexpr = F[2]
-    BLOCK_D: tl.constexpr = F[3]
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = load_tile(k_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
-    v = load_tile(v_base, offs_n, offs_d, KV_STRIDE, S, H, BLOCK_D, MASKED)
+    k = load_tile(ctx.k_base, offs_n, ctx.offs_d, KV_STRIDE, F.S, F.H, F.BLOCK_D, MASKED)
+    v = load_tile(ctx.v_base, offs_n, ctx.offs_d, KV_STRIDE, F.S, F.H, F.BLOCK_D, MASKED)
     return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, MASKED, 0, False)
 
 
@@ -46,23 +64,31 @@ def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl
 
     BLOCK_CAUSAL: the warp-specialised loop's causal mask (`block_causal`), ``diag`` = the
     block's first key minus the query block's first row.
+
+    The running max ``m`` is in log2 units in the plain case (max commutes with the
+    positive factor: one FMA per logit), in natural units with natural logits, where it
+    is subtracted before the multiplication by log2(e) (see `_kernel_common`).
     """
-    q, _, _, bias_base, seed, b, n, offs_m, _ = ctx
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    LOG2_FACTOR: tl.constexpr = F[14]
-    x = logits(q, k, bias_base, offs_m, offs_n, b, P, F, MASKED, False)
+    x = logits(ctx.q, k, ctx.bias_base, ctx.offs_m, offs_n, ctx.b, P, F, MASKED, False)
     if BLOCK_CAUSAL:
         x = block_causal(x, diag, False)
-    # Running max in log2 units (max commutes with the positive factor).
-    m_new = tl.maximum(m_i, tl.max(x, 1) * LOG2_FACTOR)
+    if F.LOG2_FACTOR == LOG2E:  # natural logits
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(x, 1) * F.LOG2_FACTOR)
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
     # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(x * LOG2_FACTOR - m_safe[:, None])
+    if F.LOG2_FACTOR == LOG2E:
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2((x - m_safe[:, None]) * LOG2E)
+    else:
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(x * F.LOG2_FACTOR - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    p = dropout_weights(p, seed, b, n, offs_m, offs_n, F)
+    p = dropout_weights(p, ctx.seed, ctx.b, ctx.n, ctx.offs_m, offs_n, F)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
@@ -96,9 +122,8 @@ def _fwd_ws_block(acc, m_i, l_i, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.c
     mask it relative to the query block's first row ``row0``."""
     k = K_DESC.load([start_n, 0])
     v = V_DESC.load([start_n, 0])
-    CAUSAL: tl.constexpr = F[9]
     return _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F, BLOCK_N, False, start_n - row0,
-                     CAUSAL)  # fmt: skip
+                     F.CAUSAL)  # fmt: skip
 
 
 @triton.jit
@@ -128,6 +153,15 @@ def _fwd_ws_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _natural_lse(m_i, l_i, F: tl.constexpr):
+    """The lse in natural units from the running max (in its units, see `_fwd_step`) and sum."""
+    if F.LOG2_FACTOR == LOG2E:
+        return m_i + tl.math.log2(l_i) * 0.6931471805599453
+    else:
+        return (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+
+
+@triton.jit
 def fwd_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, sinks_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
@@ -140,9 +174,14 @@ def fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
     WS: tl.constexpr,
 ):  # fmt: skip
-    F: tl.constexpr = (T, S, H, BLOCK_D, SCALE, SOFT_CAP, HAS_BIAS, VARLEN, HAS_SEG, CAUSAL,
-                       WINDOW_LEFT, WINDOW_RIGHT, DROPOUT_THRESHOLD, DROPOUT_SCALE, LOG2_FACTOR)  # fmt: skip
-    P = (qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
+    F: tl.constexpr = Options(
+        T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
+        VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT, DROPOUT_THRESHOLD=DROPOUT_THRESHOLD,
+        DROPOUT_SCALE=DROPOUT_SCALE, LOG2_FACTOR=LOG2_FACTOR, BIAS_SN=BIAS_SN, DQ_ATOMIC=False,
+        DQ_TMA=False, LSE_FACTOR=1.0 if LOG2_FACTOR == LOG2E else LOG2E,
+    )  # fmt: skip
+    P = MaskTables(qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr)
     K: tl.constexpr = N // G
     # Heaviest query blocks first (causal: the last ones) so the tail of the grid is short.
     pid_m, pid_bn = grid_order(True)
@@ -157,7 +196,7 @@ def fwd_kernel(
     o_base = o_ptr + b64 * (T * N * H) + n * H
     if WS:
         # Tensor descriptors of this (batch, head)'s [rows, H] slabs; TMA zero-fills rows past
-        # the end and clips stores there. `scratch_ptr` only sizes the launch (see _launch_fix).
+        # the end and clips stores there. `scratch_ptr` only sizes the launch (see _jax_triton_fix).
         q_desc = slab(q_base, T, H, N * H, BLOCK_M, BLOCK_D)
         o_desc = slab(o_base, T, H, N * H, BLOCK_M, BLOCK_D)
         q = q_desc.load([pid_m * BLOCK_M, 0])
@@ -167,12 +206,14 @@ def fwd_kernel(
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
     seed = tl.load(seed_ptr)
-    ctx = (q, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
+    ctx = _Context(q, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
 
     if HAS_SINKS:
         # The sink is a key with logit `sink` and no value: start the running max at
-        # it with mass exp(sink - sink) = 1.
-        sink = tl.load(sinks_ptr + n).to(tl.float32) * 1.4426950408889634
+        # it (in the units of m, see _fwd_step) with mass exp(sink - sink) = 1.
+        sink = tl.load(sinks_ptr + n).to(tl.float32)
+        if LOG2_FACTOR != LOG2E:
+            sink = sink * 1.4426950408889634
         m_i = tl.zeros([BLOCK_M], tl.float32) + sink
         l_i = tl.zeros([BLOCK_M], tl.float32) + 1.0
     else:
@@ -181,7 +222,7 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
-    if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _ops)
+    if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _options)
         k_desc = slab(k_base, S, H, K * H, BLOCK_N, BLOCK_D)
         v_desc = slab(v_base, S, H, K * H, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _fwd_ws_loop(
@@ -205,7 +246,7 @@ def fwd_kernel(
         # came out wrong in Triton 3.6 (its row shift, docs/performance.md step 6), and this
         # store measured free.
         o_desc.store([pid_m * BLOCK_M, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        lse = _natural_lse(m_i, l_i, F)
         lse_base = lse_ptr + pid_bn.to(tl.int64) * (T * 16)
         lse_desc = slab(lse_base, T, 16, 16, BLOCK_M, 16)
         lse_desc.store([pid_m * BLOCK_M, 0], lse[:, None] + tl.zeros([BLOCK_M, 16], tl.float32))
@@ -213,6 +254,6 @@ def fwd_kernel(
         # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.
         has_mass = l_i > 0.0
         l_safe = tl.where(has_mass, l_i, 1.0)
-        lse = tl.where(has_mass, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(has_mass, _natural_lse(m_i, l_safe, F), float("-inf"))
         tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
         store_tile(o_base, offs_m, offs_d, acc / l_safe[:, None], N * H, T, H)

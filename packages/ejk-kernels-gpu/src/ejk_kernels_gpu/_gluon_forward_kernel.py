@@ -13,7 +13,7 @@ One program owns ``BM`` = 128 query rows of one (batch, query head):
   is in flight across the loop's back edge: ptxas spills and serialises wgmma
   accumulators that are (C7513).
 
-Calls it takes (`_ops.can_run_gluon`): 16-bit inputs, head_dim 128, no mask or causal
+Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 128, no mask or causal
 alone, no bias, dropout or soft cap, softmax sinks allowed, a positive scale, key length a
 multiple of ``BN`` (> 0); any query length (TMA zero-fills the rows past T on load and
 clips them on store). Causal programs visit key blocks up to their diagonal only, the
@@ -181,7 +181,7 @@ def gluon_fwd_kernel(
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
-    ``scratch_ptr`` holds the TMA descriptors (see _launch_fix); INTERPRET is unused."""
+    ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
     n_m = gl.cdiv(T, BM)

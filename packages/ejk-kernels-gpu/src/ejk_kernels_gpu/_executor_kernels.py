@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from ejk_executor import Invocation, Kernel
 
+from ._api import flash_attention
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._ops import flash_attention, offer_warp_specialize
+from ._options import offer_warp_specialize
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 

@@ -1,0 +1,77 @@
+"""The forward pass: launches the forward kernel (Triton, or the Gluon one on Hopper)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from ._config import FlashConfig
+from ._jax_triton_fix import scratch_bytes
+from ._masks import Tables, dummy
+from ._options import (
+    CallOptions,
+    gluon_constexprs,
+    kernel_constexprs,
+    runnable_config,
+)
+from ._triton import kernels, launch
+
+__all__ = ["forward"]
+
+
+def _gluon_forward(opts: CallOptions, q, k, v, sinks, cfg: FlashConfig) -> tuple[Array, Array]:
+    """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
+    batch, q_len, heads, _ = q.shape
+    grid = (-(-q_len // cfg.block_q), batch * heads)
+    out, lse, _ = launch(
+        kernels().gluon_fwd_kernel,
+        grid,
+        (q, k, v, dummy(jnp.float32) if sinks is None else sinks),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        ),
+        gluon_constexprs(opts, q, k, sinks is not None, cfg),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Array, Array]:
+    """``(out [B, T, N, H], lse [B, N, T])`` of one call (the lse in natural units)."""
+    batch, q_len, heads, _ = q.shape
+    fwd = opts.fwd_cfg
+    cfg, ws = runnable_config(opts, fwd, bias, q, k.shape[1], fwd.block_k, ("fwd",))
+    if cfg.gluon:
+        return _gluon_forward(opts, q, k, v, sinks, cfg)
+    consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
+    grid = (-(-q_len // cfg.block_q), batch * heads)
+    out, lse, _ = launch(
+        kernels().fwd_kernel,
+        grid,
+        (
+            q,
+            k,
+            v,
+            dummy(q.dtype) if bias is None else bias,
+            dummy(jnp.float32) if sinks is None else sinks,
+            *tables.masking(),
+            tables.fwd_ranges,
+            tables.seed,
+        ),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            # The warp-specialised build stores each lse 16 times (a TMA tile, see
+            # _forward_kernel).
+            jax.ShapeDtypeStruct((batch, heads, q_len, *((16,) if ws else ())), jnp.float32),
+            # Global scratch for the TMA descriptors (see _jax_triton_fix); unused otherwise.
+            jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
+        ),
+        dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, WS=ws),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out, (lse[..., 0] if ws else lse)

@@ -1,0 +1,210 @@
+"""The static options of one call: which build each kernel runs and its constexpr arguments.
+
+`CallOptions` holds what a validated request fixes at trace time (scale, masks, dropout
+rate, the forward and backward configs); the policy functions decide which calls may
+take the Hopper builds (warp-specialised loops, the Gluon forward); `kernel_constexprs`
+and `gluon_constexprs` are the kernels' compile-time arguments, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ejk_sequtils import AttentionRequest, dropout_threshold
+
+from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block, ordinary_config
+from ._triton import hopper_gpu
+
+__all__ = [
+    "CallOptions",
+    "call_options",
+    "can_run_gluon",
+    "can_warp_specialize",
+    "dq_by_tma",
+    "gluon_constexprs",
+    "kernel_constexprs",
+    "offer_warp_specialize",
+    "runnable_config",
+]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """Every static option of one call (hashable: the custom_vjp's non-differentiable part)."""
+
+    scale: float
+    causal: bool
+    window: tuple[int, int] | None
+    soft_cap: float
+    dropout_rate: float
+    has_seg: bool
+    varlen: bool
+    fwd_cfg: FlashConfig
+    bwd_cfg: FlashConfig
+
+    def fully_visible(self) -> bool:
+        """Whether every query sees every key (nothing masks a block; bias aside)."""
+        return not (
+            self.causal or self.window is not None or self.has_seg or self.varlen
+        ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
+
+    def side_inputs(self, bias: Any) -> bool:
+        """Whether tiles of side inputs (bias, segment ids, packed offsets, dropout) need
+        shared memory too: the heuristics and `ordinary_config` leave room for them."""
+        return bias is not None or self.has_seg or self.varlen or self.dropout_rate > 0.0
+
+    def ws_masks(self) -> bool:
+        """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""
+        return self.fully_visible() or (
+            self.causal and dataclasses.replace(self, causal=False).fully_visible()
+        )
+
+
+def call_options(
+    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
+) -> CallOptions:
+    """The `CallOptions` of a validated request; a config left None is the heuristic's."""
+    _, _, kv_len, heads, kv_heads, head_dim = request.shape
+    itemsize = request.q.dtype.itemsize
+    opts = CallOptions(
+        scale=float(request.softmax_scale),
+        causal=request.causal,
+        window=request.sliding_window,
+        soft_cap=0.0 if request.logits_soft_cap is None else float(request.logits_soft_cap),
+        dropout_rate=float(request.dropout_rate),
+        has_seg=request.segment_ids is not None,
+        varlen=request.cu_seqlens_q is not None,
+        fwd_cfg=config or FlashConfig(),  # both replaced below when None
+        bwd_cfg=bwd_config or FlashConfig(),
+    )
+    ws = offer_warp_specialize(opts.ws_masks(), request.bias, kv_len, head_dim)
+    side_inputs = opts.side_inputs(request.bias)
+    if config is None:
+        fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws)
+        opts = dataclasses.replace(opts, fwd_cfg=fwd)
+    if bwd_config is None:
+        group = heads // kv_heads
+        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group, warp_specialize=ws)
+        opts = dataclasses.replace(opts, bwd_cfg=bwd)
+    return opts
+
+
+def can_warp_specialize(
+    masks_ok: bool, bias: Any, kv_len: int, head_dim: int, block_k: int
+) -> bool:
+    """Whether a call may run the warp-specialised TMA loops (see `FlashConfig`).
+
+    ``masks_ok``: its masking is none or causal alone (`CallOptions.ws_masks`). The loop
+    has no bounds masks, so every key block must be full (and there must be one); TMA needs
+    16-byte aligned rows (power-of-two head_dim).
+    """
+    return (
+        masks_ok
+        and bias is None
+        and kv_len > 0
+        and kv_len % block_k == 0
+        and head_dim == head_block(head_dim)
+        and hopper_gpu()
+    )
+
+
+def offer_warp_specialize(masks_ok: bool, bias: Any, kv_len: int, head_dim: int) -> bool:
+    """Whether the heuristics and the tuning space offer a call the warp-specialised builds
+    (forward and backward): ``masks_ok`` (nothing masked, or causal alone) and the call can
+    take them with the 128-key tiles of their configs (`can_warp_specialize`)."""
+    return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
+
+
+def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int) -> bool:
+    """Whether a call may run the Gluon forward (`_gluon_forward_kernel`): what the
+    warp-specialised loop takes, with head_dim 128, 16-bit inputs, a positive scale and
+    at least one query. No bias and no soft cap: the Gluon forward has only the plain
+    logits path (see `_kernel_common`)."""
+    return (
+        q.shape[3] == 128
+        and q.dtype.itemsize == 2
+        and q.shape[1] > 0
+        and opts.scale > 0.0
+        and can_warp_specialize(opts.ws_masks(), bias, kv_len, 128, 128)
+    )
+
+
+def runnable_config(
+    opts: CallOptions,
+    cfg: FlashConfig,
+    bias: Any,
+    q: Any,
+    kv_len: int,
+    block: int,
+    kinds: tuple[str, ...],
+) -> tuple[FlashConfig, bool]:
+    """(config, special) a launch runs: ``cfg`` where the call can take its warp-specialised
+    or Gluon build (``special``), else its ordinary twin (`ordinary_config`) for ``kinds``.
+    ``block``: the streamed key tile (forward) or the resident one (backward)."""
+    head_dim = q.shape[3]
+    if cfg.gluon:
+        special = can_run_gluon(opts, bias, q, kv_len)
+    else:
+        masks = opts.ws_masks()
+        special = cfg.warp_specialize and can_warp_specialize(masks, bias, kv_len, head_dim, block)
+    if not special:
+        cfg = ordinary_config(cfg, head_dim, q.dtype.itemsize, opts.side_inputs(bias), kinds)
+    return cfg, special
+
+
+def dq_by_tma(cfg: FlashConfig, head_dim: int, hopper: bool) -> bool:
+    """Whether the dk/dv kernel adds its dq tiles as TMA reduces (``DQ_TMA``).
+
+    Atomic dq on Hopper, with whole-tile rows: a power-of-two head_dim, so a tile of the
+    ``[T, N·H]`` descriptor never reaches into the next head's columns.
+    """
+    return cfg.atomic_dq and hopper and head_block(head_dim) == head_dim
+
+
+def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: bool):
+    """The constexpr arguments the Triton kernels share (each launch adds its tiles)."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if bias is None:
+        bias_sb = bias_sn = 0
+    else:
+        bias_sb = bias.shape[1] * q_len * kv_len if bias.shape[0] == batch else 0
+        bias_sn = q_len * kv_len if bias.shape[1] == heads else 0
+    left, right = opts.window if opts.window is not None else (-1, -1)
+    plain = bias is None and opts.soft_cap == 0.0 and opts.scale > 0.0
+    return dict(
+        T=q_len,
+        S=kv_len,
+        N=heads,
+        G=heads // kv_heads,
+        H=head_dim,
+        BIAS_SB=bias_sb,
+        BIAS_SN=bias_sn,
+        SCALE=float(opts.scale),
+        SOFT_CAP=float(opts.soft_cap),
+        HAS_BIAS=bias is not None,
+        HAS_SINKS=has_sinks,
+        VARLEN=opts.varlen,
+        HAS_SEG=opts.has_seg,
+        CAUSAL=opts.causal,
+        WINDOW_LEFT=left,
+        WINDOW_RIGHT=right,
+        DROPOUT_THRESHOLD=dropout_threshold(opts.dropout_rate),
+        DROPOUT_SCALE=float(1.0 / (1.0 - opts.dropout_rate)),
+        # See _kernel_common: the plain case folds log2(e) into the scale of q·kᵀ.
+        LOG2_FACTOR=opts.scale * LOG2E if plain else LOG2E,
+        BLOCK_D=head_block(head_dim),
+    )
+
+
+def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig):
+    """The constexpr arguments of `_gluon_forward_kernel.gluon_fwd_kernel`."""
+    _, q_len, heads, head_dim = q.shape
+    return dict(
+        T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
+        QK=float(opts.scale * LOG2E), CAUSAL=opts.causal, HAS_SINKS=has_sinks,
+        BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
+    )  # fmt: skip

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -41,6 +43,18 @@ def _grads(fn, q, k, v, w):
     return jax.jit(
         jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w), argnums=(0, 1, 2))
     )(q, k, v)
+
+
+# Pass thresholds on the relative (Frobenius) error against the float32 reference, per
+# input dtype: every row must meet them, or the run exits 1.
+MAX_REL_ERR = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def _verdict(row: dict) -> dict:
+    """``row`` with ``passed``: every ``*_rel_err`` within its dtype's threshold."""
+    limit = MAX_REL_ERR[row["dtype"]]
+    errors = {k: v for k, v in row.items() if k.endswith("_rel_err")}
+    return {**row, "max_rel_err_allowed": limit, "passed": all(e <= limit for e in errors.values())}
 
 
 def _errors(fn, q, k, v, kw, seed):
@@ -130,23 +144,37 @@ def main() -> None:
         ):
             with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
                 rows.append(
-                    check_ring(mesh, ring_shape, dtype, kw, time_it=big and dtype == jnp.bfloat16)
+                    _verdict(
+                        check_ring(
+                            mesh, ring_shape, dtype, kw, time_it=big and dtype == jnp.bfloat16
+                        )
+                    )
                 )
             print(json.dumps(rows[-1]))
     sharded_shape = (2 * d, 2048, 8 * d, 2 * d, 128) if big else (2 * d, 24, 2 * d, d, 16)
     impls = ("triton", "xla") if jax.default_backend() == "gpu" else ("xla",)
     for impl in impls:
         for spec in (P("sp"), P(None, None, "sp")):
-            rows.append(
-                check_sharded(mesh, sharded_shape, jnp.bfloat16 if big else jnp.float32, spec, impl)
-            )
+            dtype = jnp.bfloat16 if big else jnp.float32
+            rows.append(_verdict(check_sharded(mesh, sharded_shape, dtype, spec, impl)))
             print(json.dumps(rows[-1], default=str))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     machine = {"devices": d, "kind": devices[0].device_kind, "jax": jax.__version__}
+    passed = all(row["passed"] for row in rows)
     (out / "multi_device.json").write_text(
-        json.dumps({"machine": machine, "rows": rows}, indent=2, default=str)
+        json.dumps(
+            {"machine": machine, "commit": commit, "passed": passed, "rows": rows},
+            indent=2,
+            default=str,
+        )
     )
+    failed = [row["check"] for row in rows if not row["passed"]]
+    print("PASS" if passed else f"FAIL: {failed}")
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,12 @@ def pallas_calls(monkeypatch):
 
     calls = []
 
-    def record(request, config):
-        calls.append(request.q.shape)
-        return _backends.BACKENDS["xla"].run(request, config)
+    class Recording(_backends.Backend):
+        name = "pallas"
 
-    backend = _backends.Backend("pallas", lambda request, platform: None, record)
-    monkeypatch.setitem(_backends.BACKENDS, "pallas", backend)
+        def run(self, request, config, bwd_config):
+            calls.append(request.q.shape)
+            return _backends.BACKENDS["xla"].run(request, config, bwd_config)
+
+    monkeypatch.setitem(_backends.BACKENDS, "pallas", Recording())
     return calls

@@ -9,6 +9,10 @@ import pytest
 
 from ejk_attention import blocksparse_attention, reference_attention
 from ejk_kernels_tpu import CausalMask, ChunkedCausalMask, FullMask, LocalMask, MultiHeadMask
+from ejk_sequtils import attention_tolerance
+
+TOL = attention_tolerance("float32")
+GRAD_TOL = attention_tolerance("float32", "grad")
 
 B, T, S, N, K, H = 2, 24, 24, 4, 2, 16
 
@@ -44,8 +48,8 @@ def test_xla_path_matches_reference(mask, semantics):
     kw = _extras()
     out, lse = blocksparse_attention(q, k, v, mask, return_lse=True, **kw)
     want, want_lse = reference_attention(q, k, v, return_lse=True, **kw, **semantics)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
 
     def loss(fn, *a):
         return lambda q, k, v: jnp.sum(
@@ -55,7 +59,7 @@ def test_xla_path_matches_reference(mask, semantics):
     got = jax.grad(loss(blocksparse_attention, mask), argnums=(0, 1, 2))(q, k, v)
     ref = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(got, ref, strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g, r, rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
 def test_pallas_matches_xla_on_a_multi_head_mask():
@@ -71,10 +75,10 @@ def test_pallas_matches_xla_on_a_multi_head_mask():
     kw = {"segment_ids": _extras()["segment_ids"], "return_lse": True}
     out, lse = blocksparse_attention(q, k, v, mask, implementation="pallas", **kw)
     want, want_lse = blocksparse_attention(q, k, v, mask, implementation="xla", **kw)
-    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
     finite = np.isfinite(np.asarray(want_lse))
     np.testing.assert_allclose(
-        np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=2e-5, atol=2e-5
+        np.asarray(lse)[finite], np.asarray(want_lse)[finite], rtol=TOL, atol=TOL
     )
 
 

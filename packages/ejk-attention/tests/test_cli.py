@@ -61,8 +61,11 @@ def test_bench_defaults_to_bench_out_in_the_working_directory(tmp_path, monkeypa
 def test_bench_fails_on_a_mismatch(tmp_path, monkeypatch):
     from ejk_attention import _backends
 
-    wrong = _backends.Backend("xla", _backends.BACKENDS["xla"].refuse, lambda req, cfg: req.q * 2)
-    monkeypatch.setitem(_backends.BACKENDS, "xla", wrong)
+    class Wrong(_backends.XlaBackend):
+        def run(self, request, config, bwd_config):
+            return request.q * 2
+
+    monkeypatch.setitem(_backends.BACKENDS, "xla", Wrong())
     assert main(["bench", *TINY, "--impl", "xla", "--forward-only", "--out", str(tmp_path)]) == 1
 
 
@@ -121,21 +124,24 @@ def test_implementation_none_tries_the_tuned_backend_first(pallas_calls):
 
 
 def test_tune_kernel_configs_through_the_executor(capsys):
-    from ejk_attention._backends import kernel_executor
+    from ejk_attention._backends import BACKENDS, kernel_executor
     from ejk_attention._bench import inputs_for, parse_case
-    from ejk_attention.cli import _invocation
-    from ejk_kernels_gpu import FlashAttentionForward
     from ejk_sequtils import validate_attention
 
     args = ["tune", "--shape", "1,16,16,2,1,16", "--iters", "1", "--warmup", "0", "--quiet"]
     args += ["--impl", "xla", "--kernels", "--max-candidates", "2"]  # the default cache dir
     assert main(args) == 0
-    assert "triton forward config FlashConfig(" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "triton forward config FlashConfig(" in out
+    assert "triton backward config FlashConfig(" in out
     assert main(["cache", "list"]) == 0
     listing = capsys.readouterr().out
     assert "FlashConfig" in listing and "BackendChoice" in listing
     # The facade's executor finds the tuned config under the key it builds itself.
     case = parse_case("1,16,16,2,1,16")
     request = validate_attention(*inputs_for(case), causal=case.causal)
-    chosen = kernel_executor().chooser.lookup(_invocation(FlashAttentionForward(), request))
-    assert chosen is not None and type(chosen.cfg).__name__ == "FlashConfig"
+    # Both the forward and the backward config: the facade's triton backend runs with them.
+    for inv in BACKENDS["triton"].invocations(request).values():
+        chosen = kernel_executor().chooser.lookup(inv)
+        assert chosen is not None and chosen.source == "persistent", inv.kernel.name
+        assert type(chosen.cfg).__name__ == "FlashConfig"

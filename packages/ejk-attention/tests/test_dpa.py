@@ -118,11 +118,11 @@ def test_pallas_matches_jax_nn(case):
 
 
 def test_pallas_refuses_a_mask_with_the_reason():
-    with pytest.raises(NotImplementedError, match=r"pallas: .*no logits bias"):
+    with pytest.raises(NotImplementedError, match=r"pallas: .*no additive bias"):
         dot_product_attention(*_inputs(), mask=_emptying_mask(), implementation="pallas")
 
 
-@pytest.mark.parametrize("implementation", ["triton"])
+@pytest.mark.parametrize("implementation", ["triton", "pallas"])
 @pytest.mark.parametrize("empty", ["B", "T", "S"])
 def test_empty_axes_match_jax_nn(implementation, empty):
     sizes = {"b": 2, "t": 5, "s": 7, empty.lower(): 0}
@@ -164,7 +164,7 @@ def test_bfloat16_matches_jax_nn():
 
 
 def test_no_backend_serves_gives_every_reason():
-    with pytest.raises(NotImplementedError, match=r"cudnn: .*; pallas: .*no logits bias"):
+    with pytest.raises(NotImplementedError, match=r"cudnn: .*; pallas: .*no additive bias"):
         dot_product_attention(*_inputs(), mask=_emptying_mask(), implementation=("cudnn", "pallas"))
 
 

@@ -10,6 +10,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ejk_attention import flash_attention, reference_attention
+from ejk_sequtils import attention_tolerance
+
+TOL = attention_tolerance("float32")
+GRAD_TOL = attention_tolerance("float32", "grad")
 
 B, T, S, N, K, H = 4, 9, 11, 8, 4, 8
 
@@ -55,8 +59,8 @@ def test_batch_and_head_sharding_matches_reference(mesh, spec):
         q, k, v
     )
     want, want_lse = reference_attention(q, k, v, **kw)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
     if spec is None:
         return  # the default spec's gradients take the same path as the explicit ones
 
@@ -66,7 +70,7 @@ def test_batch_and_head_sharding_matches_reference(mesh, spec):
     got = jax.grad(loss(flash_attention, mesh=mesh, in_specs=spec), argnums=(0, 1, 2))(q, k, v)
     want_g = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want_g, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
 def test_explicit_mesh_and_sharded_inputs(mesh):
@@ -76,7 +80,7 @@ def test_explicit_mesh_and_sharded_inputs(mesh):
     if hasattr(jax.sharding, "AxisType"):
         q, k, v = (jax.device_put(x, NamedSharding(explicit, spec)) for x in (q, k, v))
     out = flash_attention(q, k, v, mesh=explicit, in_specs=spec)
-    np.testing.assert_allclose(out, reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, reference_attention(q, k, v), rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize(
@@ -107,5 +111,5 @@ def test_already_sharded_inputs_run_per_shard(mesh, pallas_calls, under_jit):
     fn = lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="pallas")
     out = (jax.jit(fn) if under_jit else fn)(q, k, v)
     assert pallas_calls == [(B // 2, T, N // 4, H)]  # one shard's shape: the call ran per shard
-    np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True), rtol=TOL, atol=TOL)
     assert out.sharding.spec[:3] == spec[:3]

@@ -1,17 +1,28 @@
 """The attention backends the facade chooses from, and the fall-through between them.
 
-A backend is a name, a ``refuse`` predicate that says why it cannot serve a
-request (or None when it can), and ``run``, which may still raise
-``NotImplementedError`` with a reason (a kernel refusing a shape it only learns
-about when called). Kernel packages are imported inside ``run``, never at
-import time, so the facade works with whichever of them is installed.
+Every backend is one object with the same parts:
+
+- ``supported(request, platform)``: None, or the reason it cannot serve the request
+  (a cheap static check);
+- ``invocations(request)``: the `ejk_executor` invocations whose configs it runs with,
+  ``{"forward": ..., "backward": ...}`` (none for backends without performance knobs);
+  the executor chooses them (explicit, overlay, memory, persistent cache where ``ejk
+  tune`` stores, then heuristic or autotune), ``heuristic_config``/``backward_config``
+  /``config_space`` are the kernels' own answers for the same invocations;
+- ``run(request, config, bwd_config)``: computes the request; it may still raise
+  ``NotImplementedError`` with a reason (a kernel refusing a shape it only learns about
+  when called), and the facade then moves on to the next backend. Any other error is
+  a bug and propagates.
+
+Kernel packages are imported inside the methods, never at import time, so the facade
+works with whichever of them is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,25 +38,8 @@ __all__ = [
     "kernel_executor",
     "platform_of",
     "resolve_implementation",
-    "run_blocksparse_kernel",
     "run_first",
-    "triton_through",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """One way to compute attention.
-
-    Attributes:
-        name: the ``implementation=`` string that selects it.
-        refuse: ``(request, platform) -> reason or None``; a cheap static check.
-        run: ``(request, config) -> out | (out, lse)``; may raise NotImplementedError.
-    """
-
-    name: str
-    refuse: Callable[[AttentionRequest, str], str | None]
-    run: Callable[[AttentionRequest, Any], Any]
 
 
 def platform_of(request: AttentionRequest) -> str:
@@ -60,79 +54,6 @@ def _is_gpu(platform: str) -> bool:
     return platform in ("gpu", "cuda", "rocm")
 
 
-# xla: the reference, every feature, every platform.
-
-
-def _xla_refuse(request: AttentionRequest, platform: str) -> str | None:
-    del request, platform
-    return None
-
-
-def _xla_run(request: AttentionRequest, config: Any) -> Any:
-    del config  # the reference has no performance knobs
-    return reference_attention(
-        request.q, request.k, request.v, request.bias, **request.keyword_arguments()
-    )
-
-
-# cudnn: jax.nn.dot_product_attention(implementation="cudnn") where the request fits it.
-
-_CUDNN_UNSUPPORTED = {
-    "logits_soft_cap": "a logits soft cap",
-    "softmax_sinks": "softmax sinks",
-    "segment_ids": "segment ids",
-    "cu_seqlens": "packed cu_seqlens input",
-    "dropout": "ejk's counter-hash dropout",
-    "return_lse": "a float32 lse output",
-}
-
-
-def _cudnn_refuse(request: AttentionRequest, platform: str) -> str | None:
-    if not _is_gpu(platform):
-        return f"cuDNN needs an NVIDIA GPU, this call runs on {platform}"
-    if request.q.dtype not in (jnp.float16, jnp.bfloat16):
-        return f"cuDNN flash attention needs float16/bfloat16 inputs, got {request.q.dtype}"
-    for feature in sorted(request.features()):
-        if feature in _CUDNN_UNSUPPORTED:
-            return f"jax.nn.dot_product_attention(implementation='cudnn') has no {_CUDNN_UNSUPPORTED[feature]}"
-    window = request.sliding_window
-    if window is not None and window[1] != 0 and not request.causal:
-        return f"cuDNN supports a sliding window with right size 0 only (or causal), got {window}"
-    head_dim = request.q.shape[-1]
-    if head_dim % 8 != 0 or head_dim > 256:
-        return f"cuDNN needs head_dim a multiple of 8 and <= 256, got {head_dim}"
-    return None
-
-
-def _cudnn_run(request: AttentionRequest, config: Any) -> Any:
-    del config
-    bias = None if request.bias is None else request.bias.astype(request.q.dtype)
-    try:
-        return jax.nn.dot_product_attention(
-            request.q,
-            request.k,
-            request.v,
-            bias,
-            scale=request.softmax_scale,
-            is_causal=request.causal,
-            local_window_size=request.sliding_window,
-            implementation="cudnn",
-        )
-    except (ValueError, NotImplementedError, RuntimeError) as err:
-        # jax raises these when cuDNN (or its version) cannot take the shape.
-        raise NotImplementedError(f"cuDNN refused the request: {err}") from err
-
-
-# triton: ejk_kernels_gpu.flash_attention (on CPU it runs through Triton's interpreter).
-
-
-def _triton_refuse(request: AttentionRequest, platform: str) -> str | None:
-    del platform  # off GPU the kernels run in Triton's interpreter
-    if request.v.shape[-1] != request.q.shape[-1]:
-        return f"the Triton kernel needs v's head_dim {request.v.shape[-1]} == q's {request.q.shape[-1]}"
-    return None  # the kernel checks its own limits and raises NotImplementedError
-
-
 @functools.cache
 def kernel_executor() -> Any:
     """The executor that picks kernel configs: explicit, memory, then the persistent cache
@@ -144,50 +65,157 @@ def kernel_executor() -> Any:
     return Executor(ConfigSelectorChain(persistent=open_cache()))
 
 
-def triton_through(executor: Any, request: AttentionRequest, kernel_class: Any) -> Any:
-    """The Triton forward under ``executor``'s config choice (``ejk tune`` uses the same
-    call, so the cache keys it writes are the ones the facade reads)."""
-    return executor(
-        kernel_class(), request.q, request.k, request.v, request.bias, **request.keyword_arguments()
-    )
+class Backend:
+    """One way to compute attention (the base is a backend without performance knobs)."""
+
+    name: str = ""
+
+    def supported(self, request: AttentionRequest, platform: str) -> str | None:
+        """None if this backend serves ``request`` on ``platform``, else the reason."""
+        del request, platform
+        return None
+
+    def invocations(self, request: AttentionRequest) -> dict[str, Any]:
+        """The executor invocations (``"forward"``, ``"backward"``) whose configs ``run`` takes."""
+        del request
+        return {}
+
+    def heuristic_config(self, request: AttentionRequest) -> Any:
+        """The forward config the kernel's heuristic picks (None: no knobs)."""
+        inv = self.invocations(request).get("forward")
+        return None if inv is None else inv.kernel.heuristic_cfg(inv)
+
+    def backward_config(self, request: AttentionRequest) -> Any:
+        """The backward config the kernel's heuristic picks (None: no knobs)."""
+        inv = self.invocations(request).get("backward")
+        return None if inv is None else inv.kernel.heuristic_cfg(inv)
+
+    def config_space(self, request: AttentionRequest) -> list[Any]:
+        """The forward configs worth timing for ``request``."""
+        inv = self.invocations(request).get("forward")
+        return [] if inv is None else list(inv.kernel.config_space(inv))
+
+    def choose_configs(
+        self, request: AttentionRequest, config: Any = None, bwd_config: Any = None
+    ) -> tuple[Any, Any]:
+        """``(config, bwd_config)``: the given ones, else the executor's choice for each."""
+        invocations = self.invocations(request)
+        chosen = []
+        for part, given in (("forward", config), ("backward", bwd_config)):
+            inv = invocations.get(part)
+            if given is None and inv is not None:
+                given = kernel_executor().chooser.choose(inv).cfg
+            chosen.append(given)
+        return chosen[0], chosen[1]
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.run")
 
 
-def _triton_run(request: AttentionRequest, config: Any) -> Any:
-    try:
-        from ejk_kernels_gpu import FlashAttentionForward
-        from ejk_kernels_gpu import flash_attention as kernel
-    except ImportError as err:
-        raise NotImplementedError(
-            f"ejk_kernels_gpu.flash_attention is not available: {err}"
-        ) from None
-    if config is None:  # the forward config through the executor's selection chain
-        return triton_through(kernel_executor(), request, FlashAttentionForward)
-    return kernel(
-        request.q, request.k, request.v, request.bias, **request.keyword_arguments(), config=config
-    )
+class XlaBackend(Backend):
+    """The reference: every feature, every platform."""
+
+    name = "xla"
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        del config, bwd_config  # the reference has no performance knobs
+        return reference_attention(
+            request.q, request.k, request.v, request.bias, **request.keyword_arguments()
+        )
 
 
-# pallas: ejk_kernels_tpu.blocksparse_attention with the mask causal/window describe
-# (TPU; Pallas' TPU interpreter elsewhere).
+_CUDNN_UNSUPPORTED = {
+    "logits_soft_cap": "a logits soft cap",
+    "softmax_sinks": "softmax sinks",
+    "segment_ids": "segment ids",
+    "cu_seqlens": "packed cu_seqlens input",
+    "dropout": "ejk's counter-hash dropout",
+    "return_lse": "a float32 lse output",
+    # jax.nn gives emptied rows the average of every value; flash attention gives 0,
+    # so a bias (which may hold -inf) is served only by ejk's kernels and the reference.
+    "bias": "flash_attention's bias semantics (a -inf row gives zeros)",
+}
 
 
-def _pallas_refuse(request: AttentionRequest, platform: str) -> str | None:
-    del platform  # off TPU the kernel runs in Pallas' interpreter
-    features = request.features()
-    if "bias" in features:
-        return "the block-sparse Pallas kernel has no logits bias"
-    if request.v.shape[-1] != request.q.shape[-1]:
-        return f"the Pallas kernel needs v's head_dim {request.v.shape[-1]} == q's {request.q.shape[-1]}"
-    if "cu_seqlens" in features:
-        if "segment_ids" in features:
-            return "the Pallas kernel takes cu_seqlens or segment_ids, not both"
-        local = request.causal or request.sliding_window is not None
-        if local and request.cu_seqlens_k is not request.cu_seqlens_q:
-            return "causal/window over packed input with cu_seqlens_k != cu_seqlens_q needs local positions"
-    return None
+class CudnnBackend(Backend):
+    """``jax.nn.dot_product_attention(implementation="cudnn")`` where the request fits it."""
+
+    name = "cudnn"
+
+    def supported(self, request: AttentionRequest, platform: str) -> str | None:
+        if not _is_gpu(platform):
+            return f"cuDNN needs an NVIDIA GPU, this call runs on {platform}"
+        if request.q.dtype not in (jnp.float16, jnp.bfloat16):
+            return f"cuDNN flash attention needs float16/bfloat16 inputs, got {request.q.dtype}"
+        for feature in sorted(request.features()):
+            if feature in _CUDNN_UNSUPPORTED:
+                return f"jax.nn.dot_product_attention(implementation='cudnn') has no {_CUDNN_UNSUPPORTED[feature]}"
+        window = request.sliding_window
+        if window is not None and window[1] != 0 and not request.causal:
+            return (
+                f"cuDNN supports a sliding window with right size 0 only (or causal), got {window}"
+            )
+        b, t, s, *_, head_dim = request.shape
+        if head_dim % 8 != 0 or head_dim > 256:
+            return f"cuDNN needs head_dim a multiple of 8 and <= 256, got {head_dim}"
+        if min(b, t, s) == 0:
+            return f"cuDNN needs non-empty axes, got B={b} T={t} S={s}"
+        if window is not None and t - window[0] > s:
+            # Query rows past S + left see no key: jax.nn (cuDNN) averages every value
+            # there, flash attention gives zeros.
+            return f"rows past S + left see no key (T={t}, S={s}, window={window}): cuDNN would average them"
+        return None
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        del config, bwd_config
+        try:
+            return jax.nn.dot_product_attention(
+                request.q,
+                request.k,
+                request.v,
+                scale=request.softmax_scale,
+                is_causal=request.causal,
+                local_window_size=request.sliding_window,
+                implementation="cudnn",
+            )
+        except (ValueError, NotImplementedError, RuntimeError) as err:
+            # jax raises these when cuDNN (or its version) cannot take the shape.
+            raise NotImplementedError(f"cuDNN refused the request: {err}") from err
 
 
-def _packed_segment_ids(request: AttentionRequest) -> Any:
+class TritonBackend(Backend):
+    """``ejk_kernels_gpu`` (on CPU its kernels run in Triton's interpreter)."""
+
+    name = "triton"
+
+    def supported(self, request: AttentionRequest, platform: str) -> str | None:
+        del platform  # off GPU the kernels run in Triton's interpreter
+        try:
+            import ejk_kernels_gpu
+        except ImportError as err:
+            return f"ejk_kernels_gpu is not available: {err}"
+        return ejk_kernels_gpu.unsupported_reason(request)
+
+    def invocations(self, request: AttentionRequest) -> dict[str, Any]:
+        from ejk_executor import Invocation
+        from ejk_kernels_gpu import FlashAttentionBackward, FlashAttentionForward
+
+        q, k, v, bias = request.q, request.k, request.v, request.bias
+        kw = request.keyword_arguments()
+        # The backward kernel times the gradient of a d_out shaped like the output (q's
+        # shape: the kernels need v's head_dim == q's); q stands in for it in the key.
+        return {
+            "forward": Invocation.make(FlashAttentionForward(), (q, k, v, bias), kw),
+            "backward": Invocation.make(FlashAttentionBackward(), (q, k, v, q, bias), kw),
+        }
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        import ejk_kernels_gpu
+
+        return ejk_kernels_gpu.attention(request, config=config, bwd_config=bwd_config)
+
+
+def packed_segment_ids(request: AttentionRequest) -> Any:
     """``cu_seqlens`` as ``(q_ids, kv_ids)`` ``[1, T]``/``[1, S]`` (sequence index, -1 padding).
 
     With one cu_seqlens for q and k, causal and window on global positions equal
@@ -201,55 +229,102 @@ def _packed_segment_ids(request: AttentionRequest) -> Any:
     return q_ids[None].astype(jnp.int32), kv_ids[None].astype(jnp.int32)
 
 
-def _kernels_tpu() -> Any:
-    """The `ejk_kernels_tpu` module (NotImplementedError, with the reason, where it fails to import)."""
-    try:
-        import ejk_kernels_tpu
-    except ImportError as err:
-        raise NotImplementedError(f"ejk_kernels_tpu is not available: {err}") from None
-    return ejk_kernels_tpu
+class PallasBackend(Backend):
+    """``ejk_kernels_tpu``'s block-sparse kernel under a mask (TPU; its interpreter elsewhere).
 
-
-def run_blocksparse_kernel(
-    request: AttentionRequest, mask: Any, segment_ids: Any, config: Any
-) -> Any:
-    """``ejk_kernels_tpu.blocksparse_attention`` on ``request`` under ``mask``.
-
-    Dropout passes through: the kernels draw the reference's keep mask
-    (`ejk_attention.dropout_keep_mask`) from the same global (batch, head, row, column).
+    ``mask=None``: the mask that ``causal`` and ``sliding_window`` describe (the facade's
+    `flash_attention`); `blocksparse_attention` passes its own. The kernel's config holds
+    the forward and the backward block sizes, so both parts are one config.
     """
-    return _kernels_tpu().blocksparse_attention(
-        request.q,
-        request.k,
-        request.v,
-        mask,
-        segment_ids=segment_ids,
-        softmax_scale=request.softmax_scale,
-        logits_soft_cap=request.logits_soft_cap,
-        softmax_sinks=request.softmax_sinks,
-        dropout_rate=request.dropout_rate,
-        dropout_seed=request.dropout_seed,
-        return_lse=request.return_lse,
-        config=config,
-    )
 
+    name = "pallas"
 
-def _pallas_run(request: AttentionRequest, config: Any) -> Any:
-    _, q_len, kv_len, *_ = request.shape
-    segment_ids = request.segment_ids
-    if request.cu_seqlens_q is not None:
-        segment_ids = _packed_segment_ids(request)
-    mask = _kernels_tpu().attention_mask(
-        q_len, kv_len, causal=request.causal, sliding_window=request.sliding_window
-    )
-    return run_blocksparse_kernel(request, mask, segment_ids, config)
+    def __init__(self, mask: Any = None):
+        self.mask = mask
+
+    def _module(self) -> Any:
+        import ejk_kernels_tpu
+
+        return ejk_kernels_tpu
+
+    def supported(self, request: AttentionRequest, platform: str) -> str | None:
+        del platform  # off TPU the kernel runs in Pallas' interpreter
+        try:
+            module = self._module()
+        except ImportError as err:
+            return f"ejk_kernels_tpu is not available: {err}"
+        if "cu_seqlens" in request.features():
+            if "segment_ids" in request.features():
+                return "the Pallas kernel takes cu_seqlens or segment_ids, not both"
+            local = request.causal or request.sliding_window is not None
+            if local and request.cu_seqlens_k is not request.cu_seqlens_q:
+                return "causal/window over packed input with cu_seqlens_k != cu_seqlens_q needs local positions"
+        return module.unsupported_reason(self._kernel_request(request))
+
+    def _mask(self, request: AttentionRequest) -> Any:
+        """The mask that selects the kernel's config: ours, else the one causal and window
+        make (the kernel folds them into ``mask=None`` the same way)."""
+        _, q_len, kv_len, *_ = request.shape
+        if self.mask is not None or q_len == 0 or kv_len == 0:
+            return self.mask
+        return self._module().attention_mask(
+            q_len, kv_len, causal=request.causal, sliding_window=request.sliding_window
+        )
+
+    def _kernel_request(self, request: AttentionRequest) -> AttentionRequest:
+        """``request`` as the kernel takes it: packed sequences as segment ids."""
+        if request.cu_seqlens_q is None:
+            return request
+        return dataclasses.replace(
+            request,
+            segment_ids=packed_segment_ids(request),
+            cu_seqlens_q=None,
+            cu_seqlens_k=None,
+        )
+
+    def invocations(self, request: AttentionRequest) -> dict[str, Any]:
+        from ejk_executor import Invocation
+        from ejk_kernels_tpu import BlockSparseAttention
+
+        local = dataclasses.replace(
+            self._kernel_request(request), causal=False, sliding_window=None
+        )
+        kw = {
+            "mask": self._mask(request),
+            "segment_ids": local.segment_ids,
+            "softmax_scale": local.softmax_scale,
+            "logits_soft_cap": local.logits_soft_cap,
+            "softmax_sinks": local.softmax_sinks,
+            "dropout_rate": local.dropout_rate,
+            "dropout_seed": local.dropout_seed,
+            "return_lse": local.return_lse,
+        }
+        inv = Invocation.make(BlockSparseAttention(), (local.q, local.k, local.v), kw)
+        return {"forward": inv, "backward": inv}
+
+    def choose_configs(
+        self, request: AttentionRequest, config: Any = None, bwd_config: Any = None
+    ) -> tuple[Any, Any]:
+        if bwd_config is not None and config is not None and bwd_config != config:
+            raise ValueError(
+                "the Pallas kernel's config holds the forward and backward block sizes: "
+                f"pass one config, got config={config!r} and bwd_config={bwd_config!r}"
+            )
+        chosen = super().choose_configs(request, config or bwd_config)
+        return chosen[0], chosen[0]
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        del bwd_config  # the same config (see choose_configs)
+        return self._module().blocksparse_attention_request(
+            self._kernel_request(request), self.mask, config=config
+        )
 
 
 BACKENDS: dict[str, Backend] = {
-    "xla": Backend("xla", _xla_refuse, _xla_run),
-    "triton": Backend("triton", _triton_refuse, _triton_run),
-    "pallas": Backend("pallas", _pallas_refuse, _pallas_run),
-    "cudnn": Backend("cudnn", _cudnn_refuse, _cudnn_run),
+    "xla": XlaBackend(),
+    "triton": TritonBackend(),
+    "pallas": PallasBackend(),
+    "cudnn": CudnnBackend(),
 }
 IMPLEMENTATIONS: tuple[str, ...] = tuple(BACKENDS)
 
@@ -263,29 +338,32 @@ def default_order(platform: str) -> tuple[str, ...]:
     return ("xla",)
 
 
-def resolve_implementation(implementation: Any) -> tuple[str, ...] | None:
+def resolve_implementation(
+    implementation: Any, names: Sequence[str] = IMPLEMENTATIONS
+) -> tuple[str, ...] | None:
     """``implementation=`` as a tuple of backend names, or None for the platform default."""
     if implementation is None:
         return None
-    names = (implementation,) if isinstance(implementation, str) else implementation
-    if not isinstance(names, Sequence) or isinstance(names, str | bytes):
+    given = (implementation,) if isinstance(implementation, str) else implementation
+    if not isinstance(given, Sequence) or isinstance(given, str | bytes):
         raise TypeError(
             f"implementation must be None, a name or a sequence of names, got {implementation!r}"
         )
-    if len(names) == 0:
+    if len(given) == 0:
         raise ValueError("implementation must not be an empty sequence")
-    for name in names:
+    for name in given:
         if not isinstance(name, str):
             raise TypeError(f"implementation names must be strings, got {name!r}")
-        if name not in BACKENDS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
-    return tuple(names)
+        if name not in names:
+            raise ValueError(f"implementation must be one of {tuple(names)}, got {name!r}")
+    return tuple(given)
 
 
 def run_first(
     request: AttentionRequest,
     names: Sequence[str],
-    config: Any,
+    config: Any = None,
+    bwd_config: Any = None,
     backends: dict[str, Backend] | None = None,
 ) -> tuple[str, Any]:
     """Run the first backend in ``names`` that serves ``request``; ``(name, result)``.
@@ -303,11 +381,12 @@ def run_first(
         reason = (
             f"this operation runs on {', '.join(backends)} only"
             if backend is None
-            else backend.refuse(request, platform)
+            else backend.supported(request, platform)
         )
         if backend is not None and reason is None:
             try:
-                return name, backend.run(request, config)
+                configs = backend.choose_configs(request, config, bwd_config)
+                return name, backend.run(request, *configs)
             except NotImplementedError as err:
                 reason = str(err)
         reasons.append(f"{name}: {reason}")

@@ -17,13 +17,7 @@ from jaxtyping import Float, Int
 
 from ejk_sequtils import AttentionRequest, reference_attention, validate_attention
 
-from ._backends import (
-    Backend,
-    platform_of,
-    resolve_implementation,
-    run_blocksparse_kernel,
-    run_first,
-)
+from ._backends import Backend, PallasBackend, platform_of, resolve_implementation, run_first
 
 __all__ = ["blocksparse_attention"]
 
@@ -46,31 +40,33 @@ def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
         )
 
 
-def _dense(request: AttentionRequest, mask: Any) -> Any:
+class _DenseMaskBackend(Backend):
     """The xla path: the reference with the mask as part of the visibility.
 
     The mask joins the visibility (not an additive -inf bias), so the soft cap,
     which maps -inf to -cap, cannot unmask anything.
     """
-    dense = jnp.asarray(mask.dense())
-    dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
-    return reference_attention(
-        request.q,
-        request.k,
-        request.v,
-        softmax_scale=request.softmax_scale,
-        logits_soft_cap=request.logits_soft_cap,
-        softmax_sinks=request.softmax_sinks,
-        segment_ids=request.segment_ids,
-        mask=dense.astype(bool),
-        return_lse=request.return_lse,
-    )
 
+    name = "xla"
 
-def _kernel(request: AttentionRequest, mask: Any, config: Any) -> Any:
-    if request.v.shape[-1] != request.q.shape[-1]:
-        raise NotImplementedError("the Pallas kernel needs v's head_dim equal to q's")
-    return run_blocksparse_kernel(request, mask, request.segment_ids, config)
+    def __init__(self, mask: Any):
+        self.mask = mask
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        del config, bwd_config
+        dense = jnp.asarray(self.mask.dense())
+        dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
+        return reference_attention(
+            request.q,
+            request.k,
+            request.v,
+            softmax_scale=request.softmax_scale,
+            logits_soft_cap=request.logits_soft_cap,
+            softmax_sinks=request.softmax_sinks,
+            segment_ids=request.segment_ids,
+            mask=dense.astype(bool),
+            return_lse=request.return_lse,
+        )
 
 
 def blocksparse_attention(
@@ -84,7 +80,7 @@ def blocksparse_attention(
     | None = None,
     softmax_scale: float | None = None,
     logits_soft_cap: float | None = None,
-    softmax_sinks: Float[AnyArray, " N"] | None = None,
+    softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
@@ -101,7 +97,7 @@ def blocksparse_attention(
         segment_ids: ``[B, T]`` (T == S) or ``(q_ids [B, T], kv_ids [B, S])``; negative ids are padding.
         softmax_scale: default ``H ** -0.5``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
-        softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
+        softmax_sinks: ``[N]`` or ``[N, num_sinks]`` logits in the softmax denominator only.
         return_lse: also return the float32 lse ``[B, N, T]``.
         implementation: None (pallas on TPU, else xla), ``"pallas"`` (interpreted off TPU),
             ``"xla"``, or a sequence tried in order.
@@ -125,8 +121,5 @@ def blocksparse_attention(
     names = resolve_implementation(implementation)
     if names is None:
         names = ("pallas", "xla") if platform_of(request) == "tpu" else ("xla",)
-    backends = {
-        "pallas": Backend("pallas", lambda r, p: None, lambda r, c: _kernel(r, mask, c)),
-        "xla": Backend("xla", lambda r, p: None, lambda r, c: _dense(r, mask)),
-    }
-    return run_first(request, names, config, backends)[1]
+    backends = {"pallas": PallasBackend(mask), "xla": _DenseMaskBackend(mask)}
+    return run_first(request, names, config, backends=backends)[1]

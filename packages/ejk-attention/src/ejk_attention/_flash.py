@@ -28,13 +28,15 @@ AnyArray = Array | np.ndarray
 SegmentIds = Int[AnyArray, "B T"] | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
 
 
-def _compute(request: AttentionRequest, names: tuple[str, ...] | None, config: Any) -> Any:
+def _compute(
+    request: AttentionRequest, names: tuple[str, ...] | None, config: Any, bwd_config: Any
+) -> Any:
     if names is None:
         names = default_order(platform_of(request))
         tuned = tuned_backend(request)  # what `ejk tune` measured fastest here, if anything
         if tuned is not None and tuned in IMPLEMENTATIONS:
             names = (tuned, *(n for n in names if n != tuned))
-    return run_first(request, names, config)[1]
+    return run_first(request, names, config, bwd_config)[1]
 
 
 def flash_attention(
@@ -47,7 +49,7 @@ def flash_attention(
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
-    softmax_sinks: Float[AnyArray, " N"] | None = None,
+    softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
     segment_ids: SegmentIds | None = None,
     cu_seqlens_q: Int[AnyArray, " L"] | None = None,
     cu_seqlens_k: Int[AnyArray, " L"] | None = None,
@@ -56,6 +58,7 @@ def flash_attention(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
+    bwd_config: Any = None,
     mesh: Mesh | None = None,
     in_specs: PartitionSpec | None = None,
     out_specs: PartitionSpec | None = None,
@@ -74,7 +77,8 @@ def flash_attention(
         causal: query i sees keys ``j <= i`` (top-left aligned).
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``: keys in ``[i - left, i + right]``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
-        softmax_sinks: ``[N]`` one logit per query head in the softmax denominator only.
+        softmax_sinks: ``[N]`` one logit per query head, or ``[N, num_sinks]``, in the softmax
+            denominator only (several fold to one by logsumexp).
         segment_ids: ``[B, T]`` (self attention) or ``(q_ids [B, T], kv_ids [B, S])``;
             tokens attend within equal ids >= 0; negative ids are padding.
         cu_seqlens_q: ``[num_seqs + 1]`` offsets of packed query sequences (B == 1).
@@ -85,7 +89,11 @@ def flash_attention(
         implementation: None (the backend ``ejk tune`` stored for this shape, then the
             platform's order: triton, cuDNN, xla on GPU; pallas, xla on TPU; xla on CPU), one of ``"xla"``, ``"triton"``, ``"pallas"``, ``"cudnn"``, or
             a sequence of them tried in order.
-        config: a kernel config (block sizes etc.) for triton/pallas; xla and cuDNN ignore it.
+        config: the forward kernel config (block sizes etc.) for triton/pallas; default: the
+            executor's choice (a config ``ejk tune`` stored, else the kernel's heuristic).
+            xla and cuDNN have none.
+        bwd_config: the backward kernel config, chosen the same way (pallas: one config
+            holds both, so pass ``config`` alone).
         mesh: run batch/head sharded over this mesh (the facade writes the shard_map).
             Without it, a q that already carries a batch/head NamedSharding (concrete, or
             under jit on an Explicit mesh) is run per shard the same way.
@@ -120,7 +128,7 @@ def flash_attention(
     names = resolve_implementation(implementation)
 
     def run_local(local: AttentionRequest) -> Any:
-        return _compute(local, names, config)
+        return _compute(local, names, config, bwd_config)
 
     if mesh is None:
         if in_specs is not None or out_specs is not None:

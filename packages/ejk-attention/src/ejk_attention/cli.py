@@ -305,14 +305,15 @@ def _tune(args: argparse.Namespace) -> int:
 def _tune_kernel_configs(
     args: argparse.Namespace, cases: list[Any], cache: Any, console: Any
 ) -> None:
-    """Autotune the Triton forward config of each case into ``cache`` (ejk_executor)."""
-    import jax
+    """Autotune the Triton forward and backward configs of each case into ``cache``.
 
-    from ejk_executor import AutotunePolicy, ConfigSelectorChain, Executor
-    from ejk_kernels_gpu import FlashAttentionForward
+    The invocations are the facade's own (`TritonBackend.invocations`), so the keys
+    stored are the ones `flash_attention` looks up.
+    """
+    from ejk_executor import AutotunePolicy, ConfigSelectorChain
     from ejk_sequtils import validate_attention
 
-    from ._backends import triton_through
+    from ._backends import BACKENDS
     from ._bench import inputs_for
 
     policy = AutotunePolicy(
@@ -321,19 +322,12 @@ def _tune_kernel_configs(
         num_iters=args.iters,
         max_candidates=args.max_candidates,
     )
-    executor = Executor(ConfigSelectorChain(persistent=cache, policy=policy))
+    chooser = ConfigSelectorChain(persistent=cache, policy=policy)
     for case in _progress(args, "tune triton configs")(cases):
         request = validate_attention(*inputs_for(case), causal=case.causal)
-        jax.block_until_ready(triton_through(executor, request, FlashAttentionForward))
-        chosen = executor.chooser.lookup(_invocation(FlashAttentionForward(), request))
-        console.print(f"{case.label}: triton forward config {chosen.cfg if chosen else '?'}")
-
-
-def _invocation(kernel: Any, request: Any) -> Any:
-    from ejk_executor import Invocation
-
-    args = (request.q, request.k, request.v, request.bias)
-    return Invocation.make(kernel, args, request.keyword_arguments())
+        for part, inv in BACKENDS["triton"].invocations(request).items():
+            cfg = chooser.tune(inv, policy)
+            console.print(f"{case.label}: triton {part} config {cfg}")
 
 
 # ejk cache

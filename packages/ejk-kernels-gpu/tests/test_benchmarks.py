@@ -43,3 +43,23 @@ def test_bench_shape_times_each_variant_in_interleaved_rounds(bench_path, monkey
     assert len(calls) == 4 and calls[0] is calls[2] and calls[1] is calls[3] != calls[0]
     for row in rows:
         assert row["fwd_best_ms"] <= row["fwd_ms"] and row["fwd_tflops"] > 0
+
+
+def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
+    import jax.numpy as jnp
+    import numpy as np
+
+    conf = importlib.import_module("gpu_conformance")
+    rng = np.random.default_rng(0)
+    row = conf._case(rng, "tiny", 1, 16, 16, 2, 1, 16, conf.ORD, False, dtype=jnp.float32, causal=True)  # fmt: skip
+    assert row["builds"] == {"fwd": "ordinary", "bwd": "ordinary"}
+    assert row["passed"] and row["deterministic"] and row["builds_ok"]
+    # On Hopper a case about the Gluon / warp-specialised builds fails when another ran,
+    # and a case about the ordinary kernels fails when a special build ran.
+    assert conf._builds_ok({"fwd": "gluon", "bwd": "ws"}, conf.GW, hopper=True)
+    assert not conf._builds_ok({"fwd": "ordinary", "bwd": "ws"}, conf.GW, hopper=True)
+    assert not conf._builds_ok({"fwd": "gluon", "bwd": "atomic"}, conf.GW, hopper=True)
+    assert not conf._builds_ok({"fwd": "ws", "bwd": "ordinary"}, conf.ORD, hopper=True)
+    assert conf._builds_ok({"fwd": "ordinary", "bwd": "atomic"}, conf.ORD, hopper=True)
+    # Off Hopper every case expects the ordinary kernels.
+    assert conf._builds_ok({"fwd": "ordinary", "bwd": "ordinary"}, conf.GW, hopper=False)

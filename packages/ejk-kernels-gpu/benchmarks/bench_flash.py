@@ -151,6 +151,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
+    parser.add_argument("--json", default="", help="write every row, device and versions here")
+    parser.add_argument("--commit", default="", help="the commit under test (for the JSON)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument(
         "--fwd-cfg",
@@ -209,6 +211,20 @@ def main() -> int:
         variants += [("ejk", fwd_cfgs[0], c, f"bwd {c or 'heuristic'}") for c in bwd_cfgs[1:]]
         rows += bench_shape(shape, variants, with_bwd=not args.no_bwd, rounds=args.rounds)
     _table(rows)
+    if args.json:
+        from gpu_conformance import versions
+
+        result = {
+            "script": "packages/ejk-kernels-gpu/benchmarks/bench_flash.py",
+            "argv": sys.argv[1:],
+            "commit": args.commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "device": jax.devices()[0].device_kind,
+            "versions": versions(),
+            "rows": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
     return 0
 
 

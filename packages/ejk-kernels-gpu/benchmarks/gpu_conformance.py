@@ -229,7 +229,7 @@ def _forward_only(name, B, T, S, N, K, H, expect, hopper, sinks=False):
     }  # fmt: skip
 
 
-def _versions() -> dict:
+def versions() -> dict:
     found = {"python": platform.python_version()}
     for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "triton", "jax-triton"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -295,7 +295,7 @@ def main() -> int:
 
     hopper = hopper_gpu()
     device = jax.devices()[0]
-    print(device, _versions(), "hopper (Gluon and warp-specialised builds):", hopper)
+    print(device, versions(), "hopper (Gluon and warp-specialised builds):", hopper)
     rng = np.random.default_rng(0)
     cases = CASES[:3] if args.quick else CASES
     if args.cases:
@@ -322,7 +322,7 @@ def main() -> int:
             "device": getattr(device, "device_kind", str(device)),
             "platform": device.platform,
             "hopper": hopper,
-            "versions": _versions(),
+            "versions": versions(),
             "tolerance": BF16_TOL,
             "passed": ok,
             "cases": rows,

@@ -56,17 +56,8 @@ class _DenseMaskBackend(Backend):
         del config, bwd_config
         dense = jnp.asarray(self.mask.dense())
         dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
-        return reference_attention(
-            request.q,
-            request.k,
-            request.v,
-            softmax_scale=request.softmax_scale,
-            logits_soft_cap=request.logits_soft_cap,
-            softmax_sinks=request.softmax_sinks,
-            segment_ids=request.segment_ids,
-            mask=dense.astype(bool),
-            return_lse=request.return_lse,
-        )
+        kw = request.keyword_arguments()
+        return reference_attention(request.q, request.k, request.v, mask=dense.astype(bool), **kw)
 
 
 def blocksparse_attention(

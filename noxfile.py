@@ -9,10 +9,21 @@ declare fails its own session.
     uvx nox                      # lint + every package's tests (the default)
     uvx nox -s tests-ejk-config  # one package
     uvx nox -s tests-ejk-config -- -m slow   # extra pytest arguments
+    uvx nox -t compat            # the supported-versions matrix (see below)
+
+The default sessions run each package on the lock's jax for Python 3.11 (the newest jax
+Python 3.11 gets). The ``compat`` sessions run each package at both ends of what its
+bounds allow: ``compat-<pkg>-oldest-jax`` on Python 3.11 with jax (and jaxlib) at the
+package's lower bound, and ``compat-<pkg>-newest-jax`` on Python 3.12+ with the newest
+jax its bounds admit. A machine without Python 3.12 skips the latter, saying so.
 """
 
 from __future__ import annotations
 
+import glob
+import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -34,6 +45,33 @@ def _members() -> list[str]:
 
 
 PACKAGES = _members()
+
+
+def _jax_floor(package: str) -> str:
+    """The lower bound of ``jax`` in ``package``'s dependencies (``jax>=X`` -> ``X``)."""
+    with (ROOT / "packages" / package / "pyproject.toml").open("rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    for dep in deps:
+        found = re.fullmatch(r"jax\s*>=\s*([0-9.]+)(,.*)?", dep.split(";")[0].strip())
+        if found:
+            return found.group(1)
+    raise ValueError(f"{package} declares no 'jax>=X' dependency")
+
+
+def _python_312_or_newer() -> str | None:
+    """A Python >= 3.12 interpreter on this machine (PATH, then pyenv's versions), or None."""
+    candidates = [shutil.which(f"python3.{minor}") for minor in (12, 13, 14)]
+    candidates += sorted(glob.glob(str(Path.home() / ".pyenv/versions/3.1[234]*/bin/python3")))
+    for exe in filter(None, candidates):
+        probe = subprocess.run(
+            [exe, "-c", "import sys; print(sys.version_info >= (3, 12))"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == "True":
+            return exe
+    return None
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -69,5 +107,39 @@ def _tests_session(package: str) -> None:
     nox.session(name=f"tests-{package}")(run_tests)
 
 
+def _compat_sessions(package: str) -> None:
+    """Register ``compat-<package>-oldest-jax`` and ``compat-<package>-newest-jax``."""
+
+    def oldest(session: nox.Session) -> None:
+        floor = _jax_floor(package)
+        _sync(session, "--package", package, "--group", "test")
+        session.run_install(
+            "uv", "pip", "install", "--python", session.virtualenv.location,
+            f"jax=={floor}", f"jaxlib=={floor}", external=True,
+        )  # fmt: skip
+        session.chdir(ROOT / "packages" / package)
+        session.run("python", "-c", "import jax; print('jax', jax.__version__)")
+        session.run("python", "-m", "pytest", *session.posargs)
+
+    def newest(session: nox.Session) -> None:
+        python = _python_312_or_newer()
+        if python is None:
+            session.skip("no Python >= 3.12 on this machine")
+        _sync(session, "--package", package, "--group", "test", "--python", python)
+        session.run_install(
+            "uv", "pip", "install", "--python", session.virtualenv.location, "--upgrade",
+            f"jax>={_jax_floor(package)}", "jaxlib", external=True,
+        )  # fmt: skip
+        session.chdir(ROOT / "packages" / package)
+        session.run("python", "-c", "import jax, sys; print('jax', jax.__version__, sys.version)")
+        session.run("python", "-m", "pytest", *session.posargs)
+
+    oldest.__doc__ = f"{package} on Python 3.11 with jax at its lower bound."
+    newest.__doc__ = f"{package} on Python >= 3.12 with the newest jax its bounds allow."
+    nox.session(name=f"compat-{package}-oldest-jax", tags=["compat"], default=False)(oldest)
+    nox.session(name=f"compat-{package}-newest-jax", tags=["compat"], default=False)(newest)
+
+
 for _package in PACKAGES:
     _tests_session(_package)
+    _compat_sessions(_package)

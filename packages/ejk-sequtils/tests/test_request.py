@@ -53,7 +53,7 @@ def test_empty_axes_are_valid():
         (
             {"dropout_rate": 0.1, "dropout_seed": 1.5},
             TypeError,
-            r"dropout_seed must be an int or an int32/uint32 scalar array, got 1\.5",
+            r"dropout_seed must be an int, an int32/uint32 scalar array or a jax.random.key, got 1\.5",
         ),
         ({"dropout_rate": 0.1, "dropout_seed": True}, TypeError, r"dropout_seed must be an int"),
         ({"dropout_rate": 0.1}, ValueError, r"dropout_seed is required when dropout_rate=0\.1"),
@@ -94,3 +94,18 @@ def test_cu_seqlens_must_start_at_zero(qkv):
         validate_attention(q, k, v, cu_seqlens_q=jnp.asarray([1, 3, 7]))
     r = validate_attention(q, k, v, cu_seqlens_q=jnp.asarray([0, 3, 7]))
     assert r.cu_seqlens_k is r.cu_seqlens_q
+
+
+def test_a_prng_key_seeds_dropout(qkv):
+    import jax
+
+    key = jax.random.key(7)
+    r = validate_attention(*qkv, dropout_rate=0.2, dropout_seed=key)
+    assert r.dropout_seed.dtype == jnp.uint32 and r.dropout_seed.shape == ()
+    assert r.dropout_seed == jax.random.bits(key, dtype=jnp.uint32)
+    traced = jax.jit(
+        lambda k: validate_attention(*qkv, dropout_rate=0.2, dropout_seed=k).dropout_seed
+    )
+    assert traced(key) == r.dropout_seed
+    with pytest.raises(ValueError, match=r"a single PRNG key, got dropout_seed.shape=\(2,\)"):
+        validate_attention(*qkv, dropout_rate=0.2, dropout_seed=jax.random.split(key))

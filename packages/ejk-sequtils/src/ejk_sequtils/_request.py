@@ -182,13 +182,23 @@ def _validate_sinks(softmax_sinks: Any, heads: int) -> Any:
 
 
 def _validate_seed(dropout_seed: Any, dropout_rate: Any) -> Any:
+    """The seed as an int or an int32/uint32 scalar; a PRNG key (``jax.random.key``, as
+    ejKernel's ``dropout_rng``) gives the uint32 ``jax.random.bits`` draws from it."""
     if dropout_seed is None:
         raise ValueError(f"dropout_seed is required when dropout_rate={dropout_rate!r} > 0")
-    expected = "an int or an int32/uint32 scalar array"
+    expected = "an int, an int32/uint32 scalar array or a jax.random.key"
     if isinstance(dropout_seed, bool):
         raise TypeError(f"dropout_seed must be {expected}, got {dropout_seed!r}")
     if isinstance(dropout_seed, numbers.Integral):
         return int(dropout_seed)
+    if isinstance(dropout_seed, jax.Array) and jax.dtypes.issubdtype(
+        dropout_seed.dtype, jax.dtypes.prng_key
+    ):
+        if dropout_seed.shape != ():
+            raise ValueError(
+                f"dropout_seed must be a single PRNG key, got dropout_seed.shape={dropout_seed.shape}"
+            )
+        return jax.random.bits(dropout_seed, dtype=jnp.uint32)
     seed = _array(dropout_seed, "dropout_seed", expected)
     if seed.shape != () or seed.dtype not in (jnp.int32, jnp.uint32):
         raise TypeError(

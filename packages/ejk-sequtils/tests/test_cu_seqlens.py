@@ -38,7 +38,7 @@ def test_cdiv_rejects_non_positive_divisor():
 def test_prepare_lens():
     assert _np(es.prepare_lens(jnp.array([0, 5, 12, 18]))) == [5, 7, 6]
     assert _np(es.prepare_lens(np.array(EMPTY_MIDDLE))) == [3, 0, 2]
-    assert es.prepare_lens(jnp.array([0])).shape == (0,)
+    assert es.prepare_lens(jnp.array([0, 0])).tolist() == [0]
 
 
 def test_seed_example_position_ids():
@@ -73,7 +73,6 @@ def test_total_length_pads_and_truncates():
     assert _np(es.prepare_sequence_ids(cu, total_length=5)) == [0, 0, 1, -1, -1]
     assert _np(es.prepare_position_ids(cu, total_length=5)) == [0, 1, 0, 0, 0]
     assert _np(es.cu_seqlens_to_segment_ids(cu, total_length=5)) == [0, 0, 1, -1, -1]
-    assert _np(es.prepare_sequence_ids(cu, total_length=2)) == [0, 0]
 
 
 def test_cu_seqlens_to_segment_ids_numbers_from_0_and_pads_with_minus_1():
@@ -203,9 +202,11 @@ def test_round_trips_on_an_example():
         ),
         (np.array([-1, 3]), ValueError, r"must start at 0, got cu_seqlens\[0\]=-1"),
         (np.array([2, 3]), ValueError, r"must start at 0, got cu_seqlens\[0\]=2"),
-        (np.array([[0, 3]]), ValueError, r"1-D, got cu_seqlens.shape=\(1, 2\)"),
+        (np.array([[0, 3]]), ValueError, r">= 2 entries, got cu_seqlens.shape=\(1, 2\)"),
         (np.array([0.0, 3.0]), TypeError, "integer dtype, got cu_seqlens.dtype=float64"),
-        (np.zeros(0, np.int32), ValueError, "at least one entry"),
+        (np.zeros(0, np.int32), ValueError, r">= 2 entries, got cu_seqlens.shape=\(0,\)"),
+        (np.array([0]), ValueError, r">= 2 entries, got cu_seqlens.shape=\(1,\)"),
+        ([0, 3], TypeError, "integer jax or NumPy array, got \\[0, 3\\] of type list"),
     ],
 )
 @pytest.mark.usefixtures("no_shape_checks")
@@ -223,3 +224,60 @@ def test_bad_static_lengths():
         es.prepare_position_ids(cu, total_length=2.0)
     with pytest.raises(ValueError, match="chunk_size must be positive, got chunk_size=0"):
         es.prepare_chunk_offsets(cu, 0)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        es.prepare_sequence_ids,
+        es.prepare_position_ids,
+        es.prepare_token_indices,
+        es.cu_seqlens_to_segment_ids,
+    ],
+)
+def test_total_length_below_the_last_offset_is_an_error(fn):
+    # It used to cut the last sequence off silently ([0, 1, 2] for prepare_position_ids).
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=5, past total_length=3"):
+        fn(jnp.array([0, 3, 5]), total_length=3)
+    assert fn(jnp.array([0, 3, 5]), total_length=5).shape[0] == 5  # exactly enough is fine
+
+
+def test_total_chunks_below_the_number_of_chunks_is_an_error():
+    with pytest.raises(ValueError, match="makes 5 chunks, more than total_chunks=4"):
+        es.prepare_chunk_indices(jnp.array([0, 5, 5, 7, 8]), 2, total_chunks=4)
+
+
+def _outcome(call):
+    try:
+        call()
+    except (TypeError, ValueError) as err:
+        # The rule each broke, without the value it shows (the two show it differently).
+        return type(err).__name__, str(err).replace("cu_seqlens_q", "cu_seqlens").split(", got")[0]
+    return "ok", ""
+
+
+@pytest.mark.parametrize(
+    "cu",
+    [
+        np.array([0, 3, 5]),
+        np.array([0, 0]),
+        np.array([0, 5, 5], np.uint32),
+        np.array([0]),
+        np.zeros(0, np.int32),
+        np.array([[0, 5]]),
+        np.array([0.0, 5.0]),
+        np.array([True, False]),
+        np.array([1, 5]),
+        np.array([0, 4, 2]),
+        [0, 5],
+        (0, 5),
+    ],
+    ids=repr,
+)
+@pytest.mark.usefixtures("no_shape_checks")
+def test_cu_seqlens_accepted_exactly_as_validate_attention_accepts_them(cu):
+    q = jnp.zeros((1, 5, 2, 8), jnp.float32)
+    attention = _outcome(lambda: es.validate_attention(q, q, q, cu_seqlens_q=cu))
+    helpers = _outcome(lambda: es.prepare_position_ids(cu, total_length=5))
+    assert helpers == attention
+    assert _outcome(lambda: es.prepare_lens(cu))[0] == attention[0]

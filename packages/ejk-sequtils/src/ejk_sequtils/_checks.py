@@ -61,25 +61,42 @@ def check_integer_array(x, name: str, ndim: int | None = None) -> None:
         raise ValueError(f"{name} must be {ndim}-D, got {name}.shape={tuple(x.shape)}")
 
 
-def check_cu_seqlens(cu_seqlens) -> None:
-    """``cu_seqlens``: 1-D integers, at least one entry, and (when concrete) valid values.
+def check_cu_seqlens(cu_seqlens, total_length: int | None = None) -> None:
+    """``cu_seqlens`` as `validate_attention` accepts ``cu_seqlens_q``, and within ``total_length``.
 
-    Valid values start at exactly 0 and never decrease. The attention kernels reject any
-    other start, so a non-zero ``cu_seqlens[0]`` is an error here too rather than a
-    stretch of leading padding.
+    A jax or NumPy integer array of rank 1 with at least 2 entries (one sequence, which
+    may be empty); when concrete, its values start at exactly 0, never decrease and, when
+    ``total_length`` is given, end at or before it. The rules and messages are those of
+    ``ejk_sequtils._request._validate_cu_seqlens``, so a ``cu_seqlens`` these helpers
+    take is one the attention call takes (a test holds the two to the same table).
     """
-    check_integer_array(cu_seqlens, "cu_seqlens", ndim=1)
-    if cu_seqlens.shape[0] == 0:
-        raise ValueError("cu_seqlens must have at least one entry (the leading 0), got shape (0,)")
+    if isinstance(cu_seqlens, np.generic):
+        cu_seqlens = np.asarray(cu_seqlens)
+    if not isinstance(cu_seqlens, jax.Array | np.ndarray):
+        raise TypeError(
+            f"cu_seqlens must be an integer jax or NumPy array, got {cu_seqlens!r} of type "
+            f"{type(cu_seqlens).__name__}"
+        )
+    check_integer_array(cu_seqlens, "cu_seqlens")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            "cu_seqlens must be rank 1 [num_seqs + 1] with >= 2 entries, got "
+            f"cu_seqlens.shape={tuple(cu_seqlens.shape)}"
+        )
     values = concrete_or_none(cu_seqlens)
     if values is None:
         return
     if values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={values[0]}")
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={int(values[0])}")
     drops = np.flatnonzero(np.diff(values) < 0)
     if drops.size:
         i = int(drops[0])
         raise ValueError(
             f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}]={values[i]} > "
             f"cu_seqlens[{i + 1}]={values[i + 1]}"
+        )
+    if total_length is not None and values[-1] > total_length:
+        raise ValueError(
+            f"cu_seqlens ends at cu_seqlens[-1]={int(values[-1])}, past {total_length=}: "
+            "pass a total_length of at least cu_seqlens[-1]"
         )

@@ -14,8 +14,13 @@ the number of tokens, ``cu_seqlens[-1]``, is a value. Every such function takes
 makes it work under ``jax.jit``. Without it the length is read from a concrete
 ``cu_seqlens``; a traced one raises a ``ValueError`` asking for the argument.
 Tokens at or beyond ``cu_seqlens[-1]`` are padding: sequence id -1, segment id -1,
-position id 0. (A concrete ``cu_seqlens`` must start at 0; a traced one cannot be
-checked, and tokens before a non-zero ``cu_seqlens[0]`` then come out as padding too.)
+position id 0.
+
+``cu_seqlens`` is checked as `validate_attention` checks ``cu_seqlens_q``: an integer
+jax or NumPy array, rank 1 with at least 2 entries, and when concrete starting at 0,
+non-decreasing and ending at or before ``total_length`` (``total_chunks``). A traced
+one cannot be checked: tokens before a non-zero ``cu_seqlens[0]`` then come out as
+padding, and tokens past ``total_length`` are cut off.
 """
 
 import jax
@@ -102,8 +107,8 @@ def _owner_and_offset(starts: Array, index: Array) -> tuple[Array, Array]:
 
 
 def _token_owner_and_position(cu_seqlens, total_length, fn: str) -> tuple[Array, Array]:
-    check_cu_seqlens(cu_seqlens)
     total_length = check_optional_length(total_length, "total_length")
+    check_cu_seqlens(cu_seqlens, total_length)
     cu_seqlens = jnp.asarray(cu_seqlens)
     if total_length is None:
         total_length = static_int(
@@ -123,7 +128,8 @@ def prepare_sequence_ids(
     Args:
         cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
         total_length: static number of tokens T; required under ``jax.jit``. Tokens
-            past ``cu_seqlens[-1]`` are padding; a smaller T truncates.
+            past ``cu_seqlens[-1]`` are padding; a T below a concrete ``cu_seqlens[-1]``
+            is a ``ValueError``.
 
     Returns:
         int32 ``[T]`` sequence ids, -1 for padding.
@@ -179,7 +185,8 @@ def prepare_chunk_indices(
         cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
         chunk_size: the chunk length in tokens, a positive int.
         total_chunks: static number of chunks K; required under ``jax.jit``. Chunks past
-            the last real one are padding; a smaller K truncates.
+            the last real one are padding; a K below the (concrete) number of chunks is
+            a ``ValueError``.
 
     Returns:
         int32 ``[K, 2]``; padding chunks are ``[-1, 0]``.
@@ -190,6 +197,13 @@ def prepare_chunk_indices(
         total_chunks = static_int(
             offsets[-1], fn="prepare_chunk_indices", name="cu_seqlens", static_arg="total_chunks"
         )
+    else:
+        needed = concrete_or_none(offsets[-1])
+        if needed is not None and int(needed) > total_chunks:
+            raise ValueError(
+                f"cu_seqlens with {chunk_size=} makes {int(needed)} chunks, more than "
+                f"{total_chunks=}: pass a total_chunks of at least {int(needed)}"
+            )
     owner, index = _owner_and_offset(offsets, jnp.arange(total_chunks, dtype=jnp.int32))
     return jnp.stack([owner, index], axis=1)
 
@@ -206,7 +220,8 @@ def cu_seqlens_to_segment_ids(
     Args:
         cu_seqlens: ``[num_seqs + 1]`` cumulative lengths.
         total_length: static number of tokens T; required under ``jax.jit``. Tokens
-            past ``cu_seqlens[-1]`` are padding; a smaller T truncates.
+            past ``cu_seqlens[-1]`` are padding; a T below a concrete ``cu_seqlens[-1]``
+            is a ``ValueError``.
 
     Returns:
         int32 ``[T]`` segment ids; padding tokens get -1.

@@ -8,6 +8,13 @@ import pytest
 import ejk_sequtils as es
 
 EMPTY_MIDDLE = [0, 3, 3, 5]
+# The functions with one output row per token (and a total_length=).
+PER_TOKEN = [
+    es.prepare_sequence_ids,
+    es.prepare_position_ids,
+    es.prepare_token_indices,
+    es.cu_seqlens_to_segment_ids,
+]
 
 
 def _np(x):
@@ -98,15 +105,7 @@ def test_cu_seqlens_must_start_at_0():
     assert _np(traced) == [-1, -1, 0, 0]
 
 
-@pytest.mark.parametrize(
-    "fn",
-    [
-        es.prepare_sequence_ids,
-        es.prepare_position_ids,
-        es.prepare_token_indices,
-        es.cu_seqlens_to_segment_ids,
-    ],
-)
+@pytest.mark.parametrize("fn", PER_TOKEN)
 def test_per_token_functions_under_jit(fn):
     cu = jnp.array(EMPTY_MIDDLE, jnp.int32)
     eager = fn(cu)
@@ -226,15 +225,7 @@ def test_bad_static_lengths():
         es.prepare_chunk_offsets(cu, 0)
 
 
-@pytest.mark.parametrize(
-    "fn",
-    [
-        es.prepare_sequence_ids,
-        es.prepare_position_ids,
-        es.prepare_token_indices,
-        es.cu_seqlens_to_segment_ids,
-    ],
-)
+@pytest.mark.parametrize("fn", PER_TOKEN)
 def test_total_length_below_the_last_offset_is_an_error(fn):
     # It used to cut the last sequence off silently ([0, 1, 2] for prepare_position_ids).
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=5, past total_length=3"):

@@ -3,15 +3,44 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import flash_attention
+from ejk_attention import IMPLEMENTATIONS, flash_attention
 from ejk_attention.cli import main
 
 TINY = ["--shape", "1,32,48,4,2,16,causal", "--iters", "1", "--warmup", "0", "--quiet"]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every matplotlib figure the CLI saves (still saved), to read titles and labels."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    save = Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        saved.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if any case is run: argument errors must come before any work."""
+    from ejk_attention import _bench
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a case ran before the arguments were checked")
+
+    monkeypatch.setattr(_bench, "run_all", refuse)
 
 
 def test_info(capsys):
@@ -20,9 +49,58 @@ def test_info(capsys):
     assert (
         "ejk-attention" in out and "fingerprint:" in out and "implementation=None tries: xla" in out
     )
+    assert (
+        f"accelerator: cpu, {jax.device_count()} x cpu" in out
+        and "GPU kernel stack (triton, jax-triton):" in out
+    )
+    payload = json.loads(out[out.index("{") :])
+    assert payload["accelerator"]["platform"] == "cpu"
+    assert payload["accelerator"]["device_count"] == jax.device_count()
+    # The bounds come from the installed ejk packages' metadata: every one requires jax.
+    assert {owner for owner, _ in payload["supported"]["jax"]} >= {"ejk-sequtils", "ejk-attention"}
 
 
-def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys):
+def test_info_warns_about_a_version_outside_the_supported_range(capsys, monkeypatch):
+    from ejk_attention import cli
+
+    real = cli._version
+    monkeypatch.setattr(cli, "_version", lambda d: "0.1.0" if d == "jax" else real(d))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: jax 0.1.0 is outside ejk-sequtils's supported jax>=" in out
+
+
+def test_supported_ranges_read_every_ejk_package_and_its_extras(monkeypatch):
+    from ejk_attention import cli
+
+    fake = [
+        ("ejk-a", ["jax>=0.6,<0.7", "numpy>=1"], []),
+        (
+            "ejk-b",
+            ["triton==3.6.0; extra == 'cuda'", "jaxlib<1; sys_platform == 'nowhere'"],
+            ["cuda"],
+        ),
+    ]
+    monkeypatch.setattr(cli, "_ejk_distributions", lambda: fake)
+    ranges = cli.supported_ranges()
+    assert ranges == {
+        "jax": [("ejk-a", "<0.7,>=0.6")],
+        "jaxlib": [],  # its marker does not hold here
+        "triton": [("ejk-b", "==3.6.0")],
+        "jax-triton": [],
+    }
+    versions = {
+        "jax": "0.10.2",
+        "jaxlib": "0.10.2",
+        "triton": "3.6.0",
+        "jax-triton": "not installed",
+    }
+    assert cli.version_warnings(versions, ranges) == [
+        "jax 0.10.2 is outside ejk-a's supported jax<0.7,>=0.6"
+    ]
+
+
+def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys, figures):
     out_dir = tmp_path / "bench-out"
     code = main(
         [
@@ -45,9 +123,18 @@ def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys):
     rows = {r["implementation"]: r for r in data["results"]}
     assert rows["xla"]["status"] == "ok" and rows["jax-nn"]["status"] == "ok"
     assert rows["xla"]["fwd_ms"] > 0 and rows["xla"]["fwd_bwd_ms"] > 0
+    assert rows["xla"]["fwd_bwd_tflops"] > 0
     assert rows["cudnn"]["status"] == "refused" and "NVIDIA GPU" in rows["cudnn"]["reason"]
     assert data["machine"]["backend"] == "cpu"
     assert (out_dir / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The plot: TFLOP/s of the backends timed, the machine and versions in the title.
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["TFLOP/s", "TFLOP/s"]
+    title = fig._suptitle.get_text()
+    assert f"cpu x{jax.device_count()} (cpu)" in title and f"jax {jax.__version__}" in title
+    assert "ejk-attention" in title
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["xla", "jax-nn"]  # cudnn refused: no empty bar in the legend
 
 
 def test_bench_defaults_to_bench_out_in_the_working_directory(tmp_path, monkeypatch):
@@ -69,11 +156,147 @@ def test_bench_fails_on_a_mismatch(tmp_path, monkeypatch):
     assert main(["bench", *TINY, "--impl", "xla", "--forward-only", "--out", str(tmp_path)]) == 1
 
 
-def test_bad_shape_is_a_usage_error(capsys):
-    assert main(["bench", "--shape", "1,2,3", "--quiet"]) == 2
-    assert "shape must be 'B,T,S,N,K,H[,causal]'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["bench", "--iters", "0"])
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["bench", "--shape", "1,2,3"],
+            "argument --shape: shape must be 'B,T,S,N,K,H[,causal]' with positive ints, "
+            "got '1,2,3'",
+        ),
+        (["bench", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+        (["tune", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (["tune", "--max-candidates", "0"], "argument --max-candidates: must be >= 1, got 0"),
+        (
+            ["bench", "--impl", "xla", "--impl", "foo"],
+            "argument --impl: unknown implementation 'foo' "
+            "(choose from xla, triton, pallas, cudnn, jax-nn)",
+        ),
+        (
+            ["tune", "--impl", "foo"],
+            "argument --impl: unknown implementation 'foo' (choose from xla, triton, pallas, cudnn)",
+        ),
+        (
+            ["tune", "--impl", "jax-nn"],
+            "argument --impl: 'jax-nn' is jax.nn's attention, timed by 'ejk bench' as a "
+            "baseline; flash_attention cannot use it, so 'ejk tune' does not store it "
+            "(choose from xla, triton, pallas, cudnn)",
+        ),
+        (
+            ["bench", "--dtype", "float64"],
+            "argument --dtype: invalid choice: 'float64' "
+            "(choose from 'float32', 'float16', 'bfloat16')",
+        ),
+    ],
+)
+def test_argument_errors_are_the_subcommands_usage_errors_before_any_work(argv, message, capsys):
+    assert main([*argv, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: ejk {argv[0]} ")  # the subcommand's usage, not ejk's
+    assert err.splitlines()[-1] == f"ejk {argv[0]}: error: {message}"
+
+
+@pytest.mark.usefixtures("no_work")
+def test_an_output_path_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("")
+    assert main(["bench", *TINY, "--out", str(file)]) == 2
+    assert f"--out {file} is a file, not a directory" in capsys.readouterr().err
+    assert main(["tune", *TINY, "--cache-dir", str(file)]) == 2
+    assert f"--cache-dir {file} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_help_errors_tune_and_the_facade_name_the_same_implementations(capsys):
+    from ejk_attention._bench import BENCH_IMPLEMENTATIONS
+
+    assert IMPLEMENTATIONS == ("xla", "triton", "pallas", "cudnn")
+    assert BENCH_IMPLEMENTATIONS == (*IMPLEMENTATIONS, "jax-nn")
+    for command, names in (("bench", BENCH_IMPLEMENTATIONS), ("tune", IMPLEMENTATIONS)):
+        assert main([command, "--help"]) == 0
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert f"--impl IMPL {', '.join(names)} (repeatable)" in help_text
+
+
+def test_bench_that_benchmarks_nothing_fails_and_writes_nothing(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert main(["bench", *TINY, "--impl", "cudnn", "--out", str(out_dir)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "ejk bench: error: nothing was benchmarked, every case was refused "
+        "(cudnn: cuDNN needs an NVIDIA GPU, this call runs on cpu); wrote nothing"
+    ]
+    assert "wrote" not in captured.out
+    assert not out_dir.exists()  # no bench.json, no empty plot
+
+
+def test_tune_that_stores_nothing_fails_and_says_so(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    assert main(["tune", *TINY, "--impl", "cudnn", "--cache-dir", str(cache_dir)]) == 1
+    captured = capsys.readouterr()
+    assert "nothing stored, no implementation passed (cudnn cuDNN needs an NVIDIA GPU" in (
+        captured.out
+    )
+    assert "stored in" not in captured.out and "stored 0" not in captured.out
+    assert captured.err.strip() == (
+        f"ejk tune: error: nothing stored in {cache_dir / 'configs-v1.json'}: "
+        "no implementation passed on any case"
+    )
+    assert not (cache_dir / "configs-v1.json").exists()
+
+
+def _run(path: Path, device_kind: str, fwd_ms: dict[str, float]) -> Path:
+    """A bench.json as `ejk bench` writes it: one case, ``fwd_ms`` per implementation."""
+    case = {"batch": 1, "q_len": 128, "kv_len": 128, "heads": 4, "kv_heads": 4, "head_dim": 64}
+    case |= {"causal": False, "dtype": "float32"}
+    label = "B1 T128 S128 N4 K4 H64 float32"
+    rows = [
+        {"case": label, **case, "implementation": impl, "status": "ok", "fwd_ms": ms}
+        for impl, ms in fwd_ms.items()
+    ]
+    machine = {"backend": "gpu", "device_kind": device_kind, "device_count": 1}
+    machine["packages"] = {"jax": "0.7.0", "jaxlib": "0.7.0", "ejk-attention": "0.1.0"}
+    path.write_text(json.dumps({"machine": machine, "results": rows}))
+    return path
+
+
+def test_bench_compare_prints_ratios_and_draws_both_runs(tmp_path, capsys, figures):
+    a = _run(tmp_path / "a.json", "NVIDIA H100", {"xla": 2.0, "triton": 1.0})
+    b = _run(tmp_path / "b.json", "NVIDIA H200", {"triton": 0.5, "cudnn": 0.4})
+    out_dir = tmp_path / "cmp"
+    assert main(["bench", "--compare", str(a), str(b), "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    (triton,) = [line for line in out.splitlines() if "triton" in line]
+    assert "2.00" in triton  # B's triton took half A's time
+    assert "xla" not in out.split("B is faster")[1] and "cudnn" not in out.split("faster")[1]
+    assert (out_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    (fig,) = figures
+    title = fig._suptitle.get_text()
+    assert "A: NVIDIA H100 x1 (gpu) | jax 0.7.0" in title and "B: NVIDIA H200 x1 (gpu)" in title
+    assert fig.axes[0].get_ylabel() == "TFLOP/s"
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["xla (A)", "triton (A)", "triton (B)", "cudnn (B)"]
+
+
+@pytest.mark.usefixtures("no_work")
+def test_bench_compare_refuses_files_it_cannot_compare(tmp_path, capsys):
+    a = _run(tmp_path / "a.json", "H100", {"xla": 2.0})
+    other = _run(tmp_path / "other.json", "H100", {"triton": 1.0})
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases = [
+        ([str(a), str(tmp_path / "missing.json")], f"no such file: {tmp_path / 'missing.json'}"),
+        ([str(a), str(tmp_path / "bad.json")], "bad.json is not JSON"),
+        ([str(a), str(tmp_path / "list.json")], "list.json is not an 'ejk bench' result"),
+        ([str(a), str(other)], "share no timed (case, implementation): nothing to compare"),
+    ]
+    for files, message in cases:
+        assert main(["bench", "--compare", *files, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: ejk bench ") and message in err.splitlines()[-1]
+    assert main(["bench", "--compare", str(a), str(a), "--shape", "1,2,3,4,4,8"]) == 2
+    assert "--compare draws two existing runs; --shape do not apply" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_tune_then_cache_commands(tmp_path, capsys, monkeypatch):
@@ -82,7 +305,9 @@ def test_tune_then_cache_commands(tmp_path, capsys, monkeypatch):
         main(["tune", *TINY, "--impl", "xla", "--impl", "cudnn", "--cache-dir", str(cache_dir)])
         == 0
     )
-    assert "B1 T32 S48 N4 K2 H16 float32 causal: xla" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "B1 T32 S48 N4 K2 H16 float32 causal: xla" in out
+    assert f"stored 1 entries in {cache_dir / 'configs-v1.json'}" in out
 
     assert main(["cache", "--cache-dir", str(cache_dir), "list"]) == 0
     listing = capsys.readouterr().out

@@ -15,21 +15,26 @@ import numpy as np
 
 from ejk_sequtils import reference_attention, validate_attention
 
-from ._backends import default_order
+from ._backends import IMPLEMENTATIONS, default_order
 from ._flash import flash_attention
 
 __all__ = [
     "BASELINE",
+    "BENCH_IMPLEMENTATIONS",
     "BenchCase",
     "bench_implementations",
     "inputs_for",
     "median_ms",
     "parse_case",
     "run_case",
+    "tflops",
 ]
 
-# jax's own attention (its xla path), timed beside ejk's backends as a baseline.
+# jax's own attention (its xla path), timed beside ejk's backends as a baseline. It is
+# not a flash_attention backend, so `ejk tune` never stores it.
 BASELINE = "jax-nn"
+# What `ejk bench --impl` takes: flash_attention's backends, then the baseline.
+BENCH_IMPLEMENTATIONS = (*IMPLEMENTATIONS, BASELINE)
 # Largest |out - reference| accepted, by dtype: f32 must agree closely; f16/bf16 round.
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 # GPUs and TPUs run float32 dots at reduced precision by default (TF32: a 10-bit
@@ -139,7 +144,7 @@ def run_case(
     Returns:
         A JSON-ready row: the case, ``status`` (``"ok"``, ``"mismatch"``, ``"refused"``),
         ``max_abs_err`` vs the float32 reference, ``fwd_ms``/``fwd_bwd_ms`` (medians) and
-        ``fwd_tflops``; ``reason`` when refused.
+        ``fwd_tflops``/``fwd_bwd_tflops``; ``reason`` when refused.
     """
     row: dict[str, Any] = {
         "case": case.label,
@@ -168,7 +173,21 @@ def run_case(
             )
         )
         row["fwd_bwd_ms"] = median_ms(grad, (q, k, v), warmup, iters)
+        row["fwd_bwd_tflops"] = case.flops(True) / (row["fwd_bwd_ms"] * 1e-3) / 1e12
     return row
+
+
+def tflops(row: dict[str, Any], field: str) -> float | None:
+    """A row's TFLOP/s for ``field`` (``"fwd_ms"`` or ``"fwd_bwd_ms"``), None if not timed.
+
+    Computed from the row's case and time, so rows written before ``fwd_bwd_tflops``
+    existed give the same figure.
+    """
+    ms = row.get(field)
+    if ms is None or ms <= 0:
+        return None
+    case = BenchCase(**{f.name: row[f.name] for f in dataclasses.fields(BenchCase)})
+    return case.flops(field == "fwd_bwd_ms") / (ms * 1e-3) / 1e12
 
 
 def run_all(

@@ -1,8 +1,9 @@
 """The ``ejk`` command: ``info``, ``bench``, ``tune`` and ``cache``.
 
-``main(argv)`` is the console script; it returns the exit status (0 on success,
-1 when a benchmark check fails or a cache key is missing, 2 on bad usage), so
-tests call it directly.
+``main(argv)`` is the console script; it returns the exit status, so tests call it
+directly: 0 on success; 1 when a benchmark check fails, nothing was benchmarked or
+stored, or a cache key is missing; 2 on bad usage (argparse's error of the subcommand,
+raised before any work starts).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ._backends import IMPLEMENTATIONS
+from ._bench import BASELINE, BENCH_IMPLEMENTATIONS, parse_case
 
 __all__ = ["main"]
 
@@ -31,6 +36,11 @@ PACKAGES = (
     "ejk-kernels-tpu",
     "ejk-sequtils",
 )
+# The dependencies whose supported range `ejk info` checks (bounds read from the
+# installed ejk packages' metadata, never written here).
+RANGED = ("jax", "jaxlib", "triton", "jax-triton")
+# What a GPU run of the triton backend imports.
+GPU_STACK = ("triton", "jax-triton")
 
 
 def _console() -> Any:
@@ -49,6 +59,94 @@ def _version(dist: str) -> str:
 # ejk info
 
 
+def _ejk_distributions() -> list[tuple[str, list[str], list[str]]]:
+    """``(name, Requires-Dist lines, Provides-Extra names)`` of every installed ejk package."""
+    found: dict[str, tuple[str, list[str], list[str]]] = {}
+    for dist in importlib.metadata.distributions():
+        name = _canonical(dist.metadata["Name"] or "")
+        if name.startswith("ejk-") and name not in found:  # the first on sys.path wins
+            extras = dist.metadata.get_all("Provides-Extra") or []
+            found[name] = (name, list(dist.requires or []), extras)
+    return [found[k] for k in sorted(found)]
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def supported_ranges() -> dict[str, list[tuple[str, str]]]:
+    """Each of `RANGED` with the ``(ejk package, specifier)`` bounds installed ejk packages declare.
+
+    A requirement behind a marker counts when the marker holds here for the package
+    itself or one of its extras (``triton ... ; extra == "cuda"`` bounds triton).
+    """
+    from packaging.requirements import Requirement
+
+    ranges: dict[str, list[tuple[str, str]]] = {dep: [] for dep in RANGED}
+    for name, requires, extras in _ejk_distributions():
+        for text in requires:
+            req = Requirement(text)
+            dep = _canonical(req.name)
+            if dep not in ranges or not str(req.specifier):
+                continue
+            if req.marker is not None and not any(
+                req.marker.evaluate({"extra": extra}) for extra in ("", *extras)
+            ):
+                continue
+            ranges[dep].append((name, str(req.specifier)))
+    return ranges
+
+
+def version_warnings(
+    versions: dict[str, str], ranges: dict[str, list[tuple[str, str]]]
+) -> list[str]:
+    """One line per installed dependency outside a bound an ejk package declares for it."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    lines = []
+    for dep, bounds in ranges.items():
+        installed = versions.get(dep, "not installed")
+        if installed == "not installed":
+            continue
+        for owner, spec in bounds:
+            try:
+                inside = SpecifierSet(spec).contains(Version(installed), prereleases=True)
+            except InvalidVersion:
+                inside = False
+            if not inside:
+                lines.append(f"{dep} {installed} is outside {owner}'s supported {dep}{spec}")
+    return lines
+
+
+def _accelerator() -> dict[str, Any]:
+    """The platform, device kind and count jax found, and its accelerator plugins' versions."""
+    import jax
+
+    devices = jax.devices()
+    plugins = {}
+    for dist in importlib.metadata.distributions():
+        name = _canonical(dist.metadata["Name"] or "")
+        if re.fullmatch(r"jax-(cuda\d+|rocm\d*)-(plugin|pjrt)|libtpu(-nightly)?", name):
+            plugins[name] = dist.version
+    return {
+        "platform": jax.default_backend(),
+        "device_kind": devices[0].device_kind if devices else None,
+        "device_count": len(devices),
+        "plugins": dict(sorted(plugins.items())),
+    }
+
+
+def _gpu_stack(versions: dict[str, str]) -> tuple[bool, str]:
+    missing = [d for d in GPU_STACK if versions.get(d, "not installed") == "not installed"]
+    if not missing:
+        return True, "present (" + ", ".join(f"{d} {versions[d]}" for d in GPU_STACK) + ")"
+    return False, (
+        f"missing {', '.join(missing)}: a GPU run of the triton backend needs "
+        f"{' and '.join(GPU_STACK)} (ejk-attention's GPU extra installs them)"
+    )
+
+
 def _info(args: argparse.Namespace) -> int:
     import jax
     from rich.table import Table
@@ -57,12 +155,35 @@ def _info(args: argparse.Namespace) -> int:
     from ._tuned import open_cache
 
     console = _console()
-    versions = Table(title="packages")
-    versions.add_column("package")
-    versions.add_column("version")
+    accel = _accelerator()
+    plugins = ", ".join(f"{k} {v}" for k, v in accel["plugins"].items()) or "none"
+    console.print(
+        f"accelerator: {accel['platform']}, {accel['device_count']} x {accel['device_kind']}"
+        f" (plugins: {plugins})"
+    )
+    versions = {d: _version(d) for d in PACKAGES}
+    ranges = supported_ranges()
+    table = Table(title="packages")
+    for col in ("package", "version", "supported (declared by the ejk packages)"):
+        table.add_column(col)
     for dist in PACKAGES:
-        versions.add_row(dist, _version(dist))
-    console.print(versions)
+        bounds = ranges.get(dist)
+        declared = (
+            "; ".join(f"{spec} ({owner})" for owner, spec in bounds)
+            if bounds
+            else "no bound declared"
+            if bounds is not None
+            else ""
+        )
+        table.add_row(dist, versions[dist], declared)
+    console.print(table)
+    warnings = version_warnings(versions, ranges)
+    stack_ok, stack = _gpu_stack(versions)
+    console.print(f"GPU kernel stack ({', '.join(GPU_STACK)}): {stack}")
+    if not stack_ok and accel["platform"] == "gpu":
+        warnings.append(f"this machine has a GPU but the GPU kernel stack is {stack}")
+    for line in warnings:
+        console.print(f"[yellow]warning:[/yellow] {line}", soft_wrap=True)
 
     devices = Table(title=f"devices (default backend: {jax.default_backend()})")
     for col in ("id", "platform", "kind"):
@@ -87,7 +208,11 @@ def _info(args: argparse.Namespace) -> int:
     console.print(f"config cache: {open_cache(args.cache_dir, fresh=True).path}")
     if args.json:
         payload = {
-            "packages": {d: _version(d) for d in PACKAGES},
+            "accelerator": accel,
+            "packages": versions,
+            "supported": {dep: [list(b) for b in bounds] for dep, bounds in ranges.items()},
+            "warnings": warnings,
+            "gpu_stack": {"present": stack_ok, "detail": stack},
             "backend": jax.default_backend(),
             "devices": [
                 {"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()
@@ -134,8 +259,6 @@ def _backends_here(platform: str) -> dict[str, str]:
 
 
 def _cases(args: argparse.Namespace) -> list[Any]:
-    from ._bench import parse_case
-
     return [parse_case(s, args.dtype) for s in (args.shape or DEFAULT_SHAPES)]
 
 
@@ -149,18 +272,28 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _reason(row: dict[str, Any]) -> str:
+    """A refused row's reason: the backend's own words, past the facade's preamble."""
+    return row["reason"].split(": ", 2)[-1][:80]
+
+
+def _fail(command: str, reason: str) -> int:
+    """Say in one line why the command did nothing; the exit status 1."""
+    print(f"ejk {command}: error: {reason}", file=sys.stderr)
+    return 1
+
+
 def _results_table(rows: list[dict[str, Any]], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("case", "implementation", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "max |err|"):
+    columns = ("case", "implementation", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "max |err|")
+    for col in columns:
         left = col in ("case", "implementation")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
     table.add_column("status", overflow="fold")
     for r in rows:
-        status = r["status"]
-        if status == "refused":  # the backend's own reason, past the facade's preamble
-            status = f"refused: {r['reason'].split(': ', 2)[-1][:80]}"
+        status = f"refused: {_reason(r)}" if r["status"] == "refused" else r["status"]
         table.add_row(
             r["case"],
             r["implementation"],
@@ -173,35 +306,49 @@ def _results_table(rows: list[dict[str, Any]], title: str) -> Any:
     return table
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Grouped bars of median time per case and implementation (matplotlib's Agg canvas;
-    no pyplot, so no global backend is switched)."""
+_PANELS = (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))
+
+
+def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path) -> None:
+    """Grouped bars of TFLOP/s per case and implementation, one bar per run beside the other.
+
+    Drawn on matplotlib's Agg canvas (no pyplot, so no global backend is switched);
+    an implementation keeps its colour across runs, the second run is hatched.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    timed = [r for r in rows if r.get("fwd_ms") is not None]
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = list(dict.fromkeys(r["implementation"] for r in rows))
-    panels = [("fwd_ms", "forward")] + (
-        [("fwd_bwd_ms", "forward + backward")] if any("fwd_bwd_ms" in r for r in timed) else []
-    )
-    fig = Figure(figsize=(4 + 2.5 * len(cases), 3.5 * len(panels)), layout="constrained")
+    from ._bench import tflops
+
+    every = [r for _, rows in runs for r in rows]
+    cases = list(dict.fromkeys(r["case"] for r in every))
+    impls = list(dict.fromkeys(r["implementation"] for r in every))
+    panels = [(f, name) for f, name in _PANELS if any(r.get(f) is not None for r in every)]
+    series = [
+        (i, impl, k, label) for i, impl in enumerate(impls) for k, (label, _) in enumerate(runs)
+    ]
+    fig = Figure(figsize=(4 + 2.5 * len(cases), 1 + 3.5 * len(panels)), layout="constrained")
     FigureCanvasAgg(fig)
-    width = 0.8 / max(len(impls), 1)
+    width = 0.8 / max(len(series), 1)
     for p, (field, name) in enumerate(panels):
         ax = fig.add_subplot(len(panels), 1, p + 1)
-        for i, impl in enumerate(impls):
+        for j, (i, impl, k, label) in enumerate(series):
             xs, ys = [], []
             for c, case in enumerate(cases):
-                for r in timed:
-                    if r["case"] == case and r["implementation"] == impl and field in r:
-                        xs.append(c + (i - (len(impls) - 1) / 2) * width)
-                        ys.append(r[field])
-            ax.bar(xs, ys, width, label=impl)
+                for r in runs[k][1]:
+                    value = tflops(r, field)
+                    if r["case"] == case and r["implementation"] == impl and value is not None:
+                        xs.append(c + (j - (len(series) - 1) / 2) * width)
+                        ys.append(value)
+            if not ys:  # nothing timed for this series here: no empty legend entry
+                continue
+            name_k = impl if len(runs) == 1 else f"{impl} ({label})"
+            ax.bar(xs, ys, width, label=name_k, color=f"C{i}", hatch="//" if k else None)
         ax.set_xticks(range(len(cases)), cases, fontsize=7)
-        ax.set_ylabel("median ms")
-        ax.set_title(name)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
     fig.savefig(path, dpi=100)
 
 
@@ -223,7 +370,23 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _machine_title(machine: dict[str, Any]) -> str:
+    """``device kind x count (backend) | jax ... jaxlib ... triton ... | ejk-attention ...``."""
+    packages = machine.get("packages", {})
+    versions = " ".join(
+        f"{d} {packages[d]}"
+        for d in ("jax", "jaxlib", "triton", "jax-triton", "ejk-attention")
+        if packages.get(d, "not installed") != "not installed"
+    )
+    return (
+        f"{machine.get('device_kind', '?')} x{machine.get('device_count', '?')} "
+        f"({machine.get('backend', '?')}) | {versions}"
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _compare(args)
     from ._bench import bench_implementations, run_all
 
     cases = _cases(args)
@@ -240,12 +403,18 @@ def _bench(args: argparse.Namespace) -> int:
     console.print(
         _results_table(rows, "ejk bench (median of timed calls; checked vs the reference)")
     )
+    if not any(r["status"] != "refused" for r in rows):
+        reasons = "; ".join(sorted({f"{r['implementation']}: {_reason(r)}" for r in rows}))
+        return _fail(
+            "bench", f"nothing was benchmarked, every case was refused ({reasons}); wrote nothing"
+        )
+    machine = _machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"machine": _machine(), "results": rows}, indent=2))
+    (out / "bench.json").write_text(json.dumps({"machine": machine, "results": rows}, indent=2))
     written = [out / "bench.json"]
     if not args.no_plot:
-        _plot(rows, out / "bench.png")
+        _plot([("", rows)], _machine_title(machine), out / "bench.png")
         written.append(out / "bench.png")
     console.print("wrote " + ", ".join(str(p) for p in written))
     bad = [r for r in rows if r["status"] == "mismatch"]
@@ -256,21 +425,97 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _load_run(path: str) -> dict[str, Any]:
+    """A ``bench.json`` written by ``ejk bench``; ValueError (one line) when it is not one."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"no such file: {path}")
+    try:
+        run = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err})") from None
+    if not (
+        isinstance(run, dict)
+        and isinstance(run.get("machine"), dict)
+        and isinstance(run.get("results"), list)
+        and all(
+            isinstance(r, dict) and {"case", "implementation"} <= r.keys() for r in run["results"]
+        )
+    ):
+        raise ValueError(f"{path} is not an 'ejk bench' result (a machine and a list of results)")
+    return run
+
+
+def _timed(run: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["case"], r["implementation"]): r for r in run["results"] if r.get("fwd_ms")}
+
+
+def _compare_runs(paths: list[str]) -> list[dict[str, Any]]:
+    """Both runs of ``--compare``, checked: ValueError (one line) when they cannot be compared."""
+    runs = [_load_run(p) for p in paths]
+    if not _timed(runs[0]).keys() & _timed(runs[1]).keys():
+        raise ValueError(
+            f"{paths[0]} and {paths[1]} share no timed (case, implementation): nothing to compare"
+        )
+    return runs
+
+
+def _ratio_table(runs: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    from ._bench import tflops
+
+    a, b = (_timed(r) for r in runs)
+    table = Table(title="TFLOP/s of B over A (> 1: B is faster)")
+    for col in ("case", "implementation"):
+        table.add_column(col, no_wrap=True)
+    for _, name in _PANELS:
+        for col in (f"A {name}", f"B {name}", "B/A"):
+            table.add_column(col, justify="right", no_wrap=True)
+    for key in [k for k in a if k in b]:
+        cells = []
+        for field, _ in _PANELS:
+            ta, tb = tflops(a[key], field), tflops(b[key], field)
+            ratio = tb / ta if ta and tb else None
+            cells += [_fmt(ta, ".4f"), _fmt(tb, ".4f"), _fmt(ratio, ".2f")]
+        table.add_row(*key, *cells)
+    return table
+
+
+def _compare(args: argparse.Namespace) -> int:
+    runs = _compare_runs(args.compare)  # checked before this runs (main); cheap to read again
+    console = _console()
+    for tag, path, run in zip("AB", args.compare, runs, strict=True):
+        console.print(f"{tag}: {path}: {_machine_title(run['machine'])}", soft_wrap=True)
+    console.print(_ratio_table(runs))
+    if args.no_plot:
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = "\n".join(
+        f"{tag}: {_machine_title(run['machine'])}" for tag, run in zip("AB", runs, strict=True)
+    )
+    _plot(
+        [(tag, run["results"]) for tag, run in zip("AB", runs, strict=True)],
+        title,
+        out / "compare.png",
+    )
+    console.print(f"wrote {out / 'compare.png'}")
+    return 0
+
+
 def _tune(args: argparse.Namespace) -> int:
     import jax
 
     from ejk_config import device_fingerprint
 
-    from ._bench import BASELINE, request_for, run_all
+    from ._backends import default_order
+    from ._bench import request_for, run_all
     from ._tuned import BackendChoice, backend_key, open_cache
 
     cases = _cases(args)
-    if args.impl:
-        impls = tuple(args.impl)
-    else:
-        from ._bench import bench_implementations
-
-        impls = tuple(i for i in bench_implementations() if i != BASELINE)
+    # Only flash_attention's backends: a stored choice is one implementation=None runs.
+    impls = tuple(args.impl or default_order(jax.default_backend()))
     rows = run_all(
         cases,
         impls,
@@ -283,32 +528,47 @@ def _tune(args: argparse.Namespace) -> int:
     fingerprint = device_fingerprint()
     console = _console()
     console.print(_results_table(rows, "ejk tune"))
+    keys = []
     for case in cases:
-        ok = [r for r in rows if r["case"] == case.label and r["status"] == "ok"]
+        mine = [r for r in rows if r["case"] == case.label]
+        ok = [r for r in mine if r["status"] == "ok"]
         if not ok:
-            console.print(f"no implementation passed its check on {case.label}; nothing stored")
+            why = ", ".join(
+                f"{r['implementation']} {_reason(r) if r['status'] == 'refused' else r['status']}"
+                for r in mine
+            )
+            console.print(f"{case.label}: nothing stored, no implementation passed ({why})")
             continue
         best = min(ok, key=lambda r: r["fwd_bwd_ms"])
         key = backend_key(request_for(case), fingerprint)
         cache.put(key, BackendChoice(best["implementation"], round(best["fwd_bwd_ms"], 4)))
+        keys.append(key)
         console.print(
             f"{case.label}: {best['implementation']} ({best['fwd_bwd_ms']:.2f} ms fwd+bwd)"
         )
     if args.kernels or (
         args.kernels is None and jax.default_backend() == "gpu" and "triton" in impls
     ):
-        _tune_kernel_configs(args, cases, cache, console)
-    console.print(f"stored in {cache.path}")
+        keys += _tune_kernel_configs(args, cases, cache, console)
+    if not keys:
+        return _fail(
+            "tune", f"nothing stored in {cache.path}: no implementation passed on any case"
+        )
+    # The cache turns memory-only when it cannot write: believe the file, not the object.
+    missing = set(keys) - set(open_cache(args.cache_dir, fresh=True).keys())
+    if missing:
+        return _fail("tune", f"{len(missing)} of {len(keys)} entries did not reach {cache.path}")
+    console.print(f"stored {len(keys)} entries in {cache.path}")
     return 0
 
 
 def _tune_kernel_configs(
     args: argparse.Namespace, cases: list[Any], cache: Any, console: Any
-) -> None:
+) -> list[str]:
     """Autotune the Triton forward and backward configs of each case into ``cache``.
 
     The invocations are the facade's own (`TritonBackend.invocations`), so the keys
-    stored are the ones `flash_attention` looks up.
+    stored are the ones `flash_attention` looks up. Returns those keys.
     """
     from ejk_executor import AutotunePolicy, ConfigSelectorChain
     from ejk_sequtils import validate_attention
@@ -323,11 +583,14 @@ def _tune_kernel_configs(
         max_candidates=args.max_candidates,
     )
     chooser = ConfigSelectorChain(persistent=cache, policy=policy)
+    keys = []
     for case in _progress(args, "tune triton configs")(cases):
         request = validate_attention(*inputs_for(case), causal=case.causal)
         for part, inv in BACKENDS["triton"].invocations(request).items():
             cfg = chooser.tune(inv, policy)
+            keys.append(inv.call_key)
             console.print(f"{case.label}: triton {part} config {cfg}")
+    return keys
 
 
 # ejk cache
@@ -395,28 +658,107 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(low: int) -> Any:
+    """An argparse ``type``: an int >= ``low`` (argparse names the option in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _shape(text: str) -> str:
+    """An argparse ``type``: a ``--shape`` that `parse_case` takes (kept as text for ``--dtype``)."""
+    try:
+        parse_case(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _implementation(accepted: tuple[str, ...]) -> Any:
+    """An argparse ``type``: one of ``accepted``; the error lists exactly those."""
+
+    def parse(text: str) -> str:
+        if text in accepted:
+            return text
+        choose = f"choose from {', '.join(accepted)}"
+        if text == BASELINE:  # only tune refuses it: flash_attention cannot run it
+            raise argparse.ArgumentTypeError(
+                f"{BASELINE!r} is jax.nn's attention, timed by 'ejk bench' as a baseline; "
+                f"flash_attention cannot use it, so 'ejk tune' does not store it ({choose})"
+            )
+        raise argparse.ArgumentTypeError(f"unknown implementation {text!r} ({choose})")
+
+    return parse
+
+
+def _not_a_file(path: str | None, option: str) -> str | None:
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        return f"{option} {path} is a file, not a directory"
+    return None
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What argparse cannot check alone, before any work: argparse's error of the subcommand."""
+    error = args.command_parser.error
+    problem = _not_a_file(getattr(args, "cache_dir", None), "--cache-dir")
+    if args.command == "bench":
+        problem = problem or _not_a_file(args.out, "--out")
+        if args.compare:
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in ("shape", "impl", "dtype", "iters", "warmup", "forward_only")
+                if getattr(args, name) not in (None, False)
+            ]
+            if given:
+                problem = (
+                    f"--compare draws two existing runs; {', '.join(given)} do not apply to it"
+                )
+            else:
+                try:
+                    _compare_runs(args.compare)
+                except ValueError as err:
+                    problem = str(err)
+    if problem:
+        error(problem)
+    for name, default in (("dtype", "float32"), ("iters", 5), ("warmup", 1)):
+        if getattr(args, name, default) is None:
+            setattr(args, name, default)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ejk", description="ejk attention kernels: info, benchmarks, tuning, caches."
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="devices, fingerprint, backends and versions")
+    info = sub.add_parser(
+        "info", help="accelerator, versions against the supported range, backends, cache"
+    )
     info.add_argument("--json", action="store_true", help="also print the facts as JSON")
     info.add_argument(
         "--cache-dir", default=None, help="config cache location (default: ejk_executor's)"
     )
-    info.set_defaults(run=_info)
+    info.set_defaults(run=_info, command_parser=info)
 
-    for name, run, help_text in (
+    for name, run, accepted, help_text in (
         (
             "bench",
             _bench,
-            "time implementations, check them against the reference, write JSON + PNG",
+            BENCH_IMPLEMENTATIONS,
+            "time implementations, check them against the reference, write JSON + a TFLOP/s plot",
         ),
         (
             "tune",
             _tune,
+            IMPLEMENTATIONS,
             "time the backends per shape and store the fastest in the persistent cache",
         ),
     ):
@@ -424,26 +766,53 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--shape",
             action="append",
+            type=_shape,
             help="B,T,S,N,K,H[,causal] (repeatable); default: " + " ".join(DEFAULT_SHAPES),
         )
-        p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+        p.add_argument(
+            "--dtype",
+            default=None,
+            choices=("float32", "float16", "bfloat16"),
+            help="default: float32",
+        )
         p.add_argument(
             "--impl",
             action="append",
-            help="xla, triton, pallas, cudnn, jax-nn (repeatable); default: the platform's",
+            type=_implementation(accepted),
+            metavar="IMPL",
+            help=f"{', '.join(accepted)} (repeatable); default: the platform's"
+            + (f", then {BASELINE}" if BASELINE in accepted else ""),
         )
-        p.add_argument("--iters", type=int, default=5, help="timed calls per measurement (median)")
-        p.add_argument("--warmup", type=int, default=1, help="untimed calls after compiling")
+        p.add_argument(
+            "--iters",
+            type=_at_least(1),
+            default=None,
+            help="timed calls per measurement (median; default 5)",
+        )
+        p.add_argument(
+            "--warmup",
+            type=_at_least(0),
+            default=None,
+            help="untimed calls after compiling (default 1)",
+        )
         p.add_argument("--quiet", action="store_true", help="no progress bar")
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, command_parser=p)
         if name == "bench":
             p.add_argument(
-                "--out", default="bench-out", help="directory for bench.json and bench.png"
+                "--out",
+                default="bench-out",
+                help="directory for bench.json and bench.png (or compare.png)",
             )
             p.add_argument(
                 "--forward-only", action="store_true", help="skip the forward+backward timing"
             )
             p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+            p.add_argument(
+                "--compare",
+                nargs=2,
+                metavar=("A.json", "B.json"),
+                help="no timing: print B's TFLOP/s over A's per case and draw both (compare.png)",
+            )
         else:
             p.add_argument(
                 "--cache-dir", default=None, help="config cache location (default: ejk_executor's)"
@@ -452,11 +821,12 @@ def _parser() -> argparse.ArgumentParser:
                 "--kernels",
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help="also autotune the Triton forward config per shape (default: on GPU)",
+                help="also autotune the Triton forward and backward configs per shape "
+                "(default: on GPU)",
             )
             p.add_argument(
                 "--max-candidates",
-                type=int,
+                type=_at_least(1),
                 default=None,
                 help="configs tried per shape (default: all)",
             )
@@ -475,22 +845,18 @@ def _parser() -> argparse.ArgumentParser:
     actions.add_parser(
         "import", help="merge entries of another cache file into this one"
     ).add_argument("path")
-    cache.set_defaults(run=_cache)
+    cache.set_defaults(run=_cache, command_parser=cache)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ejk`` with ``argv`` (default: the command line); returns the exit status."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    for field in ("iters", "warmup"):
-        if getattr(args, field, 1) < (1 if field == "iters" else 0):
-            parser.error(f"--{field} must be {'>= 1' if field == 'iters' else '>= 0'}")
     try:
-        return args.run(args)
-    except ValueError as err:  # a bad --shape or similar: a usage error, not a traceback
-        print(f"ejk {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        args = _parser().parse_args(argv)
+        _check(args)
+    except SystemExit as done:  # a usage error (2) or --help (0), already printed
+        return done.code if isinstance(done.code, int) else 2
+    return args.run(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -47,18 +47,20 @@ def unsupported_reason(request: AttentionRequest) -> str | None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
-    return forward(opts, q, k, v, bias, sinks, tables)
+    out, lse, _ = forward(opts, q, k, v, bias, sinks, tables)
+    return out, lse
 
 
 def _attention_fwd(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
-    out, lse = forward(opts, q, k, v, bias, sinks, tables)
-    return (out, lse), (q, k, v, bias, sinks, tables, out, lse)
+    out, lse, rows = forward(opts, q, k, v, bias, sinks, tables)
+    return (out, lse), (q, k, v, bias, sinks, tables, out, rows)
 
 
 def _attention_bwd(opts: CallOptions, res, cts):
-    q, k, v, bias, sinks, tables, out, lse = res
+    q, k, v, bias, sinks, tables, out, rows = res
     d_out, d_lse = cts  # lse feeds ring attention's merge, so its cotangent counts too
-    dq, dk, dv, dbias, dsinks = backward(opts, q, k, v, bias, sinks, tables, out, lse, d_out, d_lse)
+    grads = backward(opts, q, k, v, bias, sinks, tables, out, rows, d_out, d_lse)
+    dq, dk, dv, dbias, dsinks = grads
     return dq, dk, dv, dbias, dsinks, None
 
 

@@ -27,9 +27,11 @@ from ._kernel_common import (
     line,
     load_ranges,
     load_rows,
+    load_softmax_rows,
     load_tile,
     row_stats,
     slab,
+    softmax_rows,
     store_tile,
 )
 
@@ -37,7 +39,8 @@ from ._kernel_common import (
 class _DqContext(NamedTuple):
     """What every key block of one dq program reads besides its k and v tiles."""
 
-    q: object  # the resident query and output-gradient tiles, their lse and delta rows
+    q: object  # the resident query and output-gradient tiles, their lse (`load_softmax_rows`)
+    # and delta rows
     do: object
     lse: object
     delta: object
@@ -56,7 +59,8 @@ class _DkDvContext(NamedTuple):
 
     k: object  # the resident key and value tiles
     v: object
-    q_base: object  # the GQA group's first query head: q, dO slabs, lse and delta rows
+    q_base: object  # the GQA group's first query head: q, dO slabs, lse (`softmax_rows`) and
+    # delta rows
     do_base: object
     lse_base: object
     delta_base: object
@@ -146,7 +150,8 @@ def dq_kernel(
     """dq of one query block. With ``WS`` (Hopper; fully visible or causal-only calls, see
     `FlashConfig.warp_specialize`) every tile moves through TMA in one warp-specialised
     loop; lse and delta then come as ``[B, N, LSE_T]`` rows padded with zeros, and
-    `scratch_ptr` stands for the descriptors' global scratch (see _jax_triton_fix)."""
+    `scratch_ptr` stands for the descriptors' global scratch (see _jax_triton_fix). With a
+    bias ``lse_ptr`` holds the rows (max, log sum) instead (`softmax_rows`)."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
         VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
@@ -176,7 +181,7 @@ def dq_kernel(
     else:
         q = load_tile(q_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
         do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-        lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, F.LSE_FACTOR)
+        lse = load_softmax_rows(softmax_rows(lse_ptr, (b * N + n) * T, F), offs_m, True, F)
         delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
@@ -211,7 +216,7 @@ def _dkdv_block(dk, dv, it, start, n_blocks, ctx, P, F: tl.constexpr, BLOCK_M: t
     offs_d = ctx.offs_d
     q = load_tile(ctx.q_base + g * F.H, offs_m, offs_d, Q_STRIDE, F.T, F.H, F.BLOCK_D, MASKED)
     do = load_tile(ctx.do_base + g * F.H, offs_m, offs_d, Q_STRIDE, F.T, F.H, F.BLOCK_D, MASKED)
-    lse = load_rows(ctx.lse_base + g * F.T, offs_m, F.T, MASKED, F.LSE_FACTOR)
+    lse = load_softmax_rows(softmax_rows(ctx.lse_base, g * F.T, F), offs_m, MASKED, F)
     delta = load_rows(ctx.delta_base + g * F.T, offs_m, F.T, MASKED, 1.0)
     return _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F, BLOCK_M, Q_STRIDE, MASKED,
                       0, False)  # fmt: skip
@@ -331,7 +336,8 @@ def dkdv_kernel(
     TMA reduces with ``DQ_TMA`` (Hopper, ``BLOCK_D == H``; the descriptor lives in the
     global scratch that `scratch_ptr` stands for, see _jax_triton_fix) or else by atomic adds.
     With ``WS`` (no dq here) every tile moves through TMA in one warp-specialised loop, as
-    in `dq_kernel`: lse and delta as ``[B, N, LSE_T]`` rows padded with zeros."""
+    in `dq_kernel`: lse and delta as ``[B, N, LSE_T]`` rows padded with zeros. With a bias
+    ``lse_ptr`` holds the rows (max, log sum) instead (`softmax_rows`)."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
         VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
@@ -370,7 +376,7 @@ def dkdv_kernel(
     else:
         dq_acc = dq_acc_ptr + q_off
     ctx = _DkDvContext(
-        k, v, q_ptr + q_off, do_ptr + q_off, lse_ptr + row_off, delta_ptr + row_off,
+        k, v, q_ptr + q_off, do_ptr + q_off, softmax_rows(lse_ptr, row_off, F), delta_ptr + row_off,
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
         dq_acc, seed, b, n0, offs_n, offs_d,
     )  # fmt: skip

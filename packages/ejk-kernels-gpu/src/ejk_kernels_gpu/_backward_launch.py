@@ -15,10 +15,12 @@ __all__ = ["backward"]
 
 
 def backward(
-    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, out, lse, d_out, d_lse=None
+    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, out, rows, d_out, d_lse=None
 ) -> tuple[Array | None, ...]:
     """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input).
 
+    ``rows``: the forward's (see `_forward_launch.forward`): the lse ``[B, N, T]``, or with
+    a bias the row max and log row sum ``[B, N, 2, T]``, lse = their sum.
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
@@ -27,11 +29,13 @@ def backward(
     bwd = opts.bwd_cfg
     cfg, ws = runnable_config(opts, bwd, bias, q, kv_len, bwd.block_q, ("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
+    # lse = shift + log_l: the row max and log row sum with a bias, else the lse and 0.
+    shift, log_l = (rows[:, :, 0], rows[:, :, 1]) if bias is not None else (rows, 0.0)
     # delta_i = rowsum(dO ∘ O) (FlashAttention-2, Alg. 2, line 4); [B, N, T] like lse.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
     if d_lse is not None:
         # Rows without mass (lse = -inf) have P = 0 everywhere: their d_lse cannot matter.
-        delta = delta - jnp.where(jnp.isfinite(lse), d_lse.astype(jnp.float32), 0.0)
+        delta = delta - jnp.where(jnp.isfinite(shift), d_lse.astype(jnp.float32), 0.0)
     consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
     del consts["HAS_SINKS"]
     # The warp-specialised build reads lse and delta through TMA as rows of a length that
@@ -39,7 +43,7 @@ def backward(
     lse_t = -(-q_len // 128) * 128 if ws else q_len
     consts.update(WS=ws, LSE_T=lse_t)
     pad = ((0, 0), (0, 0), (0, lse_t - q_len))
-    rows = (jnp.pad(lse, pad), jnp.pad(delta, pad)) if ws else (lse, delta)
+    stats = (jnp.pad(rows, pad), jnp.pad(delta, pad)) if ws else (rows, delta)
     # A config names the resident tile (block_q) and the streamed one (block_k): queries
     # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
     dq_consts = dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
@@ -53,7 +57,7 @@ def backward(
     dk, dv, dlogits, dq_sum, _ = launch(
         kernels().dkdv_kernel,
         grid,
-        (q, k, v, bias_in, d_out, *rows, *masking, tables.dkdv_ranges, tables.seed),
+        (q, k, v, bias_in, d_out, *stats, *masking, tables.dkdv_ranges, tables.seed),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -75,7 +79,7 @@ def backward(
         dq, _ = launch(
             kernels().dq_kernel,
             dq_grid,
-            (q, k, v, bias_in, d_out, *rows, *masking, tables.dq_ranges, tables.seed),
+            (q, k, v, bias_in, d_out, *stats, *masking, tables.dq_ranges, tables.seed),
             (
                 jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),
@@ -91,7 +95,8 @@ def backward(
     dsinks = None
     if sinks is not None:
         # The sink is a key with no value: its logit gradient is -p_sink * delta, summed
-        # over batch and rows (its lse is finite: the sink alone gives it mass).
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        # over batch and rows (its lse is finite: the sink alone gives it mass). Taken as
+        # exp((sink - m) - log l), as the kernels take P (see `_kernel_common`).
+        p_sink = jnp.exp((sinks.astype(jnp.float32)[None, :, None] - shift) - log_l)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
     return dq, dk, dv, dbias, dsinks

@@ -30,6 +30,7 @@ from ._kernel_common import (
     load_tile,
     logits,
     slab,
+    softmax_rows,
     store_tile,
 )
 
@@ -67,7 +68,7 @@ def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl
 
     The running max ``m`` is in log2 units in the plain case (max commutes with the
     positive factor: one FMA per logit), in natural units with natural logits, where it
-    is subtracted before the multiplication by log2(e) (see `_kernel_common`).
+    is subtracted before the exponential (see `_kernel_common`).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     x = logits(ctx.q, k, ctx.bias_base, ctx.offs_m, offs_n, ctx.b, P, F, MASKED, False)
@@ -81,8 +82,8 @@ def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl
     # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     if F.LOG2_FACTOR == LOG2E:
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
-        p = tl.math.exp2((x - m_safe[:, None]) * LOG2E)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(x - m_safe[:, None])
     else:
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(x * F.LOG2_FACTOR - m_safe[:, None])
@@ -254,6 +255,13 @@ def fwd_kernel(
         # Rows with no mass (no visible key, no sink) output exactly 0 with lse = -inf.
         has_mass = l_i > 0.0
         l_safe = tl.where(has_mass, l_i, 1.0)
-        lse = tl.where(has_mass, _natural_lse(m_i, l_safe, F), float("-inf"))
-        tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
+        if HAS_BIAS:
+            # The row max (natural units) and log row sum apart, for the backward (see
+            # `_kernel_common`); the caller's lse is their sum. No mass: (-inf, 0).
+            rows = softmax_rows(lse_ptr, (b * N + n) * T, F) + offs_m
+            tl.store(rows, m_i, mask=offs_m < T)
+            tl.store(rows + T, tl.log(l_safe), mask=offs_m < T)
+        else:
+            lse = tl.where(has_mass, _natural_lse(m_i, l_safe, F), float("-inf"))
+            tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
         store_tile(o_base, offs_m, offs_d, acc / l_safe[:, None], N * H, T, H)

@@ -40,16 +40,22 @@ def _gluon_forward(opts: CallOptions, q, k, v, sinks, cfg: FlashConfig) -> tuple
     return out, lse
 
 
-def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Array, Array]:
-    """``(out [B, T, N, H], lse [B, N, T])`` of one call (the lse in natural units)."""
+def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Array, Array, Array]:
+    """``(out [B, T, N, H], lse [B, N, T], rows)`` of one call (the lse in natural units).
+
+    ``rows``: what the backward kernels rebuild the probabilities from, the lse itself or,
+    with a bias, ``[B, N, 2, T]``: the row max and the log row sum apart (a row max of
+    -1e30 would round the log row sum out of their sum, see `_kernel_common`).
+    """
     batch, q_len, heads, _ = q.shape
     fwd = opts.fwd_cfg
     cfg, ws = runnable_config(opts, fwd, bias, q, k.shape[1], fwd.block_k, ("fwd",))
     if cfg.gluon:
-        return _gluon_forward(opts, q, k, v, sinks, cfg)
+        out, lse = _gluon_forward(opts, q, k, v, sinks, cfg)
+        return out, lse, lse
     consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    out, lse, _ = launch(
+    out, rows, _ = launch(
         kernels().fwd_kernel,
         grid,
         (
@@ -66,7 +72,11 @@ def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Ar
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             # The warp-specialised build stores each lse 16 times (a TMA tile, see
             # _forward_kernel).
-            jax.ShapeDtypeStruct((batch, heads, q_len, *((16,) if ws else ())), jnp.float32),
+            # With a bias: the rows (m, log l) of each (batch, head); lse = m + log l.
+            jax.ShapeDtypeStruct(
+                (batch, heads, *((2,) if bias is not None else ()), q_len, *((16,) if ws else ())),
+                jnp.float32,
+            ),
             # Global scratch for the TMA descriptors (see _jax_triton_fix); unused otherwise.
             jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
         ),
@@ -74,4 +84,7 @@ def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Ar
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out, (lse[..., 0] if ws else lse)
+    if bias is not None:
+        return out, rows[:, :, 0] + rows[:, :, 1], rows
+    lse = rows[..., 0] if ws else rows
+    return out, lse, lse

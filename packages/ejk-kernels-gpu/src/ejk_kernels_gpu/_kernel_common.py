@@ -16,8 +16,16 @@ in log2 units are ``x * LOG2_FACTOR``. In the plain case (no bias, no soft cap)
 ``x`` is the raw ``q·kᵀ`` and the factor is ``scale·log2(e)``, so scaling and
 max-subtraction fuse into one FMA; otherwise ``x`` is the natural
 logit, the running max and the lse stay in natural units, and the max is
-subtracted before the multiplication by ``log2(e)``: a finite bias as low as
--FLT_MAX stays finite (``-FLT_MAX·log2(e)`` would overflow to -inf and hide the key).
+subtracted before ``exp`` (``exp2`` of the difference times ``log2(e)``, the same
+instructions on a GPU, overflowing silently where the interpreter's NumPy warns):
+a finite bias as low as -FLT_MAX stays finite (``-FLT_MAX·log2(e)`` would overflow
+to -inf and hide the key).
+
+With a bias the backward cannot rebuild ``P = exp(s - lse)`` from the float32 lse: where
+the row max ``m`` is huge (a whole row of -1e30 or -FLT_MAX bias), ``lse = m + log(l)``
+rounds to ``m`` and ``log(l)`` is lost. The forward then keeps the two apart, as the
+rows ``[B, N, 2, T]`` of ``(m, log l)`` (`softmax_rows`), and the backward computes
+``P = exp((s - m) - log l)``; the lse for the caller is their sum.
 """
 
 from typing import NamedTuple
@@ -58,6 +66,7 @@ class Options(NamedTuple):
     DQ_ATOMIC: bool  # dk/dv kernel: add dq into a float32 buffer
     DQ_TMA: bool  # ... by TMA reduces
     LSE_FACTOR: float  # the backward's lse units: log2 (LOG2E, plain case) or natural (1.0)
+    # With HAS_BIAS the backward reads (row max, log row sum) rather than the lse (see above).
 
 
 class MaskTables(NamedTuple):
@@ -234,12 +243,14 @@ def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.co
         s = s * F.SCALE
     if F.HAS_BIAS:
         # Masked on both axes even in fully visible blocks: the resident side of a
-        # program (rows in fwd/dq, columns in dk/dv) may run past the end.
+        # program (rows in fwd/dq, columns in dk/dv) may run past the end. -inf there:
+        # P = 0 past the end of the keys whatever the row's max m (a logit of 0 would
+        # give exp(0 - m) = inf for m = -1e30, and inf · 0 = NaN in an atomic dq).
         qi = along_q(offs_m, TRANS)
         kj = along_k(offs_n, TRANS)
         b_off = qi * F.S + kj
         bmask = (qi < F.T) & (kj < F.S)
-        s += tl.load(bias_base + b_off, mask=bmask, other=0.0).to(tl.float32)
+        s += tl.load(bias_base + b_off, mask=bmask, other=float("-inf")).to(tl.float32)
     if F.SOFT_CAP > 0.0:
         s = F.SOFT_CAP * tanh(s / F.SOFT_CAP)
     if MASKED:
@@ -263,8 +274,11 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
     """Recompute one tile's probabilities and the gradient of the pre-cap logits.
 
     FlashAttention-2, Alg. 2: ``P = exp(s - lse)`` (in base 2; ``lse`` comes in log2
-    units in the plain case, in natural units with natural logits: ``F.LSE_FACTOR``), ``dP = dO·vᵀ`` (times the dropout scale where kept), ``dS = P ∘ (dP - delta)``
-    with ``delta = rowsum(dO ∘ O)``; through the soft cap ``1 - (s/cap)²``.
+    units in the plain case, in natural units with natural logits: ``F.LSE_FACTOR``;
+    with a bias it is the pair ``(m, log l)`` and ``P = exp((s - m) - log l)``, see the
+    module docstring and `load_softmax_rows`), ``dP = dO·vᵀ`` (times the dropout scale
+    where kept), ``dS = P ∘ (dP - delta)`` with ``delta = rowsum(dO ∘ O)``; through the
+    soft cap ``1 - (s/cap)²``.
     With TRANS every tile is transposed ([BLOCK_N, BLOCK_M]: ``Pᵀ = exp(k·qᵀ ...)``,
     ``dPᵀ = v·dOᵀ``), as the dk/dv kernel consumes them (FlashAttention-2's dK, dV loop).
     BLOCK_CAUSAL: the causal mask of the warp-specialised loops (`block_causal`).
@@ -280,8 +294,11 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
         dp = tl.dot(do, tl.trans(v))
     if BLOCK_CAUSAL:
         s = block_causal(s, diag, TRANS)
-    if F.LOG2_FACTOR == LOG2E:  # natural logits and lse: subtract before scaling
-        p = tl.math.exp2((s - along_q(lse, TRANS)) * LOG2E)
+    if F.HAS_BIAS:  # the row max and log row sum apart (a huge m would round log l away)
+        m, log_l = lse
+        p = tl.exp((s - along_q(m, TRANS)) - along_q(log_l, TRANS))
+    elif F.LOG2_FACTOR == LOG2E:  # natural logits and lse: subtract before scaling
+        p = tl.exp(s - along_q(lse, TRANS))
     else:
         p = tl.math.exp2(s * F.LOG2_FACTOR - along_q(lse, TRANS))
     if F.DROPOUT_THRESHOLD > 0:
@@ -309,6 +326,33 @@ def load_rows(base, offs, N_ROWS: tl.constexpr, MASKED: tl.constexpr, FACTOR: tl
     else:
         x = tl.load(base + offs)
     return row_stats(x, FACTOR)
+
+
+@triton.jit
+def softmax_rows(base, offset, F: tl.constexpr):
+    """Where the softmax statistics of a (batch, head) start, ``offset`` being that of its
+    row of ``[B, N, T]`` (``(b·N + n)·T``): the lse itself, or with a bias the rows
+    ``[B, N, 2, T]`` of (row max, log row sum), twice as far."""
+    if F.HAS_BIAS:
+        return base + 2 * offset
+    else:
+        return base + offset
+
+
+@triton.jit
+def load_softmax_rows(base, offs, MASKED: tl.constexpr, F: tl.constexpr):
+    """What `grad_logits` rebuilds P from, for rows ``offs`` (``base``: `softmax_rows`): the
+    lse in units of ``F.LSE_FACTOR``, or with a bias the pair (m, log l), natural units.
+
+    A row with no visible key has m = -inf and log l = 0 (the forward's l = 1 there):
+    loaded as (0, 0), its P is exp(-inf) = 0, as `load_rows` makes of a -inf lse.
+    """
+    if F.HAS_BIAS:
+        m = load_rows(base, offs, F.T, MASKED, 1.0)
+        log_l = load_rows(base + F.T, offs, F.T, MASKED, 1.0)
+        return m, log_l
+    else:
+        return load_rows(base, offs, F.T, MASKED, F.LSE_FACTOR)
 
 
 @triton.jit

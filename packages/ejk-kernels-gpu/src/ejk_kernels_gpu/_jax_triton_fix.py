@@ -71,7 +71,7 @@ def check_versions() -> None:
             f"ejk_kernels_gpu's jax-triton launch fix (_jax_triton_fix) was written for {wanted}, "
             f"found {got}: it rewrites the PTX of Hopper kernels and jax-triton's compile step, "
             "which another version may lay out differently; install those versions "
-            "(pip install 'ejk-kernels-gpu[gpu]')"
+            "(pip install 'ejk-kernels-gpu[cuda]')"
         )
 
 

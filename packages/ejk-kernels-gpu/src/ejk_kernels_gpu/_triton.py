@@ -178,7 +178,7 @@ def launch(
         jax_triton = importlib.import_module("jax_triton")
     except ImportError as err:
         raise NotImplementedError(
-            f"ejk_kernels_gpu on a GPU needs jax-triton (pip install 'ejk-kernels-gpu[gpu]'): {err}"
+            f"ejk_kernels_gpu on a GPU needs jax-triton (pip install 'ejk-kernels-gpu[cuda]'): {err}"
         ) from None
     _jax_triton_fix.install()  # global scratch and warp counts for Hopper kernels
     outs = jax_triton.triton_call(

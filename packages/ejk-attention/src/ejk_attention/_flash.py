@@ -5,20 +5,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax import Array
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec, SingleDeviceSharding
 from jaxtyping import ArrayLike, Float, Int, Integer
 
 from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._backends import (
+    BACKENDS,
     IMPLEMENTATIONS,
     default_order,
     platform_of,
     resolve_implementation,
     run_first,
 )
+from ._eager import run_compiled
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import tuned_backend
 
@@ -108,6 +111,19 @@ def flash_attention(
         ValueError, TypeError: a bad argument (the message names it).
         NotImplementedError: no requested implementation can serve the call (each reason given).
     """
+    plain = segment_ids is None and cu_seqlens_q is None and cu_seqlens_k is None
+    plain = plain and dropout_seed is None and mesh is None and in_specs is None
+    if (
+        plain
+        and out_specs is None
+        and _concrete_on_one_default_device(q, k, v, bias, softmax_sinks)
+    ):
+        # The common eager call: jit's own dispatch (C++) keys the compiled function, and
+        # validation runs while tracing (nothing here depends on concrete values).
+        statics = (softmax_scale, causal, sliding_window, logits_soft_cap, dropout_rate)
+        statics += (return_lse, implementation, config, bwd_config, tuple(BACKENDS.values()))
+        if _hashable(statics):
+            return _compiled_plain_call(q, k, v, bias, softmax_sinks, *statics)
     request = validate_attention(
         q,
         k,
@@ -126,17 +142,94 @@ def flash_attention(
         return_lse=return_lse,
     )
     names = resolve_implementation(implementation)
+    if mesh is None:
+        if in_specs is not None or out_specs is not None:
+            raise ValueError("in_specs/out_specs need mesh=")
+        inferred = inferred_mesh(request) if request.dropout_rate == 0.0 else None
+        if inferred is not None:
+            # q is already batch/head sharded: run each shard's attention where it lives, so
+            # kernels (custom calls XLA cannot partition) are not gathered onto every device.
+            mesh, in_specs = inferred
+    # Concrete arrays: one compiled function per signature instead of op-by-op dispatch.
+    return run_compiled(_dispatch, request, names, config, bwd_config, mesh, in_specs, out_specs)
+
+
+def _dispatch(
+    request: AttentionRequest,
+    names: tuple[str, ...] | None,
+    config: Any,
+    bwd_config: Any,
+    mesh: Any,
+    in_specs: PartitionSpec | None,
+    out_specs: PartitionSpec | None,
+) -> Any:
+    """``request`` on the first backend of ``names`` that serves it, per shard of ``mesh``."""
 
     def run_local(local: AttentionRequest) -> Any:
         return _compute(local, names, config, bwd_config)
 
     if mesh is None:
-        if in_specs is not None or out_specs is not None:
-            raise ValueError("in_specs/out_specs need mesh=")
-        inferred = inferred_mesh(request) if request.dropout_rate == 0.0 else None
-        if inferred is None:
-            return run_local(request)
-        # q is already batch/head sharded: run each shard's attention where it lives, so
-        # kernels (custom calls XLA cannot partition) are not gathered onto every device.
-        mesh, in_specs = inferred
+        return run_local(request)
     return sharded_call(run_local, request, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _plain_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any,
+    softmax_sinks: Any,
+    softmax_scale: Any,
+    causal: Any,
+    sliding_window: Any,
+    logits_soft_cap: Any,
+    dropout_rate: Any,
+    return_lse: Any,
+    implementation: Any,
+    config: Any,
+    bwd_config: Any,
+    backends: tuple[Any, ...],
+) -> Any:
+    """`flash_attention` without segment ids, packing, a dropout seed or a mesh (traced).
+
+    ``backends`` is only a cache key: the backend objects the dispatch looks up (a test or a
+    user replacing one gets a new trace).
+    """
+    del backends
+    request = validate_attention(
+        q,
+        k,
+        v,
+        bias,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks,
+        dropout_rate=dropout_rate,
+        return_lse=return_lse,
+    )
+    names = resolve_implementation(implementation)
+    return _dispatch(request, names, config, bwd_config, None, None, None)
+
+
+_compiled_plain_call = jax.jit(_plain_call, static_argnums=tuple(range(5, 15)))
+
+
+def _concrete_on_one_default_device(*arrays: Any) -> bool:
+    """Every array given is a concrete jax array, q's on one device of the default platform."""
+    for x in arrays:
+        if x is not None and (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)):
+            return False
+    sharding = arrays[0].sharding
+    if not isinstance(sharding, SingleDeviceSharding):
+        return False  # a sharded q may run per shard (inferred_mesh): the general path
+    return next(iter(sharding.device_set)).platform == jax.default_backend()
+
+
+def _hashable(values: tuple[Any, ...]) -> bool:
+    try:
+        hash(values)
+    except TypeError:
+        return False
+    return True

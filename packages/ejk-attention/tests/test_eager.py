@@ -1,0 +1,149 @@
+"""Eager `flash_attention` calls run one compiled function per signature (`_eager`, `_flash`).
+
+The compiled function is traced once and reused: a spy backend counts how often the
+dispatch runs (it runs only while tracing). Results equal those of the same call under
+``jit``; grads, ``return_lse``, packed input and the fall-through behave as before.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import _backends, flash_attention, reference_attention
+from ejk_sequtils import attention_tolerance
+
+B, T, S, N, K, H = 2, 19, 23, 6, 2, 8
+
+
+def _qkv(t=T, s=S, b=B, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((b, t, N, H), (b, s, K, H), (b, s, K, H))
+    return tuple(jnp.asarray(rng.standard_normal(x), jnp.float32) for x in shapes)
+
+
+@pytest.fixture
+def xla_runs(monkeypatch):
+    """The xla backend, recording each time the dispatch reaches it (its request)."""
+    runs = []
+
+    class Counting(_backends.XlaBackend):
+        def run(self, request, config, bwd_config):
+            runs.append(request)
+            return super().run(request, config, bwd_config)
+
+    monkeypatch.setitem(_backends.BACKENDS, "xla", Counting())
+    return runs
+
+
+def _ids(seed, b, n):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.sort(rng.integers(-1, 3, (b, n)), 1), jnp.int32)
+
+
+CALLS = {
+    "plain": {},
+    "causal_lse": {"causal": True, "return_lse": True},
+    "bias_sinks": {
+        "bias": jnp.asarray(np.random.default_rng(2).standard_normal((1, N, T, S)), jnp.float32),
+        "softmax_sinks": jnp.linspace(-1.0, 1.0, N),
+    },
+    "segments": {"segment_ids": (_ids(3, B, T), _ids(4, B, S)), "sliding_window": (4, 2)},
+    "dropout_int_seed": {"dropout_rate": 0.25, "dropout_seed": 7},
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a_second_eager_call_reuses_the_compiled_function(xla_runs, name):
+    q, k, v = _qkv()
+    kw = CALLS[name]
+    first = flash_attention(q, k, v, **kw)
+    assert len(xla_runs) == 1
+    assert isinstance(xla_runs[0].q, jax.core.Tracer)  # it ran while tracing
+    second = flash_attention(q, k, v, **kw)
+    assert len(xla_runs) == 1  # no new trace: same signature
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(a, b)
+    under_jit = jax.jit(lambda q, k, v: flash_attention(q, k, v, **kw))(q, k, v)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(under_jit), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(xla_runs) == 2  # the jit traced it again (its own cache)
+
+
+def test_a_new_shape_or_option_traces_again(xla_runs):
+    q, k, v = _qkv()
+    flash_attention(q, k, v)
+    flash_attention(*_qkv(t=T + 1))
+    flash_attention(q, k, v, causal=True)
+    flash_attention(q, k, v)
+    assert len(xla_runs) == 3
+
+
+def test_new_dropout_seeds_reuse_the_compiled_function(xla_runs):
+    q, k, v = _qkv()
+    outs = [flash_attention(q, k, v, dropout_rate=0.3, dropout_seed=seed) for seed in (1, 2)]
+    assert len(xla_runs) == 1
+    assert not np.allclose(outs[0], outs[1])
+    want = reference_attention(q, k, v, dropout_rate=0.3, dropout_seed=2)
+    tol = attention_tolerance(q.dtype)
+    np.testing.assert_allclose(outs[1], want, rtol=tol, atol=tol)
+
+
+def test_packed_input_keeps_one_cu_seqlens(xla_runs):
+    """cu_seqlens_k defaults to the same array as cu_seqlens_q, and stays so when traced
+    (the Pallas backend serves causal packed input only then)."""
+    q, k, v = _qkv(b=1, t=16, s=16)
+    cu = jnp.array([0, 5, 5, 12], jnp.int32)
+    out = flash_attention(q, k, v, cu_seqlens_q=cu, causal=True)
+    (request,) = xla_runs
+    assert request.cu_seqlens_k is request.cu_seqlens_q
+    want = reference_attention(q, k, v, cu_seqlens_q=cu, causal=True)
+    tol = attention_tolerance(q.dtype)
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+
+
+def test_grad_of_an_eager_style_call_traces_and_is_right():
+    q, k, v = _qkv()
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, causal=True) ** 2)
+    got = jax.grad(loss(flash_attention), (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(reference_attention), (0, 1, 2))(q, k, v)
+    tol = attention_tolerance(q.dtype, "grad")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+def test_eager_errors_name_the_argument():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+        flash_attention(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be a finite number > 0"):
+        flash_attention(q, k, v, logits_soft_cap=0.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        flash_attention(*_qkv(b=1), cu_seqlens_q=jnp.array([1, 19], jnp.int32))
+
+
+def test_eager_fall_through_and_unhashable_options(monkeypatch):
+    class Refusing(_backends.TritonBackend):
+        def run(self, request, config, bwd_config):
+            raise NotImplementedError("no kernel for this shape")
+
+    monkeypatch.setitem(_backends.BACKENDS, "triton", Refusing())
+    q, k, v = _qkv()
+    tol = attention_tolerance(q.dtype)
+    want = reference_attention(q, k, v, sliding_window=(3, 3))
+    # A list is no cache key: the call runs as before, op by op.
+    out = flash_attention(q, k, v, sliding_window=(3, 3), implementation=["triton", "xla"])
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    with pytest.raises(NotImplementedError, match="triton: no kernel for this shape"):
+        flash_attention(q, k, v, implementation=("triton", "cudnn"))
+
+
+def test_numpy_inputs():
+    q, k, v = (np.asarray(x) for x in _qkv())
+    ids = (np.zeros((B, T), np.int32), np.zeros((B, S), np.int32))
+    out = flash_attention(q, k, v, causal=True, segment_ids=ids)
+    want = reference_attention(q, k, v, causal=True)
+    tol = attention_tolerance(q.dtype)
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)

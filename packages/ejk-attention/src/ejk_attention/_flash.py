@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -120,8 +121,10 @@ def flash_attention(
     ):
         # The common eager call: jit's own dispatch (C++) keys the compiled function, and
         # validation runs while tracing (nothing here depends on concrete values).
-        statics = (softmax_scale, causal, sliding_window, logits_soft_cap, dropout_rate)
-        statics += (return_lse, implementation, config, bwd_config, tuple(BACKENDS.values()))
+        options = _PlainOptions(
+            softmax_scale, causal, sliding_window, logits_soft_cap, dropout_rate, return_lse
+        )
+        statics = (options, implementation, config, bwd_config, tuple(BACKENDS.values()))
         if _hashable(statics):
             return _compiled_plain_call(q, k, v, bias, softmax_sinks, *statics)
     request = validate_attention(
@@ -173,47 +176,52 @@ def _dispatch(
     return sharded_call(run_local, request, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
+class _PlainOptions(NamedTuple):
+    """The static options of a call without segment ids, packing, a seed or a mesh."""
+
+    softmax_scale: Any
+    causal: Any
+    sliding_window: Any
+    logits_soft_cap: Any
+    dropout_rate: Any
+    return_lse: Any
+
+
 def _plain_call(
     q: Any,
     k: Any,
     v: Any,
     bias: Any,
     softmax_sinks: Any,
-    softmax_scale: Any,
-    causal: Any,
-    sliding_window: Any,
-    logits_soft_cap: Any,
-    dropout_rate: Any,
-    return_lse: Any,
+    options: _PlainOptions,
     implementation: Any,
     config: Any,
     bwd_config: Any,
     backends: tuple[Any, ...],
 ) -> Any:
-    """`flash_attention` without segment ids, packing, a dropout seed or a mesh (traced).
+    """`flash_attention` of a call without segment ids, packing, a seed or a mesh, traced by
+    `_compiled_plain_call` (inside the trace the arrays are tracers: the ordinary path).
 
     ``backends`` is only a cache key: the backend objects the dispatch looks up (a test or a
     user replacing one gets a new trace).
     """
     del backends
-    request = validate_attention(
+    # The function itself, not a type-checking wrapper (jaxtyping in the tests): the outer
+    # call was checked, or deliberately not, and validation names bad arguments anyway.
+    return inspect.unwrap(flash_attention)(
         q,
         k,
         v,
         bias,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
         softmax_sinks=softmax_sinks,
-        dropout_rate=dropout_rate,
-        return_lse=return_lse,
+        implementation=implementation,
+        config=config,
+        bwd_config=bwd_config,
+        **options._asdict(),
     )
-    names = resolve_implementation(implementation)
-    return _dispatch(request, names, config, bwd_config, None, None, None)
 
 
-_compiled_plain_call = jax.jit(_plain_call, static_argnums=tuple(range(5, 15)))
+_compiled_plain_call = jax.jit(_plain_call, static_argnums=(5, 6, 7, 8, 9))
 
 
 def _concrete_on_one_default_device(*arrays: Any) -> bool:

@@ -3,6 +3,8 @@
 Prints the median microseconds of single calls (the result waited for) of eager ejk, jitted
 ``jax.nn.dot_product_attention`` (its xla path) and jitted ejk on a tiny shape, timed in
 interleaved rounds of back-to-back calls; exits 1 when eager ejk costs more than twice jitted jax.nn.
+On a CPU the single-call times of a tiny shape are bimodal (a call either finds XLA's
+worker threads awake or wakes them), so the 10th and 90th percentiles are printed too.
 
     uv run python packages/ejk-attention/benchmarks/eager_overhead.py [--shape 1,16,16,2,1,16]
 """
@@ -59,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         f"shape B,T,S,N,K,H = {args.shape}{' causal' if causal else ''}, float32, {jax.devices()[0]}"
     )
     for name, value in us.items():
+        p10, p90 = np.percentile(times[name], [10, 90])
         print(
             f"  {name:14s} {value:8.1f} us/call  ({value / us['jitted jax.nn']:.2f}x jitted jax.nn)"
+            f"  p10 {p10:6.1f}  p90 {p90:6.1f}"
         )
     ratio = us["eager ejk"] / us["jitted jax.nn"]
     if ratio > LIMIT:

@@ -210,12 +210,14 @@ def _tile_forward(opts, heads, bias, sinks, masking, tile):
     """One query block: ``(out [B, K, G, tq, Hv], m, denom)`` with ``m, denom [B, K, G, tq]``."""
     s = jnp.where(_visible(opts, masking, tile), _logits(opts, heads, bias, tile), -jnp.inf)
     m, denom, e = _row_stats(s, sinks)
-    p = e * (1.0 / jnp.where(denom > 0, denom, 1.0))[..., None]
     if opts.dropout_rate > 0.0:
-        keep = _keep(opts, masking, p.shape, tile)
-        p = jnp.where(keep, p / (1.0 - opts.dropout_rate), 0.0)
-    out = _matmul("bkqs,bksh->bkqh", _flat(p), heads.v[:, :, tile.k0 : tile.k1])
-    return out.reshape(*p.shape[:4], out.shape[-1]), m, denom
+        keep = _keep(opts, masking, e.shape, tile)
+        e = jnp.where(keep, e / (1.0 - opts.dropout_rate), 0.0)
+    out = _matmul("bkqs,bksh->bkqh", _flat(e), heads.v[:, :, tile.k0 : tile.k1])
+    # Normalise after p·v (FlashAttention-2, Alg. 1, line 12): one pass over [tq, Hv]
+    # instead of one over [tq, tk].
+    out = out.reshape(*e.shape[:4], out.shape[-1])
+    return out * (1.0 / jnp.where(denom > 0, denom, 1.0))[..., None], m, denom
 
 
 def _flat(x: Array) -> Array:

@@ -179,9 +179,9 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, *got_g))
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
     # dq from atomic adds (FlashConfig.atomic_dq) may differ in its last bits between runs.
-    det = bool(jnp.all(got_o == again_o)) and all(
-        v for n, v in same.items() if n != "dq" or builds["bwd"] != "atomic"
-    )
+    same["out"] = bool(jnp.all(got_o == again_o))
+    differ = sorted(n for n, v in same.items() if not v)
+    det = not [n for n in differ if n != "dq" or builds["bwd"] != "atomic"]
     builds_ok = _builds_ok(builds, expect, hopper)
     ok = not nan and det and builds_ok and max(errs.values()) <= BF16_TOL
     shape = f"B{B} T{T} S{S} N{N} K{K} H{H}"
@@ -189,11 +189,13 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     print(
         f"{'PASS' if ok else 'FAIL'} {name:<24} {shape:<28} fwd={builds['fwd']} bwd={builds['bwd']}"
         f"{'' if builds_ok else ' (BUILD NOT AS EXPECTED)'} det={det} dq_det={same['dq']} "
+        f"{'differ=' + ','.join(differ) + ' ' if differ else ''}"
         f"nan={nan} {err_txt} ({seconds:.1f}s)"
     )
     return {
         "name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "errors": errs,
-        "deterministic": det, "dq_deterministic": same["dq"], "nan": nan, "builds": builds,
+        "deterministic": det, "dq_deterministic": same["dq"], "differ_between_runs": differ,
+        "nan": nan, "builds": builds,
         "expected_builds": expect if hopper else {}, "builds_ok": builds_ok, "passed": ok,
         "seconds": round(seconds, 1),
     }  # fmt: skip
@@ -290,6 +292,7 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="comma-separated case indices")
     parser.add_argument("--json", default="", help="write the result as JSON here")
     parser.add_argument("--commit", default="", help="the commit under test (for the JSON)")
+    parser.add_argument("--repeat", type=int, default=1, help="run each picked case this often")
     args = parser.parse_args()
     from ejk_kernels_gpu._triton import hopper_gpu
 
@@ -299,7 +302,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     cases = CASES[:3] if args.quick else CASES
     if args.cases:
-        cases = [CASES[int(i)] for i in args.cases.split(",")]
+        cases = [CASES[int(i)] for i in args.cases.split(",")] * args.repeat
     rows: list[dict] = []
 
     def record(row: dict) -> None:

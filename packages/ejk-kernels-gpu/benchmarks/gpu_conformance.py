@@ -169,7 +169,7 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         got_g, (got_o, got_l) = run(flash_attention, q, k, v, bias, sinks)
     builds = _builds(LAUNCHES)
     jax.block_until_ready(got_g)
-    again_g, (again_o, _) = run(flash_attention, q, k, v, bias, sinks)
+    again_g, (again_o, again_l) = run(flash_attention, q, k, v, bias, sinks)
     ref_g, (ref_o, ref_l) = run(reference_attention, f32(q), f32(k), f32(v), f32(bias), sinks)
     seconds = time.perf_counter() - start
     errs = {"out": _rel(got_o, ref_o), "lse": _rel(got_l, ref_l)}
@@ -180,6 +180,7 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
     # dq from atomic adds (FlashConfig.atomic_dq) may differ in its last bits between runs.
     same["out"] = bool(jnp.all(got_o == again_o))
+    same["lse"] = bool(jnp.all(got_l == again_l))
     differ = sorted(n for n, v in same.items() if not v)
     det = not [n for n in differ if n != "dq" or builds["bwd"] != "atomic"]
     builds_ok = _builds_ok(builds, expect, hopper)

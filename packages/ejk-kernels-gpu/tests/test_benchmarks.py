@@ -56,10 +56,12 @@ def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
     assert row["passed"] and row["deterministic"] and row["builds_ok"]
     # On Hopper a case about the Gluon / warp-specialised builds fails when another ran,
     # and a case about the ordinary kernels fails when a special build ran.
-    assert conf._builds_ok({"fwd": "gluon", "bwd": "ws"}, conf.GW, hopper=True)
-    assert not conf._builds_ok({"fwd": "ordinary", "bwd": "ws"}, conf.GW, hopper=True)
-    assert not conf._builds_ok({"fwd": "gluon", "bwd": "atomic"}, conf.GW, hopper=True)
+    assert conf._builds_ok({"fwd": "gluon", "bwd": "atomic"}, conf.GW, hopper=True)
+    assert not conf._builds_ok({"fwd": "ordinary", "bwd": "atomic"}, conf.GW, hopper=True)
+    assert not conf._builds_ok({"fwd": "gluon", "bwd": "ws"}, conf.GW, hopper=True)
+    assert conf._builds_ok({"fwd": "ws", "bwd": "ws"}, conf.WW, hopper=True)
+    assert not conf._builds_ok({"fwd": "ws", "bwd": "ordinary"}, conf.WW, hopper=True)
     assert not conf._builds_ok({"fwd": "ws", "bwd": "ordinary"}, conf.ORD, hopper=True)
     assert conf._builds_ok({"fwd": "ordinary", "bwd": "atomic"}, conf.ORD, hopper=True)
     # Off Hopper every case expects the ordinary kernels.
-    assert conf._builds_ok({"fwd": "ordinary", "bwd": "ordinary"}, conf.GW, hopper=False)
+    assert conf._builds_ok({"fwd": "ordinary", "bwd": "ordinary"}, conf.WW, hopper=False)

@@ -65,3 +65,16 @@ def test_dq_goes_by_tma_only_for_atomic_dq_on_hopper_with_whole_tile_rows():
     assert not dq_by_tma(atomic, 128, hopper=False)  # elsewhere: pointer atomics
     assert not dq_by_tma(atomic, 80, hopper=True)  # a 128-wide tile would reach the next head
     assert not dq_by_tma(FlashConfig(block_q=128, block_k=64), 128, hopper=True)
+
+
+def test_no_heuristic_or_tuning_space_offers_the_racy_warp_specialised_backward():
+    """The warp-specialised dk/dv kernel gave different dk/dv (sometimes NaN) between two
+    runs of one call on an H100 (2026-11-24): only an explicit config may ask for it."""
+    from ejk_kernels_gpu import bwd_heuristic
+
+    for head_dim in (64, 128, 256):
+        for group in (1, 4):
+            cfg = bwd_heuristic(head_dim, 2, False, group, warp_specialize=True)
+            assert not cfg.warp_specialize, (head_dim, group)
+        space = bwd_search_space(head_dim, 2, side_inputs=False, warp_specialize=True)
+        assert not any(c.warp_specialize for c in space), head_dim

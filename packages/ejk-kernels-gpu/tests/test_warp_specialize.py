@@ -153,19 +153,15 @@ def test_warp_specialised_backward_config_falls_back_where_it_cannot_run(bwd_lau
         np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "ws"), [(dict(causal=True), True), (dict(causal=True, sliding_window=8), False)]
-)
-def test_backward_takes_the_warp_specialised_build_by_default_where_it_can(
-    bwd_launches, rng, kwargs, ws
-):
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(causal=True, sliding_window=8)])
+def test_backward_never_takes_the_warp_specialised_build_by_default(bwd_launches, rng, kwargs):
+    """Its dk/dv kernel is not deterministic on an H100 (docs/gpu-runs/, 2026-11-24): the
+    heuristic gives every call the ordinary kernels, even where the build could run."""
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float16) for _ in range(3))
     # The forward as the Triton build (the heuristic's Gluon one cannot be interpreted).
     loss = lambda q: jnp.sum(flash_attention(q, k, v, config=WS, **kwargs).astype(jnp.float32))
     jax.grad(loss)(q)
-    assert {w for _, w in bwd_launches} == {ws}
-    if ws:  # otherwise the heuristic's dk/dv kernel may compute dq itself (atomic_dq)
-        assert [name for name, _ in bwd_launches] == ["dkdv_kernel", "dq_kernel"]
+    assert {w for _, w in bwd_launches} == {False}
 
 
 def test_scratch_is_read_from_the_last_explicit_argument(scratch_ptx):

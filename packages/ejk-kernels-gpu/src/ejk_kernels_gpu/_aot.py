@@ -25,6 +25,7 @@ import msgspec
 
 from ._config import (
     SHARED_MEMORY_LIMIT,
+    WS_BWD_CONFIGS,
     FlashConfig,
     bwd_heuristic,
     bwd_search_space,
@@ -236,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                     # warp-specialised one where the call could take it
                     cfg = bwd_heuristic(head_dim, itemsize, side)
                     space = (cfg, msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq))
-                    ws_cfg = bwd_heuristic(head_dim, itemsize, side, warp_specialize=ws)
-                    space += (ws_cfg,) if ws_cfg.warp_specialize else ()
+                    if ws and itemsize == 2:  # explicit-config builds (see WS_BWD_CONFIGS)
+                        space += WS_BWD_CONFIGS.get(head_dim, ())
                 for name in (n for n in names if n in wanted):
                     for cfg in space:
                         if name == "dq_kernel" and cfg.atomic_dq:

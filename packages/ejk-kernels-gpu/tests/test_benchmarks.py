@@ -25,7 +25,7 @@ def bench_path_fixture(monkeypatch):
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("name", ["bench_flash", "gpu_conformance", "tune_flash"])
+@pytest.mark.parametrize("name", ["bench_flash", "gpu_conformance"])
 def test_benchmark_scripts_import(bench_path, name):
     importlib.import_module(name)
 

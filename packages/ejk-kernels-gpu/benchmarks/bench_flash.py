@@ -212,17 +212,9 @@ def main() -> int:
         rows += bench_shape(shape, variants, with_bwd=not args.no_bwd, rounds=args.rounds)
     _table(rows)
     if args.json:
-        from gpu_conformance import versions
+        from gpu_conformance import run_info
 
-        result = {
-            "script": "packages/ejk-kernels-gpu/benchmarks/bench_flash.py",
-            "argv": sys.argv[1:],
-            "commit": args.commit,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "device": jax.devices()[0].device_kind,
-            "versions": versions(),
-            "rows": rows,
-        }
+        result = {**run_info("bench_flash.py", args.commit), "rows": rows}
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
     return 0

@@ -232,6 +232,20 @@ def _forward_only(name, B, T, S, N, K, H, expect, hopper, sinks=False):
     }  # fmt: skip
 
 
+def run_info(script: str, commit: str) -> dict:
+    """What a GPU result's JSON starts with: the script and its arguments, the commit under
+    test, the date, the device and the versions."""
+    device = jax.devices()[0]
+    return {
+        "script": f"packages/ejk-kernels-gpu/benchmarks/{script}",
+        "argv": sys.argv[1:],
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": getattr(device, "device_kind", str(device)),
+        "versions": versions(),
+    }
+
+
 def versions() -> dict:
     found = {"python": platform.python_version()}
     for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "triton", "jax-triton"):
@@ -314,14 +328,9 @@ def main() -> int:
         rows.append(row)
         if args.json:
             result = {
-                "script": "packages/ejk-kernels-gpu/benchmarks/gpu_conformance.py",
-                "argv": sys.argv[1:],
-                "commit": args.commit,
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "device": getattr(device, "device_kind", str(device)),
+                **run_info("gpu_conformance.py", args.commit),
                 "platform": device.platform,
                 "hopper": hopper,
-                "versions": versions(),
                 "tolerance": BF16_TOL,
                 "passed": all(r["passed"] for r in rows),
                 "cases": rows,

@@ -244,7 +244,7 @@ def ring_attention(
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
-    softmax_sinks: Float[AnyArray, " N"] | None = None,
+    softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
     segment_ids: Int[AnyArray, "B T"]
     | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
     | None = None,
@@ -266,7 +266,7 @@ def ring_attention(
         causal: global query i sees global keys ``j <= i``.
         sliding_window: ``(left, right)`` or ``w``, in global positions.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
-        softmax_sinks: ``[N]`` per-head sink logits (replicated on the ring).
+        softmax_sinks: ``[N]`` or ``[N, num_sinks]`` per-head sink logits (replicated on the ring).
         segment_ids: this device's ``[B, T]`` ids (self attention, T == S) or the pair
             ``(q_ids [B, T], kv_ids [B, S])``; the kv ids travel with their block.
         return_lse: also return the float32 lse ``[B, N, T]`` of the local rows.

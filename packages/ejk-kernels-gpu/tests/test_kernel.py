@@ -81,7 +81,7 @@ def test_no_heuristic_or_tuning_space_offers_the_racy_warp_specialised_backward(
 
     for head_dim in (64, 128, 256):
         for group in (1, 4):
-            cfg = bwd_heuristic(head_dim, 2, False, group, warp_specialize=True)
+            cfg = bwd_heuristic(head_dim, 2, False, group)
             assert not cfg.warp_specialize, (head_dim, group)
-        space = bwd_search_space(head_dim, 2, side_inputs=False, warp_specialize=True)
+        space = bwd_search_space(head_dim, 2, side_inputs=False)
         assert not any(c.warp_specialize for c in space), head_dim

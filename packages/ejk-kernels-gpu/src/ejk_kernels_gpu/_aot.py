@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.space == "full" and group == "fwd":
                     space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
                 elif args.space == "full":
-                    space = bwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
+                    space = bwd_search_space(head_dim, itemsize, side)
                 elif group == "fwd":  # the heuristic and every Hopper build the call can take
                     full = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
                     special = (c for c in full if c.warp_specialize or c.gluon)

@@ -249,14 +249,13 @@ def fwd_search_space(
 
 
 def bwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True
 ) -> tuple[FlashConfig, ...]:
     """Every backward config (shared by the dq and dk/dv kernels) that fits both.
 
-    ``warp_specialize`` is accepted and ignored: the warp-specialised backward is left out
-    of the space until its dk/dv race is fixed (see `bwd_heuristic`).
+    The warp-specialised backward is left out until its dk/dv race is fixed (see
+    `bwd_heuristic`).
     """
-    del warp_specialize
     return _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
 
 
@@ -289,15 +288,14 @@ def bwd_heuristic(
     itemsize: int = 2,
     side_inputs: bool = True,
     group: int = 1,
-    warp_specialize: bool = False,
 ) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed).
 
-    ``warp_specialize`` is accepted and ignored: the warp-specialised backward measured
-    7-11 % faster at head_dim 128 (H100, docs/performance.md step 7), but on an H100 its
-    dk/dv kernel is not deterministic (2026-11-24: dk and dv differ between two runs of the
-    same call, sometimes NaN, in 1 to 3 of 5 repeats; docs/gpu-runs/), so no call gets it
-    unless its config asks for it explicitly.
+    Never the warp-specialised backward: it measured 7-11 % faster at head_dim 128 (H100,
+    docs/performance.md step 7), but on an H100 its dk/dv kernel is not deterministic
+    (2026-11-24: dk and dv differ between two runs of the same call, sometimes NaN, in 1 to
+    3 of 5 repeats; docs/gpu-runs/), so no call gets it unless its config asks for it
+    explicitly (`WS_BWD_CONFIGS`).
 
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
@@ -306,7 +304,6 @@ def bwd_heuristic(
     (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
     """
-    del warp_specialize  # see the docstring: a race in the warp-specialised dk/dv kernel
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
     if head_dim <= 128 and itemsize <= 2 and group == 1:

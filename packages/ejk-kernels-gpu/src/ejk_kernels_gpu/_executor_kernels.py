@@ -84,9 +84,7 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
         q, k = inv.args[0], inv.args[1]
-        ws = _warp_specialize(inv, 4)
-        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2], warp_specialize=ws)
+        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2])
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        ws = _warp_specialize(inv, 4)
-        return bwd_search_space(*_shape_info(inv, 4), warp_specialize=ws)
+        return bwd_search_space(*_shape_info(inv, 4))

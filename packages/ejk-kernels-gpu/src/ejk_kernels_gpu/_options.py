@@ -87,7 +87,7 @@ def call_options(
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:
         group = heads // kv_heads
-        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group, warp_specialize=ws)
+        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group)
         opts = dataclasses.replace(opts, bwd_cfg=bwd)
     return opts
 

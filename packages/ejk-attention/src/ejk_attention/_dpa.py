@@ -31,6 +31,7 @@ from jaxtyping import Bool, Float, Int
 from ejk_sequtils import normalize_window, visibility_mask
 
 from ._backends import default_order, resolve_implementation
+from ._bias import hiding_bias
 from ._flash import flash_attention
 
 __all__ = ["dot_product_attention"]
@@ -88,21 +89,6 @@ def _masks(bias: Any, mask: Any, batch: int, heads: int, q_len: int, kv_len: int
     return bias, mask
 
 
-def _hiding_bias(bias: Array | None, mask: Array | None, q_len: int, kv_len: int) -> Array | None:
-    """One float32 ``[1|B, 1|N, T, S]`` bias: ``bias`` where ``mask`` holds, ``-inf`` (hidden) elsewhere."""
-    if bias is None and mask is None:
-        return None
-    parts = [x.shape for x in (bias, mask) if x is not None]
-    # Batch and head axes stay 1 where every input has 1: the kernels broadcast them.
-    shape = (max(p[0] for p in parts), max(p[1] for p in parts), q_len, kv_len)
-    out = jnp.zeros(shape, jnp.float32)
-    if bias is not None:
-        out = out + bias.astype(jnp.float32)
-    if mask is not None:
-        out = jnp.where(mask, out, -jnp.inf)
-    return out
-
-
 def _jax_nn(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
     try:
         return jax.nn.dot_product_attention(
@@ -128,7 +114,7 @@ def _flash(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
         query,
         key,
         value,
-        _hiding_bias(bias, mask, q_len, kv_len),
+        hiding_bias(bias, mask, q_len, kv_len),
         softmax_scale=kw["scale"],
         causal=kw["is_causal"],
         sliding_window=window,

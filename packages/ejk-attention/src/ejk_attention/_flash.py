@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import Array
 from jax.sharding import Mesh, PartitionSpec, SingleDeviceSharding
-from jaxtyping import ArrayLike, Float, Int, Integer
+from jaxtyping import ArrayLike, Bool, Float, Int, Integer
 
 from ejk_sequtils import AttentionRequest, validate_attention
 
@@ -22,6 +23,7 @@ from ._backends import (
     resolve_implementation,
     run_first,
 )
+from ._bias import hiding_bias
 from ._eager import run_compiled
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import tuned_backend
@@ -49,6 +51,7 @@ def flash_attention(
     v: Float[AnyArray, "B S K Hv"],
     bias: Float[AnyArray, "#B #N T S"] | None = None,
     *,
+    attention_mask: Bool[AnyArray, "#B #N T S"] | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
@@ -77,6 +80,10 @@ def flash_attention(
         k: keys ``[B, S, K, H]`` with ``N % K == 0``; query head n reads kv head ``n // (N // K)``.
         v: values ``[B, S, K, Hv]``, same dtype as q and k.
         bias: additive logits bias ``[1|B, 1|N, T, S]``.
+        attention_mask: boolean ``[1|B, 1|N, T, S]``, True where a query may see a key
+            (ejKernel's spelling): the same as a ``-inf`` bias on the hidden keys, so a row
+            it empties gives zeros. Not with ``logits_soft_cap`` (the cap would turn a
+            hidden key's ``-inf`` into ``-cap``): pass such masks as segment ids or a window.
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
         causal: query i sees keys ``j <= i`` (top-left aligned).
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``: keys in ``[i - left, i + right]``.
@@ -112,6 +119,8 @@ def flash_attention(
         ValueError, TypeError: a bad argument (the message names it).
         NotImplementedError: no requested implementation can serve the call (each reason given).
     """
+    if attention_mask is not None:
+        bias = _masked_bias(q, k, bias, attention_mask, logits_soft_cap)
     plain = segment_ids is None and cu_seqlens_q is None and cu_seqlens_k is None
     plain = plain and dropout_seed is None and mesh is None and in_specs is None
     if (
@@ -155,6 +164,32 @@ def flash_attention(
             mesh, in_specs = inferred
     # Concrete arrays: one compiled function per signature instead of op-by-op dispatch.
     return run_compiled(_dispatch, request, names, config, bwd_config, mesh, in_specs, out_specs)
+
+
+def _masked_bias(q: Any, k: Any, bias: Any, attention_mask: Any, logits_soft_cap: Any) -> Any:
+    """``bias`` with ``-inf`` where ``attention_mask`` is False (checked first)."""
+    if logits_soft_cap is not None:
+        raise NotImplementedError(
+            "attention_mask with logits_soft_cap: the cap maps a hidden key's -inf logit to "
+            f"-cap (logits_soft_cap={logits_soft_cap!r}); give the mask as segment_ids, "
+            "causal or sliding_window instead"
+        )
+    batch, q_len, heads = np.shape(q)[:3] if np.ndim(q) == 4 else (None, None, None)
+    kv_len = np.shape(k)[1] if np.ndim(k) == 4 else None
+    if batch is None or kv_len is None or (bias is not None and np.ndim(bias) != 4):
+        return bias  # validate_attention names the bad q, k or bias
+    mask = (
+        jnp.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
+    )
+    ok = mask.ndim == 4 and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
+    if not ok or mask.shape[2:] != (q_len, kv_len):
+        raise ValueError(
+            f"attention_mask must have shape [1|{batch}, 1|{heads}, {q_len}, {kv_len}], "
+            f"got attention_mask.shape={mask.shape}"
+        )
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"attention_mask must be boolean, got attention_mask.dtype={mask.dtype}")
+    return hiding_bias(bias, mask, q_len, kv_len)
 
 
 def _dispatch(

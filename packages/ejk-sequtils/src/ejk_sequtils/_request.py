@@ -135,6 +135,26 @@ def _flag(x: Any, name: str) -> bool:
     return bool(x)
 
 
+def _softmax_scale(softmax_scale: Any, head_dim: int) -> float:
+    """``softmax_scale`` as a finite float > 0; None gives ``head_dim ** -0.5``."""
+    if softmax_scale is None:
+        return head_dim**-0.5 if head_dim > 0 else 1.0
+    scale = _real(softmax_scale, "softmax_scale")
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    return scale
+
+
+def _soft_cap(logits_soft_cap: Any) -> float | None:
+    """``logits_soft_cap`` as None or a finite float > 0."""
+    if logits_soft_cap is None:
+        return None
+    cap = _real(logits_soft_cap, "logits_soft_cap")
+    if not math.isfinite(cap) or cap <= 0.0:
+        raise ValueError(f"logits_soft_cap must be a finite number > 0, got {logits_soft_cap!r}")
+    return cap
+
+
 def _validate_cu_seqlens(cu: Any, name: str, length: int) -> Any:
     cu = _int_array(cu, name)
     if cu.ndim != 1 or cu.shape[0] < 2:
@@ -277,23 +297,10 @@ def validate_attention(
                 f"got bias.shape={bias.shape}"
             )
 
-    if softmax_scale is None:
-        scale = head_dim**-0.5 if head_dim > 0 else 1.0
-    else:
-        scale = _real(softmax_scale, "softmax_scale")
-        if not math.isfinite(scale) or scale <= 0.0:
-            raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
-
+    scale = _softmax_scale(softmax_scale, head_dim)
     causal = _flag(causal, "causal")
     window = normalize_window(sliding_window)
-
-    if logits_soft_cap is not None:
-        cap = _real(logits_soft_cap, "logits_soft_cap")
-        if not math.isfinite(cap) or cap <= 0.0:
-            raise ValueError(
-                f"logits_soft_cap must be a finite number > 0, got {logits_soft_cap!r}"
-            )
-        logits_soft_cap = cap
+    logits_soft_cap = _soft_cap(logits_soft_cap)
 
     if softmax_sinks is not None:
         softmax_sinks = _validate_sinks(softmax_sinks, heads)

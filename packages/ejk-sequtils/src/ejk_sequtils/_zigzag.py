@@ -1,0 +1,105 @@
+"""The zigzag layout of context parallelism: load balance for causal attention.
+
+A sequence of length ``T`` split over ``n`` devices is cut into ``2n`` equal chunks;
+device ``i`` holds chunks ``i`` and ``2n - 1 - i`` (an early and a late one), so under a
+causal mask every device has the same number of visible (query, key) pairs. Contiguous
+shards would give device 0 one block of work and device ``n - 1`` n of them.
+
+`to_zigzag` reorders any per-token array (tokens, segment ids, positions) along its
+sequence axis so that an ordinary contiguous split of the result (``PartitionSpec`` on
+that axis, or ``shard_map``) gives each device its two chunks; `from_zigzag` undoes it.
+Both are static gathers (the order depends on shapes only): jit-, vmap- and grad-safe.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxtyping import Array, Int, Shaped
+
+from ._checks import check_positive_int
+
+__all__ = ["from_zigzag", "to_zigzag", "zigzag_chunks", "zigzag_positions"]
+
+AnyArray = Array | np.ndarray
+
+
+def zigzag_chunks(num_shards: int) -> tuple[int, ...]:
+    """The order of the ``2 * num_shards`` chunks in the zigzag layout.
+
+    Args:
+        num_shards: devices the sequence is split over, ``n``.
+
+    Returns:
+        ``(0, 2n - 1, 1, 2n - 2, ..., n - 1, n)``: shard i holds chunks ``2i`` and ``2i + 1``
+        of this order.
+    """
+    n = check_positive_int(num_shards, "num_shards")
+    return tuple(c for i in range(n) for c in (i, 2 * n - 1 - i))
+
+
+def _chunk_len(length: int, num_shards: int) -> int:
+    n = check_positive_int(num_shards, "num_shards")
+    if length % (2 * n):
+        raise ValueError(
+            f"the zigzag layout cuts the sequence into 2 * {num_shards=} equal chunks; "
+            f"sequence length {length} is not a multiple of {2 * n}"
+        )
+    return length // (2 * n)
+
+
+def zigzag_positions(length: int, num_shards: int) -> Int[np.ndarray, " T"]:
+    """Global position of each token of the zigzag layout (the gather `to_zigzag` does).
+
+    Args:
+        length: sequence length ``T``, a multiple of ``2 * num_shards``.
+        num_shards: devices the sequence is split over.
+
+    Returns:
+        int32 ``[T]``: entry ``j`` is the original index of the token the layout puts at ``j``.
+    """
+    c = _chunk_len(length, num_shards)
+    chunks = np.asarray(zigzag_chunks(num_shards))
+    return (chunks[:, None] * c + np.arange(c)[None, :]).reshape(-1).astype(np.int32)
+
+
+def _axis(x: Shaped[AnyArray, " *dims"], axis: int) -> int:
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{axis=} is out of range for an array of shape {x.shape}")
+    return axis % x.ndim
+
+
+def to_zigzag(
+    x: Shaped[AnyArray, " *dims"], num_shards: int, *, axis: int = 1
+) -> Shaped[AnyArray, " *dims"]:
+    """``x`` reordered along ``axis`` into the zigzag layout (shard i: chunks i and 2n-1-i).
+
+    Args:
+        x: any per-token array: ``[B, T, ...]`` tokens or activations, ``[B, T]`` segment
+            ids or positions (NumPy or JAX; traced values are fine).
+        num_shards: devices the sequence will be split over, ``n``; ``T % (2n) == 0``.
+        axis: the sequence axis (default 1, as in ``[B, T, N, H]``).
+
+    Returns:
+        An array like ``x`` (same type, shape and dtype) in the zigzag order.
+    """
+    axis = _axis(x, axis)
+    order = zigzag_positions(x.shape[axis], num_shards)
+    return x.take(order, axis=axis)
+
+
+def from_zigzag(
+    x: Shaped[AnyArray, " *dims"], num_shards: int, *, axis: int = 1
+) -> Shaped[AnyArray, " *dims"]:
+    """The inverse of `to_zigzag`: ``from_zigzag(to_zigzag(x, n), n) == x``.
+
+    Args:
+        x: an array in the zigzag layout along ``axis``.
+        num_shards: the ``n`` it was laid out for.
+        axis: the sequence axis (default 1).
+
+    Returns:
+        ``x`` in the original token order.
+    """
+    axis = _axis(x, axis)
+    order = zigzag_positions(x.shape[axis], num_shards)
+    return x.take(np.argsort(order).astype(np.int32), axis=axis)

@@ -3,7 +3,9 @@
 The definition every ejk backend follows lives here, below the kernels: the
 visibility rules (`visibility_mask`), the dropout keep-mask (`dropout_keep_mask`),
 the float32 reference (`reference_attention`) and the validation of a call
-(`validate_attention`, returning the `AttentionRequest` every backend receives).
+(`validate_attention`, returning the `AttentionRequest` every backend receives), and
+the same for paged attention in serving (`validate_paged_attention`,
+`paged_reference_attention`).
 """
 
 from ._cu_seqlens import cdiv as cdiv
@@ -32,6 +34,10 @@ from ._numerics import log_sum_exp as log_sum_exp
 from ._numerics import safe_divide as safe_divide
 from ._numerics import unchunk_array as unchunk_array
 from ._packing import pack_sequences as pack_sequences
+from ._paged import PagedAttentionRequest as PagedAttentionRequest
+from ._paged import gather_pages as gather_pages
+from ._paged import paged_reference_attention as paged_reference_attention
+from ._paged import validate_paged_attention as validate_paged_attention
 from ._reference import fold_sinks as fold_sinks
 from ._reference import reference_attention as reference_attention
 from ._request import AttentionRequest as AttentionRequest
@@ -51,6 +57,7 @@ __all__ = [
     "ATTENTION_TOLERANCES",
     "DROPOUT_HASH",
     "AttentionRequest",
+    "PagedAttentionRequest",
     "assert_allclose",
     "attention_tolerance",
     "cdiv",
@@ -61,6 +68,7 @@ __all__ = [
     "dropout_threshold",
     "fold_sinks",
     "from_zigzag",
+    "gather_pages",
     "generate_attention_inputs",
     "identity_dtype_convert",
     "is_segment_representable",
@@ -68,6 +76,7 @@ __all__ = [
     "mask_to_segment_ids",
     "normalize_window",
     "pack_sequences",
+    "paged_reference_attention",
     "position_ids_to_segment_ids",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",
@@ -85,6 +94,7 @@ __all__ = [
     "to_zigzag",
     "unchunk_array",
     "validate_attention",
+    "validate_paged_attention",
     "visibility_mask",
     "zigzag_chunks",
     "zigzag_positions",

@@ -19,6 +19,8 @@ from ejk_sequtils import (
     fold_sinks,
     gather_pages,
     paged_reference_attention,
+    paged_visibility,
+    ragged_rows,
     validate_paged_attention,
 )
 
@@ -312,3 +314,24 @@ def test_traced_values_are_not_checked():
     assert run(too_long, np.full((2, COLS), 10**6, np.int32)).shape == (2, 3, 4, H)
     with pytest.raises(ValueError, match=r"kv_lens must have shape \[B\]=\(2,\)"):
         run(np.array([3, 7, 1], np.int32), args["page_table"])
+
+
+def test_paged_visibility_is_bottom_right():
+    first = np.array([-2, 0, 5], np.int32)
+    mask = np.asarray(paged_visibility(first, 3, 9, sliding_window=(2, 7)))
+    assert mask.shape == (3, 1, 3, 9)
+    for r, f in enumerate(first):
+        for t in range(3):
+            pos = f + t
+            want = [(pos - 2 <= j <= pos) for j in range(9)]
+            assert mask[r, 0, t].tolist() == want, (r, t)
+
+
+def test_ragged_rows():
+    kv_lens = np.array([5, 0, 2], np.int32)
+    cu = np.array([0, 3, 3, 6], np.int32)
+    args = _args(q=np.zeros((6, 4, H), np.float32), kv_lens=kv_lens, cu_q_lens=cu)
+    args["page_table"] = np.zeros((3, COLS), np.int32)
+    seq, pos = ragged_rows(validate_paged_attention(**args))
+    assert seq.tolist() == [0, 0, 0, 2, 2, 2]
+    assert pos.tolist() == [2, 3, 4, -1, 0, 1]

@@ -37,6 +37,8 @@ from ._packing import pack_sequences as pack_sequences
 from ._paged import PagedAttentionRequest as PagedAttentionRequest
 from ._paged import gather_pages as gather_pages
 from ._paged import paged_reference_attention as paged_reference_attention
+from ._paged import paged_visibility as paged_visibility
+from ._paged import ragged_rows as ragged_rows
 from ._paged import validate_paged_attention as validate_paged_attention
 from ._reference import fold_sinks as fold_sinks
 from ._reference import reference_attention as reference_attention
@@ -77,6 +79,7 @@ __all__ = [
     "normalize_window",
     "pack_sequences",
     "paged_reference_attention",
+    "paged_visibility",
     "position_ids_to_segment_ids",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",
@@ -86,6 +89,7 @@ __all__ = [
     "prepare_position_ids",
     "prepare_sequence_ids",
     "prepare_token_indices",
+    "ragged_rows",
     "reference_attention",
     "safe_divide",
     "segment_ids_to_cu_seqlens",

@@ -44,6 +44,8 @@ __all__ = [
     "PagedAttentionRequest",
     "gather_pages",
     "paged_reference_attention",
+    "paged_visibility",
+    "ragged_rows",
     "validate_paged_attention",
 ]
 
@@ -307,22 +309,45 @@ def gather_pages(
     return jnp.where(held[:, :, None, None], gathered, jnp.zeros((), pages.dtype))
 
 
-def _bottom_right_mask(
-    first_position: Int[Array, " R"], q_len: int, kv_len: int, window: tuple[int, int] | None
+def paged_visibility(
+    first_position: Int[AnyArray, " R"],
+    q_len: int,
+    kv_len: int,
+    *,
+    sliding_window: int | tuple[int, int] | None = None,
 ) -> Bool[Array, "R 1 T S"]:
-    """`visibility_mask` (causal, window) for rows whose ``q_len`` queries start at
-    ``first_position[r]`` against keys at positions ``0..kv_len-1``."""
+    """Which keys each query of paged attention sees: bottom-right causal and the window.
+
+    Row ``r`` holds ``q_len`` queries at positions ``first_position[r] + t`` and keys at
+    positions ``0..kv_len-1``; this is `visibility_mask` (causal, window) with a query
+    offset per row. A query at a negative position sees no key.
+
+    Args:
+        first_position: ``[R]`` position of each row's first query
+            (``kv_lens[b] - T`` for the new tokens of sequence ``b``).
+        q_len: ``T``, queries per row.
+        kv_len: ``S``, keys per row.
+        sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``.
+
+    Returns:
+        bool ``[R, 1, T, S]``.
+    """
 
     def one(offset: Array) -> Array:
-        mask = visibility_mask(q_len, kv_len, causal=True, sliding_window=window, q_offset=offset)
+        mask = visibility_mask(
+            q_len, kv_len, causal=True, sliding_window=sliding_window, q_offset=offset
+        )
         return mask[0]
 
-    return jax.vmap(one)(first_position)
+    return jax.vmap(one)(jnp.asarray(first_position, jnp.int32))
 
 
-def _ragged_rows(request: PagedAttentionRequest) -> tuple[Array, Array]:
-    """(sequence, position) of each of the ``total_q`` query rows; rows past
-    ``cu_q_lens[-1]`` (only with traced values) get position -1, which sees no key."""
+def ragged_rows(request: PagedAttentionRequest) -> tuple[Int[Array, " R"], Int[Array, " R"]]:
+    """``(sequence, position)`` of each of the ``total_q`` query rows of a ragged request.
+
+    Rows past ``cu_q_lens[-1]`` (only possible with traced values) get sequence 0 and
+    position -1, which sees no key.
+    """
     cu = jnp.asarray(request.cu_q_lens, jnp.int32)
     rows = jnp.arange(request.num_q_rows, dtype=jnp.int32)
     seq, local = _sequence_of(cu, rows)
@@ -363,11 +388,11 @@ def paged_reference_attention(request: PagedAttentionRequest, *, return_lse: boo
     if not request.is_ragged:
         q_len = request.num_q_rows
         first = jnp.asarray(request.kv_lens, jnp.int32) - q_len
-        mask = _bottom_right_mask(first, q_len, capacity, request.sliding_window)
+        mask = paged_visibility(first, q_len, capacity, sliding_window=request.sliding_window)
         out, lse = reference_attention(q, keys, values, mask=mask, **kwargs)
         return (out, lse) if return_lse else out
-    seq, position = _ragged_rows(request)
-    mask = _bottom_right_mask(position, 1, capacity, request.sliding_window)
+    seq, position = ragged_rows(request)
+    mask = paged_visibility(position, 1, capacity, sliding_window=request.sliding_window)
     out, lse = reference_attention(q[:, None], keys[seq], values[seq], mask=mask, **kwargs)
     out, lse = out[:, 0], lse[:, :, 0].T
     return (out, lse) if return_lse else out

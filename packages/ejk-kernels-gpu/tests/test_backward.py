@@ -88,3 +88,48 @@ def test_lse_cotangent_matches_reference(rng, make_inputs, close):
     want = jax.grad(lambda *a: loss(reference_attention, *a), argnums=(0, 1, 2, 3))(q, k, v, sinks)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=True):
         close(g, w, "float32", "grad", name)
+
+
+def _long_documents(rng, batch, length, repeat):
+    """Runs of ids 0, 1, ... of 20-40 tokens, padding (-1) at the end; ``repeat``: the last
+    document reuses id 0 (a separate run of an earlier id)."""
+    rows = []
+    for _ in range(batch):
+        ids = np.full(length, -1, np.int32)
+        start, doc = 0, 0
+        while start < length - 4:
+            size = int(rng.integers(20, 41))
+            ids[start : min(start + size, length - 4)] = doc
+            start, doc = start + size, doc + 1
+        if repeat:
+            ids[ids == doc - 1] = 0
+        rows.append(ids)
+    return jnp.asarray(np.stack(rows))
+
+
+@pytest.mark.parametrize(
+    ("causal", "cross", "repeat"),
+    [(True, False, False), (False, False, True), (True, True, False)],
+    ids=["causal_documents", "repeated_id", "cross_ids"],
+)
+def test_documents_as_segment_ids_skip_and_unmask_blocks_exactly(
+    rng, make_inputs, close, causal, cross, repeat
+):
+    """Documents longer than the tiles: blocks of other documents are skipped and blocks
+    inside one run without a mask; values, lse and every gradient still equal the reference."""
+    t = s = 112
+    q, k, v = make_inputs(rng, 2, t, s, 4, 2, 16, "float32")
+    d_out = jnp.asarray(rng.standard_normal((2, t, 4, 16)), jnp.float32)
+    bias = jnp.zeros((1, 1, t, s), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal((4,)), jnp.float32)
+    q_ids = _long_documents(rng, 2, t, repeat)
+    ids = (q_ids, _long_documents(rng, 2, s, repeat)) if cross else q_ids
+    kw = dict(segment_ids=ids, causal=causal)
+    got = _grads(_flash, q, k, v, d_out, bias, sinks, kw)
+    want = _grads(reference_attention, q, k, v, d_out, bias, sinks, kw)
+    for name, g, w in zip(("dq", "dk", "dv", "dbias", "dsinks"), got, want, strict=True):
+        close(g, w, "float32", "grad", name)
+    out, lse = _flash(q, k, v, return_lse=True, **kw)
+    want_out, want_lse = reference_attention(q, k, v, return_lse=True, **kw)
+    close(out, want_out, "float32", "out")
+    close(lse, want_lse, "float32", "lse")

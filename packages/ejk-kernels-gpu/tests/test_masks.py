@@ -69,3 +69,76 @@ def test_block_tables_cover_every_visible_pair(kw):
         skipped += int(np.sum(~seen[::block, ::inner]))
     if kw or packed:
         assert skipped > 0, "no block skipped"
+
+
+def _documents(rng, length, repeat):
+    """Sorted runs of ids from 0, some padding (-1) at the end; ``repeat``: an id comes back
+    in a later, separate run (so its span holds other documents)."""
+    cuts = np.sort(rng.choice(np.arange(1, length - 3), size=4, replace=False))
+    ids = np.zeros(length, np.int32)
+    for d, cut in enumerate(cuts):
+        ids[cut:] = d + 1
+    if repeat:
+        ids[cuts[2] : cuts[3]] = 0
+    ids[length - 3 :] = -1
+    return ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(causal=True),
+        dict(causal=True, sliding_window=(30, 0)),
+        dict(packed=True, causal=True),
+    ],
+)
+@pytest.mark.parametrize("repeat", [False, True])
+def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, repeat):
+    kw = dict(kw)
+    packed = kw.pop("packed", False)
+    q_len, kv_len = (41, 37) if packed else (135, 142)
+    rng = np.random.default_rng(3)
+    batch = 3
+    q_ids = np.stack([_documents(rng, q_len, repeat) for _ in range(batch)])
+    kv_ids = np.stack([_documents(rng, kv_len, repeat) for _ in range(batch)])
+    cu = (jnp.asarray(CU_Q), jnp.asarray(CU_K)) if packed else None
+    vis = np.asarray(
+        visibility_mask(
+            q_len,
+            kv_len,
+            **kw,
+            segment_ids=(jnp.asarray(q_ids), jnp.asarray(kv_ids)),
+            cu_seqlens_q=None if cu is None else cu[0],
+            cu_seqlens_k=None if cu is None else cu[1],
+        )
+    )[:, 0]
+    packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
+    causal, window = kw.get("causal", False), kw.get("sliding_window")
+    skipped = full_pairs = 0
+    for of_queries, block, inner in ((True, 16, 8), (False, 8, 16)):
+        lo, hi = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=of_queries)
+        ids, other = (q_ids, kv_ids) if of_queries else (kv_ids, q_ids)
+        tables = _masks._per_batch_tables(
+            lo, hi, jnp.asarray(ids), jnp.asarray(other), block, inner
+        )
+        assert tables.shape[0] == batch
+        for b in range(batch):
+            want = vis[b] if of_queries else vis[b].T
+            seen, full = _visited(tables[b], want.shape[0], block, inner, want.shape[1])
+            assert not np.any(want & ~seen), "a visible pair is skipped"
+            assert not np.any(full & ~want), "a block without mask hides a masked pair"
+            skipped += int(np.sum(~seen[::block, ::inner]))
+            full_pairs += int(np.sum(full))
+    assert skipped > 0, "no block of another document skipped"
+    if not (repeat or packed):
+        assert full_pairs > 0, "no block inside one document runs unmasked"
+
+
+def test_segment_ranges_of_ids_in_separate_runs_are_spans_and_inexact():
+    ids = jnp.asarray([0, 0, 1, 1, 0, 2, -1], jnp.int32)
+    other = jnp.asarray([1, 0, 0, 2, 2, 0, 1, 1, -1], jnp.int32)
+    lo, hi, exact = _masks.segment_ranges(ids, other)
+    np.testing.assert_array_equal(lo, [1, 1, 0, 0, 1, 3, 0])
+    np.testing.assert_array_equal(hi, [6, 6, 8, 8, 6, 5, 0])
+    np.testing.assert_array_equal(exact, [False, False, False, False, False, True, True])

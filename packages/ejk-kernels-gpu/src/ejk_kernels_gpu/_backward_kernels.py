@@ -190,7 +190,7 @@ def dq_kernel(
     ctx = _DqContext(q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m, b, HAS_SEG)
     if WS:
         kd = slab(k_base, S, H, K * H, BLOCK_N, H)
         vd = slab(v_base, S, H, K * H, BLOCK_N, H)
@@ -364,7 +364,7 @@ def dkdv_kernel(
         k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
         v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
     seed = tl.load(seed_ptr)
-    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n, b, HAS_SEG)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

@@ -222,7 +222,7 @@ def fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m)
+    lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m, b, HAS_SEG)
     if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _options)
         k_desc = slab(k_base, S, H, K * H, BLOCK_N, BLOCK_D)
         v_desc = slab(v_base, S, H, K * H, BLOCK_N, BLOCK_D)

@@ -362,7 +362,14 @@ def row_stats(x, FACTOR: tl.constexpr):
 
 
 @triton.jit
-def load_ranges(ranges_ptr, pid):
-    """This program's ``(lo, full_lo, full_hi, hi)`` from the block table (see `_masks.block_table`)."""
-    base = ranges_ptr + pid * 4
+def load_ranges(ranges_ptr, pid, b, PER_BATCH: tl.constexpr):
+    """This program's ``(lo, full_lo, full_hi, hi)`` from the block table (see `_masks.block_table`).
+
+    ``PER_BATCH`` (segment ids, whose ranges differ by batch row): the table is
+    ``[B, blocks, 4]``, blocks being the grid's first axis; else ``[blocks, 4]``.
+    """
+    if PER_BATCH:
+        base = ranges_ptr + (b * tl.num_programs(0) + pid) * 4
+    else:
+        base = ranges_ptr + pid * 4
     return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)

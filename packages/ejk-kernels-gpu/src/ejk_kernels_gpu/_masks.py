@@ -1,8 +1,12 @@
 """Per-row key ranges and per-block tables that let the kernels skip masked-out blocks.
 
-All in jnp on int32 (the offsets of packed sequences are traced values). A row's
-range ``[lo, hi)`` holds every key it may see under causal, window and packed
-bounds; segment ids are not ranges, so with them no block counts as fully visible.
+All in jnp on int32 (the offsets of packed sequences and segment ids are traced values).
+A row's range ``[lo, hi)`` holds every key it may see under causal, window and packed
+bounds, and with segment ids the span of the keys that carry its id (`segment_ranges`):
+blocks of other documents are never visited. A range is exact when every key inside it is
+visible (always for causal, window and packing; for segment ids when the row's id forms
+one run of keys): only blocks inside every exact row range of a block run unmasked.
+With segment ids the tables are per batch row (``[B, blocks, 4]``).
 `kernel_tables` gathers every integer side input of a call's kernels (`Tables`).
 """
 
@@ -19,7 +23,15 @@ from ejk_sequtils import AttentionRequest, dropout_seed_u32
 
 from ._options import CallOptions
 
-__all__ = ["Packing", "Tables", "block_table", "dummy", "kernel_tables", "ranges"]
+__all__ = [
+    "Packing",
+    "Tables",
+    "block_table",
+    "dummy",
+    "kernel_tables",
+    "ranges",
+    "segment_ranges",
+]
 
 _BIG = 2**30
 
@@ -116,12 +128,15 @@ def ranges(
     return _ranges(length, other, seq, pos, cu_other, p.num_seqs, upper, lower)
 
 
-def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool) -> Array:
+def block_table(
+    lo: Array, hi: Array, block: int, inner_block: int, exact: bool | Array = True
+) -> Array:
     """int32 ``[num_blocks, 4]``: ``(start, full_start, full_end, end)`` of the inner loop.
 
     The inner loop visits inner blocks from ``start`` (aligned) while ``< end``;
     blocks in ``[full_start, full_end)`` are visible to every row of the block and
-    run without a mask, unless ``exact`` is False (segment ids: no range is exact).
+    run without a mask. ``exact``: whether each row (bool ``[length]``, or one bool for
+    all) sees every index of its range; a block with an inexact row has no unmasked part.
     """
     length = lo.shape[0]
     nblk = -(-length // block)
@@ -143,11 +158,59 @@ def block_table(lo: Array, hi: Array, block: int, inner_block: int, exact: bool)
     full_hi = hi_all // inner_block * inner_block
     end_up = -(-end // inner_block) * inner_block
     has_full = (full_lo < full_hi) & ~none
-    if not exact:
-        has_full = jnp.zeros_like(has_full)
+    if isinstance(exact, bool):
+        has_full = has_full & exact
+    else:
+        has_full = has_full & jnp.pad(exact, (0, pad), constant_values=True).reshape(
+            nblk, block
+        ).all(1)
     full_lo = jnp.where(has_full, full_lo, end_up)
     full_hi = jnp.where(has_full, full_hi, end_up)
     return jnp.stack([start, full_lo, full_hi, end], axis=1).astype(jnp.int32)
+
+
+def segment_ranges(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
+    """Where each index's id lies on the other axis (one batch row; int32 ids).
+
+    Args:
+        ids: ``[L]`` segment ids of one axis (negative: padding).
+        other_ids: ``[M]`` segment ids of the other axis.
+
+    Returns:
+        ``(lo, hi, exact)``, each ``[L]``: ``[lo, hi)`` spans the first to the last index of
+        ``other_ids`` equal to ``ids[i]`` (empty for padding or an id the other axis lacks);
+        ``exact[i]``: every index in that span holds the id (it is one run).
+    """
+    length, other = ids.shape[0], other_ids.shape[0]
+    if other == 0:
+        zero = jnp.zeros((length,), jnp.int32)
+        return zero, zero, jnp.ones((length,), bool)
+    order = jnp.argsort(other_ids, stable=True).astype(jnp.int32)  # equal ids: ascending index
+    ordered = other_ids[order]
+    left = jnp.searchsorted(ordered, ids, side="left").astype(jnp.int32)
+    right = jnp.searchsorted(ordered, ids, side="right").astype(jnp.int32)
+    found = (right > left) & (ids >= 0)
+    first = order[jnp.clip(left, 0, other - 1)]
+    last = order[jnp.clip(right - 1, 0, other - 1)]
+    lo = jnp.where(found, first, 0)
+    hi = jnp.where(found, last + 1, 0)
+    exact = ~found | (right - left == hi - lo)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32), exact
+
+
+def _per_batch_tables(
+    lo: Array, hi: Array, ids: Array, other_ids: Array, block: int, inner_block: int
+) -> Array:
+    """``[B, blocks, 4]`` tables of the ranges ``[lo, hi)`` (``[L]``, shared by the batch)
+    narrowed per batch row to the span of each index's segment id."""
+
+    def one_row(ids: Array, other_ids: Array) -> Array:
+        slo, shi, exact = segment_ranges(ids, other_ids)
+        row_lo = jnp.maximum(lo, slo)
+        row_hi = jnp.maximum(jnp.minimum(hi, shi), row_lo)
+        return block_table(row_lo, row_hi, block, inner_block, exact)
+
+    return jax.vmap(one_row)(ids, other_ids)
 
 
 def dummy(dtype: object = jnp.int32) -> Array:
@@ -192,21 +255,23 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         packing = Packing(cu_q, cu_k, q_len, kv_len)
     rlo, rhi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=True)
     clo, chi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=False)
-    exact = not opts.has_seg
     fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
-    fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k, exact)
-    dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k, exact)
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
-    dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k, exact)
+    if request.segment_ids is None:
+        q_seg = k_seg = dummy()
+        fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k)
+        dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k)
+        dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k)
+    else:
+        q_seg, k_seg = (jnp.asarray(x, jnp.int32) for x in request.segment_ids)
+        fwd_table = _per_batch_tables(rlo, rhi, q_seg, k_seg, fwd.block_q, fwd.block_k)
+        dq_table = _per_batch_tables(rlo, rhi, q_seg, k_seg, bwd.block_q, bwd.block_k)
+        dkdv_table = _per_batch_tables(clo, chi, k_seg, q_seg, bwd.block_q, bwd.block_k)
     if packing is None:
         q_sid = k_sid = q_pos = k_pos = dummy()
     else:
         q_sid, k_sid = packing.q_sid, packing.k_sid
         q_pos, k_pos = packing.q_pos.astype(jnp.int32), packing.k_pos.astype(jnp.int32)
-    if request.segment_ids is None:
-        q_seg = k_seg = dummy()
-    else:
-        q_seg, k_seg = (jnp.asarray(x, jnp.int32) for x in request.segment_ids)
     if request.dropout_seed is None:
         seed = dummy(jnp.uint32)
     else:

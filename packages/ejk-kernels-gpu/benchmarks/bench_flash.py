@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+from _timing import contender, time_rounds
 
 from ejk_kernels_gpu import FlashConfig, flash_attention
 
@@ -33,15 +32,6 @@ SHAPES = [  # (B, T, N, K, H, causal)
     (1, 16384, 16, 16, 128, True),
     (8, 2048, 16, 16, 64, True),
 ]
-
-
-def _rounds(fn, *args, reps=10) -> float:
-    """Seconds per call over ``reps`` calls (synchronised at the end)."""
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
 
 
 def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
@@ -83,7 +73,7 @@ def bench_shape(shape, variants, with_bwd=True, rounds=7):
     v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
     d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
     flops = 4 * B * N * T * T * H / (2 if causal else 1)
-    cases = []  # (row, [(key, jitted fn, args)])
+    cases = []
     for name, fwd_cfg, bwd_cfg, label in variants:
         fn = _impls(causal, N, K, fwd_cfg, bwd_cfg).get(name)
         if fn is None:  # JAX's Pallas attention: not importable here, or GQA
@@ -91,37 +81,9 @@ def bench_shape(shape, variants, with_bwd=True, rounds=7):
         row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
         if label:
             row["cfg"] = label
-        timed = [("fwd", jax.jit(fn), (q, k, v))]
-        if with_bwd:
-
-            @jax.jit
-            def fwd_bwd(q, k, v, d_out, fn=fn):
-                out, vjp = jax.vjp(fn, q, k, v)
-                return out, vjp(d_out)
-
-            timed.append(("fwdbwd", fwd_bwd, (q, k, v, d_out)))
-        try:
-            for _, f, a in timed:  # compile and warm up
-                jax.block_until_ready(f(*a))
-                jax.block_until_ready(f(*a))
-        except Exception as exc:  # a baseline may not support a shape (or run out of memory)
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            timed = []
-        cases.append((row, timed, {key: [] for key, _, _ in timed}))
-    for _ in range(rounds):
-        for _, timed, per in cases:
-            for key, f, a in timed:
-                per[key].append(_rounds(f, *a))
-    rows = []
-    for row, _, per in cases:
-        for key, times in per.items():
-            row[f"{key}_ms"] = statistics.median(times) * 1e3
-            row[f"{key}_tflops"] = (
-                (3.5 if key == "fwdbwd" else 1.0) * flops / row[f"{key}_ms"] * 1e-9
-            )
-            row[f"{key}_best_ms"] = min(times) * 1e3
-            row[f"{key}_spread"] = max(times) / min(times) - 1.0
-        rows.append(row)
+        cases.append(contender(row, fn, (q, k, v, d_out), with_bwd))
+    rows = time_rounds(cases, rounds, flops)
+    for row in rows:
         print(json.dumps(row), flush=True)
     return rows
 

@@ -32,10 +32,11 @@ def test_benchmark_scripts_import(bench_path, name):
 
 def test_bench_shape_times_each_variant_in_interleaved_rounds(bench_path, monkeypatch):
     bench_flash = importlib.import_module("bench_flash")
+    timing = importlib.import_module("_timing")
     calls = []
-    rounds = bench_flash._rounds
+    once = timing.seconds_per_call
     monkeypatch.setattr(
-        bench_flash, "_rounds", lambda f, *a, reps=10: calls.append(f) or rounds(f, *a, reps=1)
+        timing, "seconds_per_call", lambda f, *a, reps=10: calls.append(f) or once(f, *a, reps=1)
     )
     variants = [("ejk", None, None, None), ("xla", None, None, None), ("pallas", None, None, "x")]
     rows = bench_flash.bench_shape((1, 32, 2, 1, 16, True), variants, with_bwd=False, rounds=2)
@@ -65,3 +66,16 @@ def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
     assert conf._builds_ok({"fwd": "ordinary", "bwd": "atomic"}, conf.ORD, hopper=True)
     # Off Hopper every case expects the ordinary kernels.
     assert conf._builds_ok({"fwd": "ordinary", "bwd": "ordinary"}, conf.WW, hopper=False)
+
+
+def test_feature_rows_run_and_count_visible_pairs(bench_path):
+    features = importlib.import_module("bench_features")
+    assert features._causal_pairs(4) == 10 and features._causal_pairs(4, left=1) == 7
+    flops, entries = features.documents(docs=2, length=16, n=2, h=16)
+    assert flops == 4 * 2 * 16 * 2 * features._causal_pairs(16)
+    import jax.numpy as jnp
+    import numpy as np
+
+    outs = [fn(*(x.astype(jnp.float32) for x in args[:3])) for row, fn, args in entries[:3]]
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)  # segment ids == cu_seqlens
+    np.testing.assert_allclose(outs[0].reshape(outs[2].shape), outs[2], atol=1e-5)  # == batch

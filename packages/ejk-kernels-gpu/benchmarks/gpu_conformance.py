@@ -118,6 +118,19 @@ def _rel(x, ref):
     return float(jnp.linalg.norm(x - ref) / (jnp.linalg.norm(ref) + 1e-30))
 
 
+def _documents(rng, batch, length, repeat):
+    """Segment ids [batch, length]: documents 0, 1, ... of 100-400 tokens, 7 padding tokens
+    (-1) at the end; ``repeat``: the last document reuses id 0 (a separate run)."""
+    ids = np.full((batch, length), -1, np.int32)
+    for row in ids:
+        start = doc = 0
+        while start < length - 7:
+            end = min(start + int(rng.integers(100, 401)), length - 7)
+            row[start:end] = 0 if repeat and end == length - 7 and doc > 0 else doc
+            start, doc = end, doc + 1
+    return ids
+
+
 def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw):
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 8)
     q = jax.random.normal(keys[0], (B, T, N, H), dtype)
@@ -138,6 +151,9 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     if kw.pop("segments", False):  # ids from 0, -1 padding
         ids = jnp.sort(jax.random.randint(keys[6], (B, T), -1, 3), axis=1).astype(jnp.int32)
         kw["segment_ids"] = ids
+    documents = kw.pop("documents", False)
+    if documents:  # runs of 100-400 tokens (longer than the tiles), padding at the end
+        kw["segment_ids"] = jnp.asarray(_documents(rng, B, T, repeat=documents == "repeat"))
     if kw.pop("packed", False):
         cuts = np.sort(rng.choice(np.arange(1, T), size=6, replace=False))
         cu = np.r_[0, cuts, cuts[-1], T - 5].astype(np.int32)  # one empty sequence, padding
@@ -270,6 +286,10 @@ CASES = [
     ("window+cap+sinks h80", 2, 1024, 1024, 8, 2, 80, ORD, dict(sliding_window=(128, 32), logits_soft_cap=20.0, sinks=True)),
     ("bias h96", 1, 512, 640, 8, 8, 96, ORD, dict(bias=True)),
     ("segments h128", 2, 1024, 1024, 8, 8, 128, ORD, dict(segments=True, causal=True)),
+    # Documents as segment ids: blocks of other documents skipped, blocks inside one run
+    # unmasked; an id that comes back in a later run keeps its span masked.
+    ("documents causal gqa h128", 2, 2048, 2048, 8, 2, 128, ORD, dict(documents=True, causal=True)),
+    ("documents repeat fp16 h64", 2, 1024, 1024, 8, 8, 64, ORD, dict(documents="repeat", dtype=jnp.float16)),
     ("packed causal h128", 1, 4096, 4096, 8, 2, 128, ORD, dict(packed=True, causal=True)),
     ("dropout h64", 2, 1024, 1024, 8, 8, 64, ORD, dict(dropout_rate=0.1, dropout_seed=3)),
     # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward;

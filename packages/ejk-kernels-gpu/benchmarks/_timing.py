@@ -20,21 +20,25 @@ def seconds_per_call(fn: Callable[..., Any], *args: Any, reps: int = 10) -> floa
     return (time.perf_counter() - start) / reps
 
 
-def contender(row: dict, fn: Callable[..., Any], args: tuple, with_bwd: bool) -> tuple:
+def contender(
+    row: dict, fn: Callable[..., Any], args: tuple, with_bwd: bool, side: tuple = ()
+) -> tuple:
     """``(row, timed, times)`` of one contender: its jitted forward (and forward+backward,
     the cotangent being ``args[-1]``), compiled and warmed; a contender that fails to
-    compile or run gets ``row["error"]`` and is not timed."""
+    compile or run gets ``row["error"]`` and is not timed. ``side``: further arguments of
+    ``fn`` (segment ids, offsets) passed as jit arguments, not differentiated."""
     *inputs, d_out = args
-    timed = [("fwd", jax.jit(fn), tuple(inputs))]
+    count = len(inputs)
+    timed = [("fwd", jax.jit(fn), (*inputs, *side))]
     if with_bwd:
 
         @jax.jit
         def fwd_bwd(*a):
-            *xs, cot = a
-            out, vjp = jax.vjp(fn, *xs)
+            xs, rest, cot = a[:count], a[count:-1], a[-1]
+            out, vjp = jax.vjp(lambda *x: fn(*x, *rest), *xs)
             return out, vjp(cot)
 
-        timed.append(("fwdbwd", fwd_bwd, (*inputs, d_out)))
+        timed.append(("fwdbwd", fwd_bwd, (*inputs, *side, d_out)))
     try:
         for _, f, a in timed:
             jax.block_until_ready(f(*a))

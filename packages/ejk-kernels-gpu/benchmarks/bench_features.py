@@ -53,6 +53,11 @@ def _ejk(**kw):
     return lambda q, k, v: flash_attention(q, k, v, **kw)
 
 
+def _by_ids(name: str):
+    """ejk causal with the documents given as ``name`` (a jit argument, as in a training step)."""
+    return lambda q, k, v, ids: flash_attention(q, k, v, causal=True, **{name: ids})
+
+
 def documents(docs: int = 8, length: int = 2048, n: int = 16, h: int = 128):
     t = docs * length
     q, k, v, d_out = _inputs(1, t, n, n, h)
@@ -63,8 +68,8 @@ def documents(docs: int = 8, length: int = 2048, n: int = 16, h: int = 128):
     flops = 4 * n * h * docs * _causal_pairs(length)
     shape = dict(B=1, T=t, N=n, K=n, H=h, docs=docs)
     return flops, [
-        ({**shape, "impl": "ejk", "as": "segment_ids"}, _ejk(causal=True, segment_ids=ids), (q, k, v, d_out)),
-        ({**shape, "impl": "ejk", "as": "cu_seqlens"}, _ejk(causal=True, cu_seqlens_q=cu), (q, k, v, d_out)),
+        ({**shape, "impl": "ejk", "as": "segment_ids"}, _by_ids("segment_ids"), (q, k, v, d_out), (ids,)),
+        ({**shape, "impl": "ejk", "as": "cu_seqlens"}, _by_ids("cu_seqlens_q"), (q, k, v, d_out), (cu,)),
         ({**shape, "impl": "ejk", "as": "padded batch"}, _ejk(causal=True), tuple(batch)),
         ({**shape, "impl": "cudnn", "as": "dense mask"}, _cudnn(mask=dense[None, None]), (q, k, v, d_out)),
         ({**shape, "impl": "cudnn", "as": "padded batch"}, _cudnn(is_causal=True), tuple(batch)),
@@ -113,7 +118,10 @@ def run(names: list[str], rounds: int, with_bwd: bool = True) -> list[dict]:
     rows = []
     for name in names:
         flops, entries = ROWS[name]()
-        cases = [contender({"row": name, **row}, fn, args, with_bwd) for row, fn, args in entries]
+        cases = [
+            contender({"row": name, **row}, fn, args, with_bwd, *side)
+            for row, fn, args, *side in entries
+        ]
         for row in time_rounds(cases, rounds, flops):
             print(json.dumps(row, default=str), flush=True)
             rows.append(row)

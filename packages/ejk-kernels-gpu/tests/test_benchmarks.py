@@ -76,6 +76,9 @@ def test_feature_rows_run_and_count_visible_pairs(bench_path):
     import jax.numpy as jnp
     import numpy as np
 
-    outs = [fn(*(x.astype(jnp.float32) for x in args[:3])) for row, fn, args in entries[:3]]
+    outs = [
+        fn(*(x.astype(jnp.float32) for x in args[:3]), *side[0] if side else ())
+        for row, fn, args, *side in entries[:3]
+    ]
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)  # segment ids == cu_seqlens
     np.testing.assert_allclose(outs[0].reshape(outs[2].shape), outs[2], atol=1e-5)  # == batch

@@ -142,3 +142,21 @@ def test_segment_ranges_of_ids_in_separate_runs_are_spans_and_inexact():
     np.testing.assert_array_equal(lo, [1, 1, 0, 0, 1, 3, 0])
     np.testing.assert_array_equal(hi, [6, 6, 8, 8, 6, 5, 0])
     np.testing.assert_array_equal(exact, [False, False, False, False, False, True, True])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segment_ranges_equal_a_brute_force_span(seed):
+    rng = np.random.default_rng(seed)
+    length, other = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    ids = rng.integers(-2, 5, length).astype(np.int32)
+    other_ids = rng.integers(-2, 5, other).astype(np.int32)
+    if seed % 2:
+        other_ids = np.sort(other_ids)  # runs, as documents come
+    lo, hi, exact = map(np.asarray, _masks.segment_ranges(jnp.asarray(ids), jnp.asarray(other_ids)))
+    for i, s in enumerate(ids):
+        where = np.flatnonzero(other_ids == s)
+        if s < 0 or where.size == 0:
+            assert lo[i] == hi[i], (i, s)
+            continue
+        assert (lo[i], hi[i]) == (where[0], where[-1] + 1), (i, s)
+        assert exact[i] == (where.size == where[-1] + 1 - where[0]), (i, s)

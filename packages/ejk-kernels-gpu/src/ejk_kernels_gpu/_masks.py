@@ -182,20 +182,35 @@ def segment_ranges(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
         ``exact[i]``: every index in that span holds the id (it is one run).
     """
     length, other = ids.shape[0], other_ids.shape[0]
-    if other == 0:
+    if other == 0 or length == 0:
         zero = jnp.zeros((length,), jnp.int32)
         return zero, zero, jnp.ones((length,), bool)
-    order = jnp.argsort(other_ids, stable=True).astype(jnp.int32)  # equal ids: ascending index
-    ordered = other_ids[order]
-    left = jnp.searchsorted(ordered, ids, side="left").astype(jnp.int32)
-    right = jnp.searchsorted(ordered, ids, side="right").astype(jnp.int32)
-    found = (right > left) & (ids >= 0)
-    first = order[jnp.clip(left, 0, other - 1)]
-    last = order[jnp.clip(right - 1, 0, other - 1)]
+    # One sort of both axes by (id, axis): within an id, the other axis's indices come first
+    # and ascending, so an id's group starts with its first and ends with its last other
+    # index. Group bounds and counts come from scans (no binary searches: on a GPU each of
+    # their steps is a launch).
+    key = jnp.concatenate([other_ids, ids]).astype(jnp.int32)
+    axis = jnp.concatenate([jnp.zeros((other,), jnp.int32), jnp.ones((length,), jnp.int32)])
+    index = jnp.concatenate([jnp.arange(other, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)])
+    key, axis, index = jax.lax.sort((key, axis, index), num_keys=2)
+    size = other + length
+    pos = jnp.arange(size, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+    group_start = jax.lax.cummax(jnp.where(starts, pos, 0))
+    is_other = (axis == 0).astype(jnp.int32)
+    others_before = jnp.cumsum(is_other) - is_other  # other-axis entries before each position
+    # This axis's entries follow every other-axis entry of their group.
+    count = others_before - others_before[group_start]
+    first = index[group_start]
+    last = index[jnp.maximum(group_start + count - 1, 0)]
+    found = (count > 0) & (key >= 0)
     lo = jnp.where(found, first, 0)
     hi = jnp.where(found, last + 1, 0)
-    exact = ~found | (right - left == hi - lo)
-    return lo.astype(jnp.int32), hi.astype(jnp.int32), exact
+    exact = ~found | (count == hi - lo)
+    # Back to this axis's order (each of its indices appears once among axis == 1).
+    where = jnp.where(axis == 1, index, length)  # other-axis entries land out of bounds
+    scatter = lambda x: jnp.zeros((length,), x.dtype).at[where].set(x, mode="drop")
+    return scatter(lo).astype(jnp.int32), scatter(hi).astype(jnp.int32), scatter(exact)
 
 
 def _per_batch_tables(

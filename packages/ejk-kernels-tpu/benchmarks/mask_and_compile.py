@@ -21,6 +21,7 @@ from ejk_kernels_tpu import (
     process_mask_dkv,
     vmem_bytes,
 )
+from ejk_kernels_tpu._masks import stored_tiles
 
 
 def mask_rows():
@@ -37,16 +38,17 @@ def mask_rows():
         ):
             block = (512, 512)
             t0 = time.perf_counter()
-            info = process_mask(mask, block)
+            info, _ = process_mask(mask, block, shrink_grid=False)
             t1 = time.perf_counter()
-            process_mask_dkv(mask, block)
+            process_mask_dkv(mask, block, shrink_grid=False)
             t2 = time.perf_counter()
             bm = np.asarray(info.block_mask)
             frac = float((bm != 0).mean())
-            shrunk = process_mask(mask, block, shrink_grid=True).block_mask.shape[2] / bm.shape[2]
+            shrunk = process_mask(mask, block)[0].block_mask.shape[2] / bm.shape[2]
+            tiles = process_mask(stored_tiles(mask), block, shrink_grid=False)[0]
             print(
                 f"| {name} | {n} | {block} | {t1 - t0:.2f} | {t2 - t1:.2f} | {frac:.1%} | {shrunk:.1%} "
-                f"| {info.partial_mask_blocks.shape[0]} | {info.data_next.dtype} |"
+                f"| {tiles.partial_mask_blocks.shape[0]} | {info.data_next.dtype} |"
             )
 
 

@@ -38,7 +38,8 @@ class Case:
     heads: int = 2
     kv_heads: int = 1
     head_dim: int = 64
-    ref: tuple = ()  # reference kwargs as pairs; "dense_bias" means: mask as a -inf bias
+    ref: tuple = ()  # reference kwargs as pairs; "dense_bias" / "dense_mask": the mask as a
+    # -inf bias / as the reference's mask
     segments: bool = False
     soft_cap: float | None = None
     sinks: bool = False
@@ -104,10 +105,15 @@ def _run_kernel(case, q, k, v, sinks, seg):
 
 def _run_reference(case, q, k, v, sinks, seg):
     kwargs = dict(case.ref)
-    if kwargs.pop("dense_bias", False):
+    as_bias, as_mask = kwargs.pop("dense_bias", False), kwargs.pop("dense_mask", False)
+    if as_bias or as_mask:
         dense = case.mask.dense()
-        dense = dense[None] if dense.ndim == 3 else dense[None, None]
-        kwargs["bias"] = jnp.where(jnp.asarray(dense), 0.0, -jnp.inf)
+        dense = jnp.asarray(dense[None] if dense.ndim == 3 else dense[None, None])
+        # A -inf bias is soft-capped to a finite logit: with a cap, pass the mask itself.
+        if as_mask:
+            kwargs["mask"] = dense
+        else:
+            kwargs["bias"] = jnp.where(dense, 0.0, -jnp.inf)
 
     def f(q, k, v, sinks):
         out, lse = reference_attention(
@@ -448,9 +454,9 @@ def test_wide_grid(case):
     _compare(case)
 
 
-def _pallas_grids(jaxpr):
-    """name -> grid of every pallas_call in a (closed) jaxpr, nested ones included."""
-    grids = {}
+def _pallas_calls(jaxpr):
+    """name -> (grid, operand avals) of every pallas_call in a (closed) jaxpr, nested included."""
+    calls = {}
 
     def subjaxprs(value):
         values = value if isinstance(value, tuple | list) else (value,)
@@ -465,13 +471,19 @@ def _pallas_grids(jaxpr):
             if eqn.primitive.name == "pallas_call":
                 # The kernel name's parameter differs between jax versions.
                 name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
-                grids[str(getattr(name, "name", name))] = tuple(eqn.params["grid_mapping"].grid)
+                grid = tuple(eqn.params["grid_mapping"].grid)
+                calls[str(getattr(name, "name", name))] = (grid, [v.aval for v in eqn.invars])
             for value in eqn.params.values():
                 for sub in subjaxprs(value):
                     walk(sub)
 
     walk(jaxpr.jaxpr)
-    return grids
+    return calls
+
+
+def _pallas_grids(jaxpr):
+    """name -> grid of every pallas_call in a (closed) jaxpr."""
+    return {name: grid for name, (grid, _) in _pallas_calls(jaxpr).items()}
 
 
 def test_grids_walk_only_the_needed_blocks():
@@ -486,3 +498,108 @@ def test_grids_walk_only_the_needed_blocks():
     assert grids["ejk_blocksparse_dq"] == (1, 4, 8, 2)
     # dkv: a kv block is needed by at most 2 q blocks, for each of the group's 2 heads.
     assert grids["ejk_blocksparse_dkv"] == (1, 2, 8, 2 * 2)
+
+
+def _random_computable(rng, shape):
+    """A random &/| composition of causal, local and chunked masks (offsets, open sides)."""
+
+    def leaf():
+        kind = rng.integers(3)
+        if kind == 0:
+            return CausalMask(shape, offset=int(rng.integers(-40, 80)))
+        if kind == 1:
+            sides = [None if rng.random() < 0.3 else int(rng.integers(0, 90)) for _ in range(2)]
+            return LocalMask(shape, window_size=tuple(sides), offset=int(rng.integers(-30, 30)))
+        return ChunkedCausalMask(shape, chunk_size=int(rng.integers(16, 160)))
+
+    mask = leaf()
+    for _ in range(int(rng.integers(1, 3))):
+        mask = (mask & leaf()) if rng.random() < 0.5 else (mask | leaf())
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mask_function_path_equals_stored_tiles_on_random_masks(seed):
+    """A computable mask evaluated in the kernels gives the stored-tile path's values and
+    gradients exactly, and the reference's within tolerance; T, S not multiples of a block."""
+    rng = np.random.default_rng(seed)
+    t, s = 200, 328  # padded to 256 x 384: the padding is part of the mask function
+    mask = _random_computable(rng, (t, s))
+    case = Case(
+        "random_computable",
+        mask,
+        q_len=t,
+        kv_len=s,
+        heads=4,
+        kv_heads=2,
+        ref=(("dense_mask", True),),
+        segments=seed == 1,
+        soft_cap=5.0 if seed == 2 else None,
+    )
+    out = _compare(case)
+    q, k, v, sinks, seg = _inputs(case)
+
+    def run(mask_function):
+        def loss(q, k, v):
+            out, lse = blocksparse_attention(
+                q,
+                k,
+                v,
+                mask,
+                **_options(case, seg, sinks),
+                config=SMALL_BLOCKS,
+                mask_function=mask_function,
+            )
+            return _loss(out, lse), out
+
+        return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+    (_, fn_out), fn_grads = run(True)
+    (_, tile_out), tile_grads = run(False)
+    np.testing.assert_array_equal(fn_out, tile_out)
+    np.testing.assert_array_equal(fn_out, out)
+    for a, b in zip(fn_grads, tile_grads, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mask_function_path_loads_no_tiles():
+    """Causal: the kernels take the query positions (int32) instead of int8 mask tiles;
+    mask_function=False or a NumpyMask brings the tiles back."""
+    t = 256
+    q = jnp.zeros((1, t, 2, 64))
+    kv = jnp.zeros((1, t, 1, 64))
+
+    def operands(mask, **kwargs):
+        loss = lambda q, k, v: blocksparse_attention(
+            q, k, v, mask, config=SMALL_BLOCKS, **kwargs
+        ).sum()
+        calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, kv, kv))
+        assert set(calls) == {"ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"}
+        return [aval for _, avals in calls.values() for aval in avals]
+
+    def tiles(avals):
+        return [a for a in avals if a.dtype == jnp.int8 and a.shape[1:] == (128, 128)]
+
+    causal = CausalMask((t, t))
+    computed = operands(causal)
+    assert not tiles(computed)
+    assert sum(a.dtype == jnp.int32 and t in a.shape for a in computed) == 3  # q_ids per kernel
+    for tiled in (operands(causal, mask_function=False), operands(NumpyMask(causal.dense()))):
+        assert len(tiles(tiled)) == 3
+
+
+def test_reject_empty_rows_is_splash_rule():
+    """reject_empty_rows=True raises (splash's mask check); the default gives zeros."""
+    t = 128
+    q = jax.random.normal(jax.random.key(0), (1, t, 2, 64))
+    mask = CausalMask((t, t), offset=-1)  # row 0 sees no key
+    out = blocksparse_attention(q, q, q, mask)
+    np.testing.assert_array_equal(out[:, 0], 0.0)
+    with pytest.raises(ValueError, match=r"row 0 of the mask \(head 0\) sees no key"):
+        blocksparse_attention(q, q, q, mask, reject_empty_rows=True)
+    dense = jnp.asarray(mask.dense())
+    with pytest.raises(ValueError, match="row 0"):
+        blocksparse_attention(q, q, q, dense, reject_empty_rows=True)
+    with pytest.raises(NotImplementedError, match="traced"):
+        jax.jit(lambda m: blocksparse_attention(q, q, q, m, reject_empty_rows=True))(dense)
+    blocksparse_attention(q, q, q, CausalMask((t, t)), reject_empty_rows=True)

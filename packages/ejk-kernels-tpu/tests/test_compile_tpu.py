@@ -15,6 +15,7 @@ import pytest
 from ejk_kernels_tpu import (
     BlockSparseConfig,
     CausalMask,
+    ChunkedCausalMask,
     FullMask,
     LocalMask,
     MultiHeadMask,
@@ -56,6 +57,7 @@ def _compile(
     sinks,
     cap,
     dropout,
+    mask_function=True,
 ):
     """Compiles forward + backward of one call (batch 2) for ``topology``; checks all three kernels."""
     sh = _replicated(topology)
@@ -80,6 +82,7 @@ def _compile(
                 return_lse=True,
                 config=config,
                 interpret=False,
+                mask_function=mask_function,
             )
             return out.astype(jnp.float32).sum() + lse.sum()
 
@@ -128,6 +131,20 @@ CASES = {
         sinks=True,
     ),
     "v5e_short_ragged": _case(topology="v5e:2x2", t=19, s=23, mask=FullMask((19, 23))),
+    # The mask function in the kernels: chunk division (lax.div), |, padding to whole blocks.
+    "v6e_bf16_chunked_or_local_mask_function": _case(
+        topology="v6e:2x2",
+        t=1000,
+        s=1000,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        mask=ChunkedCausalMask((1000, 1000), chunk_size=300)
+        | LocalMask((1000, 1000), window_size=(64, 0), offset=-3),
+        segments=True,
+    ),
+    "v5e_causal_stored_tiles": _case(
+        topology="v5e:2x2", t=1024, s=1024, mask=CausalMask((1024, 1024)), mask_function=False
+    ),
 }
 
 

@@ -23,12 +23,13 @@ from ._common import (
     dropout_scale,
     launch,
     logits,
+    mask_inputs,
     mask_row,
+    partial_visibility,
     q_major_inputs,
     rem,
     smem_inputs,
     split_refs,
-    tiles_of,
     visibility,
 )
 from ._mask_info import MaskInfo
@@ -40,15 +41,18 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
     """The dropped weights ``P * Z`` and ``dS`` of one tile (transposed for dkv), f32, pre-scale.
 
     ``origin`` = (batch, query head, first row, first column) of the tile, for dropout's
-    keep mask Z. With dropout, ``O = (P * Z) V``, so ``dP = (dO V^T) * Z`` and D is unchanged.
+    keep mask Z and the mask function's key indices (columns, or rows when ``transposed``).
+    With dropout, ``O = (P * Z) V``, so ``dP = (dO V^T) * Z`` and D is unchanged.
     """
     if transposed:
         s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
-        visible = visibility(r.get("tile"), r.get("kv_seg"), r.get("q_seg"), masked)
+        partial = partial_visibility(st, r, origin[2], s.shape, True) if masked else None
+        visible = visibility(partial, r.get("kv_seg"), r.get("q_seg"))
         dp = dot(r["v"][...], r["do"][...], NT_DIMS)
     else:
         s, t = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
-        visible = visibility(r.get("tile"), r.get("q_seg"), r.get("kv_seg"), masked)
+        partial = partial_visibility(st, r, origin[3], s.shape, False) if masked else None
+        visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         dp = dot(r["do"][...], r["v"][...], NT_DIMS)
     if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
@@ -136,14 +140,14 @@ def _dkv_kernel(
 
     def step(masked: bool):
         block_q, block_kv = st.dkv
-        q_block = dn_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
+        q_block = dn_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
         origin = (pl.program_id(0), h, j * block_kv, q_block * block_q)
         p, ds = _probs_and_dscores(r, st, masked, True, origin)
         q, do = r["q"][...], r["do"][...]
         r["dv_acc"][...] += dot(p.astype(do.dtype), do, NN_DIMS)
         r["dk_acc"][...] += dot(ds.astype(q.dtype), q, NN_DIMS)
 
-    kind = bm_ref[mask_row(h, st.heads, table_rows), j, i].astype(jnp.int32)
+    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
     by_block_kind(kind, step)
 
     @pl.when(step_id == pl.num_programs(3) - 1)
@@ -160,19 +164,19 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         lse_row, di_row: f32 ``[B, N, 1, Tp]`` (as in `dq`, laid out as rows).
         q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
         seed: int32 ``[1]`` dropout seed or None.
-        info: `process_mask_dkv` tables for ``st.dkv`` blocks.
+        info: `process_mask_dkv` tables for ``st.dkv`` blocks (``[rows, q_steps, kv_blocks]``).
     """
     batch, heads, _, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_q, block_kv = st.dkv
-    q_steps = info.block_mask.shape[2]  # q blocks walked per kv block (fewer if shrunk)
+    q_steps = info.block_mask.shape[1]  # q blocks walked per kv block (fewer if shrunk)
     group, rows = st.group, info.block_mask.shape[0]
     # The reduction axis walks (query head of the group, q block) pairs.
     grid = (batch, kv_heads, kv_len // block_kv, group * q_steps)
 
     def q_block(kh, j, s, dn):
         h = kh * group + div(s, q_steps)
-        return h, dn[mask_row(h, heads, rows), j, rem(s, q_steps)].astype(jnp.int32)
+        return h, dn[mask_row(h, heads, rows), rem(s, q_steps), j].astype(jnp.int32)
 
     def q_map(b, kh, j, s, dn, bm, mn):
         h, i = q_block(kh, j, s, dn)
@@ -187,7 +191,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
 
     def tile_map(b, kh, j, s, dn, bm, mn):
         h = kh * group + div(s, q_steps)
-        return mn[mask_row(h, heads, rows), j, rem(s, q_steps)].astype(jnp.int32), 0, 0
+        return mn[mask_row(h, heads, rows), rem(s, q_steps), j].astype(jnp.int32), 0, 0
 
     names = ["q", "do", "lse", "di", "k", "v"]
     in_specs = [
@@ -208,9 +212,13 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
             pl.BlockSpec((None, block_kv, 1), lambda b, kh, j, s, dn, bm, mn: (b, j, 0)),
         ]
         args += [q_seg_row, kv_seg_col]
-    names.append("tile")
-    in_specs.append(pl.BlockSpec((None, block_kv, block_q), tile_map))
-    args.append(tiles_of(info, (block_kv, block_q)))
+    extra = mask_inputs(
+        info,
+        pl.BlockSpec((None, block_kv, block_q), tile_map),
+        pl.BlockSpec((1, block_q), lambda b, kh, j, s, dn, bm, mn: (0, q_block(kh, j, s, dn)[1])),
+        (1, q.shape[2]),
+    )
+    names, in_specs, args = names + extra[0], in_specs + extra[1], args + extra[2]
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
     dk, dv = launch(
         _dkv_kernel,

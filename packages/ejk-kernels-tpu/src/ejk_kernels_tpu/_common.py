@@ -37,6 +37,9 @@ class Static:
         interpret: False on TPU, else the `pltpu.InterpretParams` to run with.
         dropout_rate: probability of dropping a normalised weight (0: no dropout; the seed
             is then not passed).
+        mask_fn: the mask's ``f(q_ids, kv_ids)`` (`process_mask`'s mask function): partial
+            blocks evaluate it on ``q_sequence`` and the key indices instead of loading a
+            stored tile; None: partial blocks load their tile.
     """
 
     heads: int
@@ -50,6 +53,7 @@ class Static:
     has_sinks: bool
     interpret: Any
     dropout_rate: float = 0.0
+    mask_fn: Any = None
 
     @property
     def has_dropout(self) -> bool:
@@ -110,18 +114,32 @@ def logits(
     return soft_cap * t, t
 
 
-def visibility(tile_ref: Any, row_ids_ref: Any, col_ids_ref: Any, masked: bool) -> jax.Array | None:
+def partial_visibility(
+    st: Static, r: dict[str, Any], kv0: jax.Array, shape: tuple[int, int], transposed: bool
+) -> jax.Array:
+    """Which entries of a partial block's score tile the mask lets through, bool ``shape``.
+
+    With a mask function (``st.mask_fn``) it is evaluated on the block's query positions
+    (``r["q_ids"]``, from `MaskInfo.q_sequence`: ``[rows, 1]``, or ``[1, cols]`` when
+    ``transposed``) and key indices (``kv0`` + the tile's column, or row when ``transposed``);
+    no tile is loaded. Otherwise the stored int8 tile ``r["tile"]`` is read.
+    """
+    if st.mask_fn is None:
+        # Widen before comparing so the predicate has the f32 tile's layout.
+        return r["tile"][...].astype(jnp.int32) != 0
+    kv_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if transposed else 1) + kv0
+    return jnp.broadcast_to(st.mask_fn(r["q_ids"][...], kv_ids), shape)
+
+
+def visibility(partial: jax.Array | None, row_ids_ref: Any, col_ids_ref: Any) -> jax.Array | None:
     """Which entries of a score tile are visible, or None when all are.
 
     Args:
-        tile_ref: int8 mask tile ``[rows, cols]`` (read only when ``masked``).
+        partial: the mask's visibility on a partial block (`partial_visibility`), or None
+            on a full block.
         row_ids_ref, col_ids_ref: segment ids ``[rows, 1]`` and ``[1, cols]``, or None.
-        masked: the block is partial: apply the mask tile.
     """
-    visible = None
-    if masked:
-        # Widen before comparing so the predicate has the f32 tile's layout.
-        visible = tile_ref[...].astype(jnp.int32) != 0
+    visible = partial
     if row_ids_ref is not None:
         rows = row_ids_ref[...]
         same = (rows == col_ids_ref[...]) & (rows >= 0)  # negative ids are padding
@@ -191,13 +209,36 @@ def split_refs(refs: tuple, names: list[str]) -> dict[str, Any]:
     return dict(zip(names, refs, strict=True))
 
 
-def tiles_of(info: Any, tile_shape: tuple[int, int]) -> jax.Array:
-    """The partial tiles as int8 ``[P, rows, cols]`` (one all-False tile when there are none)."""
+def tiles_of(info: Any) -> jax.Array | None:
+    """The partial tiles as int8 ``[P, rows, cols]``, or None when none is stored."""
+    if info.partial_mask_blocks is None:
+        return None
     tiles = jnp.asarray(info.partial_mask_blocks)
-    tiles = tiles.reshape(-1, *tiles.shape[-2:])
-    if tiles.shape[0] == 0:
-        return jnp.zeros((1, *tile_shape), jnp.int8)
-    return tiles.astype(jnp.int8)
+    return tiles.reshape(-1, *tiles.shape[-2:]).astype(jnp.int8)
+
+
+def kernel_tables(info: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(data_next, block_mask, mask_next)`` as scalar-prefetch arrays; a one-entry
+    ``mask_next`` when the tables have none (no tile is stored, so none is indexed)."""
+    mask_next = info.mask_next
+    if mask_next is None:
+        mask_next = jnp.zeros((1, 1, 1), jnp.int8)
+    return jnp.asarray(info.data_next), jnp.asarray(info.block_mask), jnp.asarray(mask_next)
+
+
+def mask_inputs(
+    info: Any, tile_spec: pl.BlockSpec, q_ids_spec: pl.BlockSpec, q_ids_shape: tuple[int, int]
+) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
+    """The input that resolves partial blocks: the query positions of the mask function
+    (``q_ids``, int32 ``q_ids_shape``) or the stored tiles (``tile``), or none when no block
+    is partial."""
+    if info.q_sequence is not None:
+        q_ids = jnp.asarray(info.q_sequence, jnp.int32).reshape(q_ids_shape)
+        return ["q_ids"], [q_ids_spec], [q_ids]
+    tiles = tiles_of(info)
+    if tiles is None:
+        return [], [], []
+    return ["tile"], [tile_spec], [tiles]
 
 
 def q_major_inputs(
@@ -250,10 +291,14 @@ def q_major_inputs(
             ),
         ]
         args += [q_seg, kv_seg]
-    names.append("tile")
-    specs.append(pl.BlockSpec((None, block_q, block_kv), tile_map))
-    args.append(tiles_of(info, block))
-    return names, specs, args
+    q_len = q_rows["q"][0].shape[2]
+    extra = mask_inputs(
+        info,
+        pl.BlockSpec((None, block_q, block_kv), tile_map),
+        pl.BlockSpec((block_q, 1), lambda b, h, i, j, dn, bm, mn: (i, 0)),
+        (q_len, 1),
+    )
+    return names + extra[0], specs + extra[1], args + extra[2]
 
 
 def launch(
@@ -284,7 +329,7 @@ def launch(
         table_rows=info.block_mask.shape[0],
         **static,
     )
-    tables = (info.data_next, info.block_mask, info.mask_next)
+    tables = kernel_tables(info)
     return pl.pallas_call(
         body,
         out_shape=[shape for _, shape in outputs.values()],
@@ -298,7 +343,7 @@ def launch(
         compiler_params=compiler_params(st),
         interpret=st.interpret,
         name=name,
-    )(*(jnp.asarray(t) for t in tables), *args)
+    )(*tables, *args)
 
 
 def smem_inputs(names, specs, args, st: Static, **arrays):

@@ -21,6 +21,7 @@ from ._common import (
     launch,
     logits,
     mask_row,
+    partial_visibility,
     q_major_inputs,
     smem_inputs,
     split_refs,
@@ -51,7 +52,10 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
 
     def step(masked: bool):
         s, _ = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
-        visible = visibility(r.get("tile"), r.get("q_seg"), r.get("kv_seg"), masked)
+        block_q, block_kv = st.fwd
+        col0 = dn_ref[row, i, j].astype(jnp.int32) * block_kv  # the step's block (grids shrink)
+        partial = partial_visibility(st, r, col0, s.shape, False) if masked else None
+        visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         m_prev, l_prev = m_scr[...], l_scr[...]
@@ -64,10 +68,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         if st.has_dropout:
             # Dropout acts on the normalised weights: l keeps the full sum, the values get
             # the dropped, rescaled weights (1 / l is applied at the end).
-            block_q, block_kv = st.fwd
             b = pl.program_id(0)
-            kv_block = dn_ref[row, i, j].astype(jnp.int32)  # the step's block (grids shrink)
-            col0 = kv_block * block_kv
             p = p * dropout_scale(st, r["seed"], b, h, i * block_q, col0, p.shape, False)
         v = r["v"][...]
         pv = dot(p.astype(v.dtype), v, NN_DIMS)

@@ -10,6 +10,7 @@ fetches the same block as the step before it, so Pallas' pipeline issues no copy
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from ._masks import Mask, MultiHeadMask
 
 __all__ = [
     "MaskInfo",
+    "check_mask",
     "process_dynamic_mask",
     "process_dynamic_mask_dkv",
     "process_mask",
@@ -28,30 +30,34 @@ __all__ = [
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
+MaskFunction = Callable[[Any, Any], Any]
+"""``f(q_ids, kv_ids) -> bool``: a mask's value at broadcasting query and key indices."""
+
 
 class MaskInfo(NamedTuple):
-    """Block tables of one mask for the block-sparse kernels.
+    """Block tables of one mask for the block-sparse kernels (splash attention's layout).
 
     ``data_next``, ``mask_next`` and ``block_mask`` live in TPU scalar memory (SMEM),
     a scarce resource, so they are downcast to the smallest of int8/int16/int32 that
     holds their values. Their first axis has ``num_heads`` rows when the heads of a
     head shard use different masks, else ``head_shards`` rows (one per shard, shared
-    by its heads). The other two axes are ``[q_blocks, kv_blocks]`` for the forward
-    and dq kernels and ``[kv_blocks, q_blocks]`` for the dkv kernel (its grid order).
+    by its heads). The other two axes are ``[q_blocks, kv_blocks]`` for every kernel;
+    with ``shrink_grid`` the walked axis is shorter: kv for the forward and dq tables,
+    q for the dkv tables (which the dkv kernel walks inside each kv block).
 
     Attributes:
-        data_next: int ``[heads_or_shards, outer, inner]``: the block index (kv for
-            forward/dq, q for dkv) to fetch at each grid step. Empty steps repeat the
-            index of the nearest non-empty step, so no new copy is issued. For dkv with
-            ``q_seq_shards`` the q indices are relative to the shard's first q block.
-        mask_next: int ``[heads_or_shards, outer, inner]``: index into
-            ``partial_mask_blocks`` of the tile for each partial block.
-        block_mask: int ``[heads_or_shards, outer, inner]``: 0 empty, 1 partial, 2 full.
-        partial_mask_blocks: bool ``[num_partial, rows, cols]``: the distinct partial
-            tiles, ``[block_q, block_kv]`` (forward/dq) or transposed ``[block_kv, block_q]``
-            (dkv). A dynamic mask keeps every tile: ``[heads, outer, inner, rows, cols]``.
-        q_sequence: None: these kernels read every partial tile from memory
-            instead of evaluating a mask function on query positions.
+        data_next: int ``[heads_or_shards, q_steps, kv_steps]``: the block index (kv for
+            forward/dq, q for dkv) to fetch at each grid step. Empty steps of a static mask
+            repeat the index of the nearest non-empty step, so no new copy is issued. For dkv
+            with ``q_seq_shards`` the q indices are relative to the shard's first q block.
+        mask_next: int, same shape: index into ``partial_mask_blocks`` of the tile of each
+            partial block; None when no tile is stored (no partial block, or a mask function).
+        block_mask: int8, same shape: 0 empty, 1 partial, 2 full.
+        partial_mask_blocks: bool ``[num_partial, block_q, block_kv]``: the distinct partial
+            tiles (dkv: transposed, ``[num_partial, block_kv, block_q]``); None when none is
+            stored. A dynamic mask keeps every tile: ``[heads, q_blocks, kv_blocks, rows, cols]``.
+        q_sequence: int32 ``[q_len]``: the query positions the mask function is evaluated at
+            on a partial block (``arange(q_len)``), or None when partial tiles are stored.
         is_dynamic_mask: True when built by `process_dynamic_mask` from a traced array.
     """
 
@@ -97,70 +103,108 @@ def _check_blocks(
     return q_blocks, kv_len // block_kv
 
 
-def _fill_next(active: Any, xp: Any) -> Any:
+def check_mask(mask: Mask) -> None:
+    """Raises when a query row of ``mask`` sees no key (splash attention's mask check).
+
+    ejk's kernels give such a row zeros (and zero gradients), so they do not need this;
+    it is the check for code that wants splash's rejection (``reject_empty_rows=True`` in
+    `blocksparse_attention` runs it on the static mask).
+
+    Args:
+        mask: a 2-d `Mask` or a `MultiHeadMask` (every head is checked).
+
+    Raises:
+        ValueError: naming the head and the first row that sees no key.
+    """
+    for head, m in enumerate(_as_heads(mask)):
+        q_len = m.shape[0]
+        for start in range(0, q_len, 512):
+            rows = m[start : start + 512, :].any(axis=1)
+            if not rows.all():
+                row = start + int(np.flatnonzero(~rows)[0])
+                raise ValueError(
+                    f"row {row} of the mask (head {head}) sees no key: splash attention's "
+                    "softmax would divide by zero there (ejk's kernels give such a row zeros)"
+                )
+
+
+def _fill_next(active: Any) -> Any:
     """Per position of the last axis, the nearest active position at or before it.
 
     Positions before the first active one take the first active one (so the first
     step of a row already fetches the block it will need); rows without any active
-    position take 0. ``xp`` is numpy or jax.numpy.
+    position take 0.
     """
     length = active.shape[-1]
-    idx = xp.arange(length, dtype=xp.int32)
-    if xp is np:
-        last = np.maximum.accumulate(np.where(active, idx, -1), axis=-1)
-        first = np.minimum.accumulate(np.where(active, idx, length)[..., ::-1], axis=-1)[..., ::-1]
+    idx = np.arange(length, dtype=np.int32)
+    last = np.maximum.accumulate(np.where(active, idx, -1), axis=-1)
+    first = np.minimum.accumulate(np.where(active, idx, length)[..., ::-1], axis=-1)[..., ::-1]
+    return np.where(last >= 0, last, np.where(first < length, first, 0))
+
+
+def _shrink(bm: np.ndarray, pidx: np.ndarray, *, at_end: bool) -> tuple[np.ndarray, ...]:
+    """Compacts the non-empty steps of each row of the last axis and cuts it to the longest.
+
+    ``at_end``: the non-empty steps go last (the dkv tables, as splash attention pads them)
+    instead of first. Returns the block classes, partial indices and block indices kept.
+    """
+    active = bm != EMPTY
+    steps = max(1, int(active.sum(axis=-1).max()))
+    if at_end:
+        order = np.argsort(active, axis=-1, kind="stable")[..., -steps:]
     else:
-        last = jax.lax.cummax(jnp.where(active, idx, -1), axis=active.ndim - 1)
-        first = jax.lax.cummin(jnp.where(active, idx, length), axis=active.ndim - 1, reverse=True)
-    return xp.where(last >= 0, last, xp.where(first < length, first, 0))
+        order = np.argsort(~active, axis=-1, kind="stable")[..., :steps]
+    valid = np.take_along_axis(active, order, axis=-1)
+    bm = np.where(valid, np.take_along_axis(bm, order, axis=-1), EMPTY)
+    return bm, np.take_along_axis(pidx, order, axis=-1), order
 
 
 def _tables(
-    block_mask: Any,
-    partial_index: Any,
+    block_mask: np.ndarray,
+    partial_index: np.ndarray,
     *,
     is_dkv: bool,
     q_seq_shards: int,
-    downcast: bool,
-    num_partial: int,
-    xp: Any,
-    shrink_grid: bool = False,
-) -> tuple[Any, Any, Any]:
-    """``data_next``, ``mask_next``, ``block_mask`` from ``[h, q_blocks, kv_blocks]`` tables."""
+    shrink_grid: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int32 ``data_next``, ``mask_next``, ``block_mask`` from ``[h, q_blocks, kv_blocks]`` classes.
+
+    The walked axis is kv for the forward/dq tables and q (split into ``q_seq_shards``
+    shards, each indexed from its own first block) for dkv.
+    """
     if is_dkv:
-        # The dkv kernel walks q blocks inside each kv block: tables are [h, kv, q].
-        block_mask = xp.swapaxes(block_mask, 1, 2)
-        partial_index = xp.swapaxes(partial_index, 1, 2)
-    heads, outer, inner = block_mask.shape
+        # Walked axis last: [h, kv, q].
+        block_mask = np.swapaxes(block_mask, 1, 2)
+        partial_index = np.swapaxes(partial_index, 1, 2)
     shards = q_seq_shards if is_dkv else 1
-    per_shard = inner // shards
-    # Split the walked axis into shards: each shard fills (and counts) on its own.
-    bm = block_mask.reshape(heads, outer, shards, per_shard)
-    pidx = partial_index.reshape(heads, outer, shards, per_shard)
-    block_index = xp.broadcast_to(xp.arange(per_shard, dtype=xp.int32), bm.shape)
-    if shrink_grid:
-        # Move each row's non-empty steps to the front (in order) and cut the walked axis
-        # to the longest row: the grid then has no all-empty tail steps.
-        active = bm != EMPTY
-        steps = max(1, int(active.sum(axis=-1).max()))
-        order = np.argsort(~active, axis=-1, kind="stable")[..., :steps]
-        valid = np.take_along_axis(active, order, axis=-1)
-        bm = np.where(valid, np.take_along_axis(bm, order, axis=-1), EMPTY)
-        pidx = np.take_along_axis(pidx, order, axis=-1)
-        block_index = order
-    data_next = xp.take_along_axis(block_index, _fill_next(bm != EMPTY, xp), axis=-1)
-    mask_next = xp.take_along_axis(pidx, _fill_next(bm == PARTIAL, xp), axis=-1)
-    walked = shards * bm.shape[-1]
-    data_next = data_next.reshape(heads, outer, walked)
-    mask_next = mask_next.reshape(heads, outer, walked)
-    block_mask = bm.reshape(heads, outer, walked)
-    if downcast:
-        d_type = smallest_int_dtype(max(per_shard - 1, 0))
-        m_type = smallest_int_dtype(max(num_partial - 1, 0))
-        b_type = np.int8
-    else:
-        d_type = m_type = b_type = np.int32
-    return data_next.astype(d_type), mask_next.astype(m_type), block_mask.astype(b_type)
+    per_shard = block_mask.shape[-1] // shards
+    parts = []
+    for s in range(shards):
+        cut = slice(s * per_shard, (s + 1) * per_shard)
+        bm, pidx = block_mask[..., cut], partial_index[..., cut]
+        block_index = np.broadcast_to(np.arange(per_shard, dtype=np.int32), bm.shape)
+        if shrink_grid:
+            bm, pidx, block_index = _shrink(bm, pidx, at_end=is_dkv)
+        parts.append((bm, pidx, block_index))
+    # Shards shrink on their own; pad the short ones at their end (splash's layout).
+    width = max(p[0].shape[-1] for p in parts)
+    out = []
+    for bm, pidx, block_index in parts:
+        pad = ((0, 0), (0, 0), (0, width - bm.shape[-1]))
+        bm = np.pad(bm, pad, constant_values=EMPTY)
+        pidx = np.pad(pidx, pad, mode="edge")
+        block_index = np.pad(block_index, pad, mode="edge")
+        data_next = np.take_along_axis(block_index, _fill_next(bm != EMPTY), axis=-1)
+        mask_next = np.take_along_axis(pidx, _fill_next(bm == PARTIAL), axis=-1)
+        out.append((data_next, mask_next, bm))
+    tables = [np.concatenate(t, axis=-1).astype(np.int32) for t in zip(*out, strict=True)]
+    if is_dkv:
+        tables = [np.swapaxes(t, 1, 2) for t in tables]
+    return tuple(np.ascontiguousarray(t) for t in tables)  # type: ignore[return-value]
+
+
+def _downcast(array: Any, max_value: int, downcast: bool) -> Any:
+    return array.astype(smallest_int_dtype(max(max_value, 0)) if downcast else np.int32)
 
 
 def _as_heads(mask: Mask) -> tuple[Mask, ...]:
@@ -205,7 +249,8 @@ def _process(
     head_shards: int,
     q_seq_shards: int,
     shrink_grid: bool,
-) -> MaskInfo:
+    shrink_any_mask: bool = False,
+) -> tuple[MaskInfo, MaskFunction | None]:
     heads_masks = _as_heads(mask)
     heads = len(heads_masks)
     q_len, kv_len = heads_masks[0].shape
@@ -218,77 +263,88 @@ def _process(
 
     # Heads of a shard sharing one mask share one table row.
     per_shard = heads // head_shards
-    uniform = all(
-        all(
-            m == heads_masks[s * per_shard]
-            for m in heads_masks[s * per_shard : (s + 1) * per_shard]
-        )
-        for s in range(head_shards)
-    )
-    rows = heads_masks[::per_shard] if uniform else heads_masks
+    shard_masks = [heads_masks[s * per_shard : (s + 1) * per_shard] for s in range(head_shards)]
+    one_per_shard = all(len(set(ms)) == 1 for ms in shard_masks)
+    rows = [ms[0] for ms in shard_masks] if one_per_shard else list(heads_masks)
+    unique = list(dict.fromkeys(heads_masks))  # by value, in order of first appearance
 
+    # Distinct partial tiles of every mask, numbered in (mask, q block, kv block) order.
     tiles: list[np.ndarray] = []
     tile_ids: dict[bytes, int] = {}
-    classes, partial_index = [], []
-    for m in rows:
+    per_mask = {}
+    for m in unique:
         cls, pidx, mtiles = _classify(m, block_q, block_kv, is_dkv)
-        # Renumber this mask's tiles into the shared, deduplicated list.
         remap = np.zeros(max(len(mtiles), 1), np.int64)
         for t, tile in enumerate(mtiles):
-            key = tile.tobytes()
-            if key not in tile_ids:
-                tile_ids[key] = len(tiles)
+            remap[t] = tile_ids.setdefault(tile.tobytes(), len(tiles))
+            if remap[t] == len(tiles):
                 tiles.append(tile)
-            remap[t] = tile_ids[key]
-        classes.append(cls)
-        partial_index.append(remap[pidx])
+        per_mask[m] = (cls, remap[pidx])
+    # One mask for all heads (splash's rule): shrink, and evaluate it in the kernel if it can.
+    single = len(unique) == 1 and len(rows) == head_shards
     data_next, mask_next, block_mask = _tables(
-        np.stack(classes),
-        np.stack(partial_index),
+        np.stack([per_mask[m][0] for m in rows]),
+        np.stack([per_mask[m][1] for m in rows]),
         is_dkv=is_dkv,
         q_seq_shards=q_seq_shards,
-        downcast=downcast_smem_data,
-        num_partial=len(tiles),
-        xp=np,
-        shrink_grid=shrink_grid,
+        shrink_grid=shrink_grid and (single or shrink_any_mask),
     )
-    tile_shape = (block_kv, block_q) if is_dkv else (block_q, block_kv)
-    partial = np.stack(tiles) if tiles else np.zeros((0, *tile_shape), bool)
-    return MaskInfo(data_next, mask_next, block_mask, partial, None, False)
+    walked = q_len // block_q // q_seq_shards if is_dkv else kv_len // block_kv
+    data_next = _downcast(data_next, walked - 1, downcast_smem_data)
+    block_mask = block_mask.astype(np.int8 if downcast_smem_data else np.int32)
+    mask_function = unique[0].mask_function if len(unique) == 1 else None
+    if mask_function is not None:
+        info = MaskInfo(data_next, None, block_mask, None, unique[0].q_sequence, False)
+    elif tiles:
+        partial = np.stack(tiles)
+        mask_next = _downcast(mask_next, len(tiles) - 1, downcast_smem_data)
+        info = MaskInfo(data_next, mask_next, block_mask, partial, None, False)
+    else:
+        info = MaskInfo(data_next, None, block_mask, None, None, False)
+    return info, mask_function
+
+
+_PROCESS_DOC = """Block tables of a static mask for the {kernels} (splash attention's `process_mask{suffix}`).
+
+    Args:
+        mask: a `Mask` of shape ``(T, S)`` (one mask for every head) or a `MultiHeadMask`.
+        block_shape: ``(block_q, block_kv)``; each must divide its mask axis.
+        is_dkv: build the dkv kernel's tables (default {is_dkv}; `process_mask_dkv` is this
+            with True).
+        downcast_smem_data: store the SMEM tables in the narrowest int type that fits.
+        head_shards: number of shards of the head axis the kernel is launched over.
+        q_seq_shards: number of shards of the query axis (must divide the q block count).
+        shrink_grid: when one mask serves every head, compact each walked row's non-empty
+            blocks (to the front for forward/dq, to the back for dkv) and cut the walked axis
+            to the longest row: the grid has no all-empty steps; the block of a step is then
+            its ``data_next``.
+
+    Returns:
+        ``(MaskInfo, mask_function)``: tables ``[heads_or_shards, T // block_q, S // block_kv]``
+        (the walked axis shorter after shrinking). ``mask_function`` is the mask's
+        ``f(q_ids, kv_ids)`` when one computable mask (causal, local, chunked and their
+        ``&``/``|``) serves every head: then ``q_sequence`` is set and no tile is stored
+        (``mask_next`` and ``partial_mask_blocks`` are None); else None.
+
+    Raises:
+        ValueError: a block size does not divide the mask shape, or a shard count is invalid.
+    """
 
 
 def process_mask(
     mask: Mask,
     block_shape: tuple[int, int],
     *,
+    is_dkv: bool = False,
     downcast_smem_data: bool = True,
     head_shards: int = 1,
     q_seq_shards: int = 1,
-    shrink_grid: bool = False,
-) -> MaskInfo:
-    """Block tables of a static mask for the forward and dq kernels.
-
-    Args:
-        mask: a `Mask` of shape ``(T, S)`` (one mask for every head) or a `MultiHeadMask`.
-        block_shape: ``(block_q, block_kv)``; each must divide its mask axis.
-        downcast_smem_data: store the SMEM tables in the narrowest int type that fits.
-        head_shards: number of shards of the head axis the kernel is launched over.
-        q_seq_shards: number of shards of the query axis (must divide the q block count).
-        shrink_grid: compact each row's non-empty blocks to the front and cut the walked
-            axis to the longest row, so the kernel's grid has no all-empty tail; the
-            block at step t is then ``data_next[..., t]``.
-
-    Returns:
-        `MaskInfo` with tables ``[heads_or_shards, T // block_q, S // block_kv]`` (the last
-        axis shorter with ``shrink_grid``).
-
-    Raises:
-        ValueError: a block size does not divide the mask shape, or a shard count is invalid.
-    """
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, MaskFunction | None]:
     return _process(
         mask,
         block_shape,
-        is_dkv=False,
+        is_dkv=is_dkv,
         downcast_smem_data=downcast_smem_data,
         head_shards=head_shards,
         q_seq_shards=q_seq_shards,
@@ -296,34 +352,14 @@ def process_mask(
     )
 
 
-def process_mask_dkv(
-    mask: Mask,
-    block_shape: tuple[int, int],
-    *,
-    downcast_smem_data: bool = True,
-    head_shards: int = 1,
-    q_seq_shards: int = 1,
-    shrink_grid: bool = False,
-) -> MaskInfo:
-    """Block tables of a static mask for the dkv kernel (kv blocks outer, q blocks inner).
-
-    Args and errors as `process_mask`; ``data_next`` holds q block indices, relative to the
-    first q block of each of the ``q_seq_shards`` shards, and the partial tiles are
-    transposed to ``[block_kv, block_q]``.
-
-    Returns:
-        `MaskInfo` with tables ``[heads_or_shards, S // block_kv, T // block_q]`` (the last
-        axis shorter with ``shrink_grid``: ``q_seq_shards`` times the longest shard row).
-    """
-    return _process(
-        mask,
-        block_shape,
-        is_dkv=True,
-        downcast_smem_data=downcast_smem_data,
-        head_shards=head_shards,
-        q_seq_shards=q_seq_shards,
-        shrink_grid=shrink_grid,
-    )
+# The seed's pair: one function, is_dkv's default set (as splash attention defines them).
+process_mask_dkv = functools.partial(process_mask, is_dkv=True)
+process_mask.__doc__ = _PROCESS_DOC.format(
+    kernels="forward and dq kernels", suffix="", is_dkv="False"
+)
+process_mask_dkv.__doc__ = _PROCESS_DOC.format(
+    kernels="dkv kernel (it walks q blocks inside each kv block)", suffix="_dkv", is_dkv="True"
+)
 
 
 def _process_dynamic(
@@ -334,82 +370,90 @@ def _process_dynamic(
     downcast_smem_data: bool,
     head_shards: int,
     q_seq_shards: int,
-) -> MaskInfo:
+) -> tuple[MaskInfo, None]:
     if getattr(mask, "ndim", None) != 3:
         raise ValueError(
             f"a dynamic mask must be a [heads, T, S] array, got shape {getattr(mask, 'shape', None)}"
         )
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"a dynamic mask must have dtype bool, got {mask.dtype}")
     heads = mask.shape[0]
     q_blocks, kv_blocks = _check_blocks(mask.shape, block_shape, head_shards, q_seq_shards)
     block_q, block_kv = int(block_shape[0]), int(block_shape[1])
-    blocks = jnp.asarray(mask, bool).reshape(heads, q_blocks, block_q, kv_blocks, block_kv)
-    blocks = blocks.transpose(0, 1, 3, 2, 4)  # [h, qb, kb, block_q, block_kv]
+    blocks = jnp.asarray(mask).reshape(heads, q_blocks, block_q, kv_blocks, block_kv)
+    blocks = blocks.swapaxes(2, 3)  # [h, qb, kb, block_q, block_kv]
     anyb = blocks.any(axis=(3, 4))
     allb = blocks.all(axis=(3, 4))
-    classes = jnp.where(allb, FULL, jnp.where(anyb, PARTIAL, EMPTY))
-    # Every tile is kept (its content is unknown at trace time), indexed in grid order.
-    if is_dkv:
-        blocks = blocks.transpose(0, 2, 1, 4, 3)  # [h, kb, qb, block_kv, block_q]
-        order = jnp.arange(heads * kv_blocks * q_blocks, dtype=jnp.int32)
-        partial_index = order.reshape(heads, kv_blocks, q_blocks).swapaxes(1, 2)
-    else:
-        order = jnp.arange(heads * q_blocks * kv_blocks, dtype=jnp.int32)
-        partial_index = order.reshape(heads, q_blocks, kv_blocks)
-    data_next, mask_next, block_mask = _tables(
-        classes,
-        partial_index,
-        is_dkv=is_dkv,
-        q_seq_shards=q_seq_shards,
-        downcast=downcast_smem_data,
-        num_partial=heads * q_blocks * kv_blocks,
-        xp=jnp,
+    block_mask = jnp.where(allb, FULL, jnp.where(anyb, PARTIAL, EMPTY)).astype(jnp.int32)
+    # The tile contents are unknown at trace time: every tile is kept, uncollapsed, and a
+    # partial block points at its own tile, numbered in [head, q block, kv block] order
+    # within its (head shard, q shard) slice (splash's layout, so a shard holds its tiles).
+    heads_per_shard, q_per_shard = heads // head_shards, q_blocks // q_seq_shards
+    local = jnp.arange(heads_per_shard * q_per_shard * kv_blocks, dtype=jnp.int32)
+    local = jnp.tile(
+        local.reshape(heads_per_shard, q_per_shard, kv_blocks), (head_shards, q_seq_shards, 1)
     )
-    return MaskInfo(data_next, mask_next, block_mask, blocks, None, True)
+    mask_next = jnp.where(block_mask == PARTIAL, local, 0)
+    # An empty block fetches block 0, as in splash attention (the tables are traced).
+    if is_dkv:
+        index = jnp.arange(q_blocks, dtype=jnp.int32)[None, :, None] % q_per_shard
+        blocks = blocks.swapaxes(3, 4)
+    else:
+        index = jnp.arange(kv_blocks, dtype=jnp.int32)[None, None, :]
+    data_next = jnp.where(block_mask == EMPTY, 0, jnp.broadcast_to(index, block_mask.shape))
+    walked = q_per_shard if is_dkv else kv_blocks
+    info = MaskInfo(
+        _downcast(data_next, walked - 1, downcast_smem_data),
+        _downcast(mask_next, local.size - 1, downcast_smem_data),
+        block_mask.astype(jnp.int8 if downcast_smem_data else jnp.int32),
+        blocks,
+        None,
+        True,
+    )
+    return info, None
+
+
+_DYNAMIC_DOC = """Block tables of a (possibly traced) dense mask ``[heads, T, S]`` for the {kernels}.
+
+    The tile contents are unknown at trace time, so every tile is kept, uncollapsed:
+    ``partial_mask_blocks`` is ``[heads, T // block_q, S // block_kv, rows, cols]`` (dkv:
+    tiles transposed) and ``mask_next`` holds each partial block's flat index in its (head
+    shard, q shard) slice. Empty blocks are still skipped. Tables ``[heads, q_blocks,
+    kv_blocks]``; ``data_next`` is the block's own index (0 for an empty block).
+
+    Args:
+        mask: bool ``[heads, T, S]``, traced or concrete.
+        block_shape, is_dkv (default {is_dkv}), downcast_smem_data, head_shards,
+            q_seq_shards: as in `process_mask`.
+        shrink_grid: accepted for splash attention's signature and ignored (a traced mask's
+            non-empty counts are unknown at trace time).
+
+    Returns:
+        ``(MaskInfo, None)``.
+    """
 
 
 def process_dynamic_mask(
     mask: jax.Array,
     block_shape: tuple[int, int],
     *,
+    is_dkv: bool = False,
     downcast_smem_data: bool = True,
     head_shards: int = 1,
     q_seq_shards: int = 1,
-) -> MaskInfo:
-    """Block tables of a (possibly traced) dense mask ``[heads, T, S]`` for forward and dq.
-
-    The tile contents are unknown at trace time, so every tile is kept, uncollapsed:
-    ``partial_mask_blocks`` is ``[heads, T // block_q, S // block_kv, block_q, block_kv]``
-    and ``mask_next`` holds the flat index of each tile. Empty blocks are still skipped.
-
-    Args and errors as `process_mask`.
-    """
+    shrink_grid: bool = True,
+) -> tuple[MaskInfo, None]:
+    del shrink_grid
     return _process_dynamic(
         mask,
         block_shape,
-        is_dkv=False,
+        is_dkv=is_dkv,
         downcast_smem_data=downcast_smem_data,
         head_shards=head_shards,
         q_seq_shards=q_seq_shards,
     )
 
 
-def process_dynamic_mask_dkv(
-    mask: jax.Array,
-    block_shape: tuple[int, int],
-    *,
-    downcast_smem_data: bool = True,
-    head_shards: int = 1,
-    q_seq_shards: int = 1,
-) -> MaskInfo:
-    """`process_dynamic_mask` for the dkv kernel: tables ``[heads, S // block_kv, T // block_q]``.
-
-    ``partial_mask_blocks`` is ``[heads, S // block_kv, T // block_q, block_kv, block_q]``.
-    """
-    return _process_dynamic(
-        mask,
-        block_shape,
-        is_dkv=True,
-        downcast_smem_data=downcast_smem_data,
-        head_shards=head_shards,
-        q_seq_shards=q_seq_shards,
-    )
+process_dynamic_mask_dkv = functools.partial(process_dynamic_mask, is_dkv=True)
+process_dynamic_mask.__doc__ = _DYNAMIC_DOC.format(kernels="forward and dq kernels", is_dkv="False")
+process_dynamic_mask_dkv.__doc__ = _DYNAMIC_DOC.format(kernels="dkv kernel", is_dkv="True")

@@ -18,11 +18,53 @@ __all__ = [
     "ChunkedCausalMask",
     "FullMask",
     "LocalMask",
+    "LogicalAnd",
+    "LogicalOr",
     "Mask",
+    "MaskTruthValueError",
     "MultiHeadMask",
     "NumpyMask",
     "attention_mask",
+    "make_causal_mask",
+    "make_chunk_attention_mask",
+    "make_local_attention_mask",
+    "make_random_mask",
 ]
+
+
+class MaskTruthValueError(TypeError, NotImplementedError):
+    """``bool(mask)`` (``a and b``, ``a or b``): a mask has no truth value.
+
+    A `TypeError` (ejk's error for a misuse of a value) and a `NotImplementedError` (what
+    splash attention's masks raise), so code written against either catches it.
+    """
+
+
+def _floordiv(ids, divisor: int):
+    """``ids // divisor`` for non-negative ids, NumPy or traced (``lax.div`` in a kernel: no
+    sign fix-up, which Mosaic lowers only with a TPU attached)."""
+    if isinstance(ids, np.ndarray | np.integer | int):
+        return ids // divisor
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.div(ids, jnp.asarray(divisor, ids.dtype))
+
+
+def _all_true(q_ids, kv_ids):
+    """True broadcast to the shape of ``q_ids`` against ``kv_ids`` (NumPy or traced)."""
+    return (q_ids == q_ids) & (kv_ids == kv_ids)
+
+
+def _check_shard_count(shard_count: int, q_len: int) -> int:
+    if not isinstance(shard_count, int | np.integer) or shard_count <= 0:
+        raise ValueError(f"shard_count must be a positive int, got {shard_count!r}")
+    if q_len % (shard_count * shard_count):
+        raise ValueError(
+            f"shard_count squared ({shard_count * shard_count}) must divide the mask's "
+            f"q_len={q_len} (splash attention's rule for q-sequence sharding)"
+        )
+    return int(shard_count)
 
 
 def _check_shape(shape: Sequence[int], name: str = "shape") -> tuple[int, int]:
@@ -82,16 +124,44 @@ class Mask:
         return out
 
     def __bool__(self) -> bool:
-        raise TypeError(
+        raise MaskTruthValueError(
             f"a {type(self).__name__} has no truth value: combine masks with `&` (and) "
             "or `|` (or), not with the `and`/`or` keywords"
         )
 
     def __and__(self, other: Mask) -> Mask:
-        return _Logical.of("and", self, other)
+        return LogicalAnd(self, other)
 
     def __or__(self, other: Mask) -> Mask:
-        return _Logical.of("or", self, other)
+        return LogicalOr(self, other)
+
+    def _indices(self, q_ids, kv_ids):
+        """The mask's value at query ids ``q_ids`` and key ids ``kv_ids`` (broadcasting NumPy
+        or traced int arrays), or None when the mask is not computable from indices."""
+        return None
+
+    @property
+    def computable(self) -> bool:
+        """Whether the mask is a function of (query index, key index) (`mask_function`)."""
+        return self._indices(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32)) is not None
+
+    @property
+    def mask_function(self):
+        """``f(q_ids, kv_ids) -> bool array`` the kernels evaluate on a partial tile instead of
+        loading a stored tile, or None (a `NumpyMask`, a `FullMask`: nothing to compute).
+
+        ``q_ids`` are entries of `q_sequence`, ``kv_ids`` key indices; both broadcast (a
+        column of queries against a row of keys, or the transpose in the dkv kernel).
+        """
+        return self._indices if self.computable else None
+
+    @property
+    def q_sequence(self) -> np.ndarray | None:
+        """int32 ``[q_len]`` query positions the `mask_function` is evaluated at (``arange``),
+        or None when the mask has no mask function."""
+        if self.mask_function is None:
+            return None
+        return np.arange(self.shape[-2], dtype=np.int32)
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._key()))
@@ -121,59 +191,99 @@ class _Shaped(Mask):
     def shape(self) -> tuple[int, int]:
         return self._shape
 
+    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        out = self._indices(rows[:, None], cols[None, :])
+        return np.broadcast_to(out, (rows.size, cols.size))
+
 
 class _Logical(Mask):
-    """``a & b`` or ``a | b`` of two masks of one shape."""
+    """``left & right`` or ``left | right`` of two 2-d masks of one shape."""
 
-    def __init__(self, op: str, left: Mask, right: Mask):
-        self.op, self.left, self.right = op, left, right
+    _symbol = ""
 
-    @classmethod
-    def of(cls, op: str, left: Mask, right: object) -> Mask:
-        if not isinstance(right, Mask) or isinstance(right, MultiHeadMask):
-            raise TypeError(f"can only combine a Mask with a 2-d Mask, got {type(right).__name__}")
-        if isinstance(left, MultiHeadMask):
-            raise TypeError("combine the per-head masks before building a MultiHeadMask")
+    def __init__(self, left: Mask, right: Mask):
+        for side, m in (("left", left), ("right", right)):
+            if not isinstance(m, Mask) or isinstance(m, MultiHeadMask):
+                raise TypeError(
+                    f"{side} must be a 2-d Mask (combine the per-head masks before building "
+                    f"a MultiHeadMask), got {type(m).__name__}"
+                )
         if left.shape != right.shape:
-            raise ValueError(f"mask shapes differ: {left.shape} {op} {right.shape}")
-        return cls(op, left, right)
+            raise ValueError(f"mask shapes differ: {left.shape} {self._symbol} {right.shape}")
+        self.left, self.right = left, right
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.left.shape  # type: ignore[return-value]
 
+    @staticmethod
+    def _combine(a, b):
+        raise NotImplementedError
+
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        a = self.left._block(rows, cols)
-        b = self.right._block(rows, cols)
-        return (a & b) if self.op == "and" else (a | b)
+        return self._combine(self.left._block(rows, cols), self.right._block(rows, cols))
+
+    def _indices(self, q_ids, kv_ids):
+        a = self.left._indices(q_ids, kv_ids)
+        b = self.right._indices(q_ids, kv_ids)
+        return None if a is None or b is None else self._combine(a, b)
 
     def _key(self) -> tuple:
-        return (self.op, self.left, self.right)
+        return (self.left, self.right)
 
     def __repr__(self) -> str:
-        sym = "&" if self.op == "and" else "|"
-        return f"({self.left!r} {sym} {self.right!r})"
+        return f"({self.left!r} {self._symbol} {self.right!r})"
+
+
+class LogicalAnd(_Logical):
+    """``left & right``: a query sees a key when both masks let it."""
+
+    _symbol = "&"
+
+    @staticmethod
+    def _combine(a, b):
+        return a & b
+
+
+class LogicalOr(_Logical):
+    """``left | right``: a query sees a key when either mask lets it."""
+
+    _symbol = "|"
+
+    @staticmethod
+    def _combine(a, b):
+        return a | b
 
 
 class FullMask(_Shaped):
     """Every query sees every key."""
 
-    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return np.ones((rows.size, cols.size), bool)
+    def _indices(self, q_ids, kv_ids):
+        return _all_true(q_ids, kv_ids)
+
+    @property
+    def mask_function(self):
+        # Every block is full: there is nothing to compute (as in splash attention).
+        return None
 
     def _key(self) -> tuple:
         return (self._shape,)
 
 
 class CausalMask(_Shaped):
-    """Query i sees key j iff ``j <= i + offset`` (``offset=0`` is top-left aligned causal)."""
+    """Query i sees key j iff ``j <= i + offset`` (``offset=0`` is top-left aligned causal).
 
-    def __init__(self, shape: tuple[int, int], offset: int = 0):
+    ``shard_count``: the number of q-sequence shards the mask will be split over (splash
+    attention's argument); its square must divide q_len. It does not change the mask.
+    """
+
+    def __init__(self, shape: tuple[int, int], offset: int = 0, shard_count: int = 1):
         super().__init__(shape)
         self.offset = _check_offset(offset)
+        self.shard_count = _check_shard_count(shard_count, self._shape[0])
 
-    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        return cols[None, :] <= rows[:, None] + self.offset
+    def _indices(self, q_ids, kv_ids):
+        return kv_ids <= q_ids + self.offset
 
     def _key(self) -> tuple:
         return (self._shape, self.offset)
@@ -183,6 +293,7 @@ class LocalMask(_Shaped):
     """Query i sees key j iff ``i + offset - left <= j <= i + offset + right``.
 
     ``window_size=(left, right)``; either side may be None for no limit on that side.
+    ``shard_count`` as in `CausalMask`.
     """
 
     def __init__(
@@ -190,6 +301,7 @@ class LocalMask(_Shaped):
         shape: tuple[int, int],
         window_size: tuple[int | None, int | None],
         offset: int = 0,
+        shard_count: int = 1,
     ):
         super().__init__(shape)
         if not isinstance(window_size, tuple | list) or len(window_size) != 2:
@@ -201,15 +313,16 @@ class LocalMask(_Shaped):
                 )
         self.window_size = tuple(None if s is None else int(s) for s in window_size)
         self.offset = _check_offset(offset)
+        self.shard_count = _check_shard_count(shard_count, self._shape[0])
 
-    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    def _indices(self, q_ids, kv_ids):
         left, right = self.window_size
-        centre = rows[:, None] + self.offset
-        out = np.ones((rows.size, cols.size), bool)
+        centre = q_ids + self.offset
+        out = _all_true(q_ids, kv_ids)
         if left is not None:
-            out &= cols[None, :] >= centre - left
+            out = out & (kv_ids >= centre - left)
         if right is not None:
-            out &= cols[None, :] <= centre + right
+            out = out & (kv_ids <= centre + right)
         return out
 
     def _key(self) -> tuple:
@@ -217,17 +330,21 @@ class LocalMask(_Shaped):
 
 
 class ChunkedCausalMask(_Shaped):
-    """Causal attention inside chunks: i sees j iff ``j <= i`` and ``i // chunk == j // chunk``."""
+    """Causal attention inside chunks: i sees j iff ``j <= i`` and ``i // chunk == j // chunk``.
 
-    def __init__(self, shape: tuple[int, int], chunk_size: int):
+    ``shard_count`` as in `CausalMask`.
+    """
+
+    def __init__(self, shape: tuple[int, int], chunk_size: int, shard_count: int = 1):
         super().__init__(shape)
         if not isinstance(chunk_size, int | np.integer) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.chunk_size = int(chunk_size)
+        self.shard_count = _check_shard_count(shard_count, self._shape[0])
 
-    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        r, c = rows[:, None], cols[None, :]
-        return (c <= r) & (r // self.chunk_size == c // self.chunk_size)
+    def _indices(self, q_ids, kv_ids):
+        same_chunk = _floordiv(q_ids, self.chunk_size) == _floordiv(kv_ids, self.chunk_size)
+        return (kv_ids <= q_ids) & same_chunk
 
     def _key(self) -> tuple:
         return (self._shape, self.chunk_size)
@@ -310,8 +427,39 @@ class _PaddedMask(_Shaped):
             out[np.ix_(rin, cin)] = self.mask._block(rows[rin], cols[cin])
         return out
 
+    def _indices(self, q_ids, kv_ids):
+        inner = self.mask._indices(q_ids, kv_ids)
+        if inner is None:
+            return None
+        q_len, kv_len = self.mask.shape
+        return inner & (q_ids < q_len) & (kv_ids < kv_len)
+
     def _key(self) -> tuple:
         return (self.mask, self._shape)
+
+
+class _StoredMask(Mask):
+    """``mask``'s values with no mask function: the kernels load its partial tiles."""
+
+    def __init__(self, mask: Mask):
+        self.mask = mask
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.mask.shape  # type: ignore[return-value]
+
+    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return self.mask._block(rows, cols)
+
+    def _key(self) -> tuple:
+        return (self.mask,)
+
+
+def stored_tiles(mask: Mask) -> Mask:
+    """``mask`` (2-d or multi-head) without its mask function, so its partial tiles are stored."""
+    if isinstance(mask, MultiHeadMask):
+        return MultiHeadMask([stored_tiles(m) for m in mask.masks])
+    return _StoredMask(mask)
 
 
 def pad_mask(mask: Mask, q_len: int, kv_len: int) -> Mask:
@@ -356,3 +504,63 @@ def attention_mask(
     left, right = sliding_window
     # Causal caps the right side at the diagonal.
     return LocalMask(shape, window_size=(int(left), 0 if causal else int(right)))
+
+
+def make_causal_mask(shape: tuple[int, int], offset: int = 0) -> np.ndarray:
+    """Dense bool ``[q_len, kv_len]`` of `CausalMask` (``j <= i + offset``).
+
+    Args:
+        shape: ``(q_len, kv_len)``.
+        offset: shifts the diagonal up (> 0) or down (< 0).
+
+    Returns:
+        NumPy bool array of ``shape``.
+    """
+    return CausalMask(shape, offset=offset).dense()
+
+
+def make_local_attention_mask(
+    shape: tuple[int, int],
+    window_size: tuple[int | None, int | None],
+    *,
+    offset: int = 0,
+) -> np.ndarray:
+    """Dense bool ``[q_len, kv_len]`` of `LocalMask` (keys in ``[i + offset - left, i + offset + right]``).
+
+    Args:
+        shape: ``(q_len, kv_len)``.
+        window_size: ``(left, right)``; a side of None has no limit.
+        offset: shifts the window's centre.
+
+    Returns:
+        NumPy bool array of ``shape``.
+    """
+    return LocalMask(shape, window_size=window_size, offset=offset).dense()
+
+
+def make_chunk_attention_mask(shape: tuple[int, int], chunk_size: int) -> np.ndarray:
+    """Dense bool ``[q_len, kv_len]`` of `ChunkedCausalMask` (causal inside chunks of ``chunk_size``).
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive int.
+    """
+    return ChunkedCausalMask(shape, chunk_size=chunk_size).dense()
+
+
+def make_random_mask(shape: tuple[int, int], sparsity: float, seed: int) -> np.ndarray:
+    """A random dense bool mask: each entry False with probability ``sparsity``.
+
+    Drawn from ``np.random.default_rng(seed)`` (NumPy's global random state is left alone).
+
+    Args:
+        shape: ``(q_len, kv_len)``.
+        sparsity: probability in ``[0, 1]`` that a query does not see a key.
+        seed: the generator's seed.
+
+    Returns:
+        NumPy bool array of ``shape``.
+    """
+    shape = _check_shape(shape)
+    if not 0.0 <= float(sparsity) <= 1.0:
+        raise ValueError(f"sparsity must be in [0, 1], got {sparsity!r}")
+    return np.random.default_rng(seed).random(shape) >= float(sparsity)

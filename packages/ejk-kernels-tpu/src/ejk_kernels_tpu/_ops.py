@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int, Integer
 
@@ -26,14 +27,17 @@ from ._backward import dq as _dq_kernel
 from ._common import Static, tiles_of
 from ._config import BlockSparseConfig, block_sparse_heuristic, effective_block
 from ._forward import forward as _forward_kernel
-from ._mask_info import (
-    MaskInfo,
-    process_dynamic_mask,
-    process_dynamic_mask_dkv,
-    process_mask,
-    process_mask_dkv,
+from ._mask_info import MaskInfo, check_mask, process_dynamic_mask
+from ._mask_info import _process as _process_static
+from ._masks import (
+    FullMask,
+    Mask,
+    MultiHeadMask,
+    NumpyMask,
+    attention_mask,
+    pad_mask,
+    stored_tiles,
 )
-from ._masks import FullMask, Mask, MultiHeadMask, attention_mask, pad_mask
 
 __all__ = [
     "blocksparse_attention",
@@ -49,27 +53,48 @@ def default_interpret() -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _static_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> MaskInfo:
-    proc = process_mask_dkv if is_dkv else process_mask
-    return proc(mask, block, shrink_grid=True)
+def _static_info(mask: Mask, block: tuple[int, int], is_dkv: bool) -> tuple[MaskInfo, Any]:
+    # Every mask's grid shrinks here (splash shrinks only one shared by all heads): a
+    # per-head table row walks only its own non-empty blocks.
+    return _process_static(
+        mask,
+        block,
+        is_dkv=is_dkv,
+        downcast_smem_data=True,
+        head_shards=1,
+        q_seq_shards=1,
+        shrink_grid=True,
+        shrink_any_mask=True,
+    )
 
 
-def _tables(mask: Any, block: tuple[int, int], is_dkv: bool) -> tuple[jax.Array, ...]:
-    """(data_next, mask_next, block_mask, int8 tiles) of a padded static or dynamic mask.
+def _tables(
+    mask: Any, block: tuple[int, int], is_dkv: bool, tiles: bool
+) -> tuple[tuple[Any, ...], Any]:
+    """The kernel tables of a padded static or dynamic mask, and its mask function or None.
 
-    Passed to the custom_vjp as (integer, gradient-free) arrays, so static and traced masks
-    take one path; a static mask's tables are constants, computed once per (mask, block).
+    The tables (data_next, mask_next, block_mask, int8 tiles, q_sequence; None where the
+    kernels need no such input) go to the custom_vjp as (integer, gradient-free) arrays, so
+    static and traced masks take one path; a static mask's tables are constants, computed
+    once per (mask, block). ``tiles``: store partial tiles even for a computable mask.
     """
     if isinstance(mask, Mask):
-        info = _static_info(mask, block, is_dkv)
+        info, mask_fn = _static_info(mask, block, is_dkv)
+        if tiles and mask_fn is not None:
+            info, mask_fn = _static_info(stored_tiles(mask), block, is_dkv)
     else:
-        info = (process_dynamic_mask_dkv if is_dkv else process_dynamic_mask)(mask, block)
-    tile_shape = block[::-1] if is_dkv else block
-    return (*(jnp.asarray(x) for x in info[:3]), tiles_of(info, tile_shape))
+        info, mask_fn = process_dynamic_mask(mask, block, is_dkv=is_dkv)
+    arrays = (info.data_next, info.mask_next, info.block_mask)
+    q_sequence = info.q_sequence
+    return (
+        *(None if x is None else jnp.asarray(x) for x in arrays),
+        tiles_of(info),
+        None if q_sequence is None else jnp.asarray(q_sequence),
+    ), mask_fn
 
 
-def _info(tables: tuple[jax.Array, ...]) -> MaskInfo:
-    return MaskInfo(*tables, None, False)
+def _info(tables: tuple[jax.Array | None, ...]) -> MaskInfo:
+    return MaskInfo(*tables, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -196,6 +221,19 @@ def _with_visibility(mask: Any, request: AttentionRequest) -> Any:
     return jnp.asarray(mask) & jnp.asarray(rule.dense())
 
 
+def _reject_empty_rows(mask: Any) -> None:
+    """Splash attention's rule: a mask row that sees no key is an error (`check_mask`)."""
+    if isinstance(mask, Mask):
+        check_mask(mask)
+        return
+    if isinstance(mask, jax.core.Tracer):
+        raise NotImplementedError(
+            "reject_empty_rows needs a static Mask or a concrete array mask, got a traced array"
+        )
+    dense = np.asarray(mask).reshape((-1, *np.shape(mask)[-2:]))
+    check_mask(MultiHeadMask([NumpyMask(m) for m in dense]))
+
+
 def _empty_call(request: AttentionRequest, mask: Any) -> Any:
     """`reference_attention`'s answer for a call with an empty axis (nothing to launch)."""
     kwargs = request.keyword_arguments()
@@ -219,6 +257,8 @@ def blocksparse_attention_request(
     *,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,
+    mask_function: bool = True,
+    reject_empty_rows: bool = False,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Block-sparse attention of an already validated call (the facade's entry point).
 
@@ -234,13 +274,15 @@ def blocksparse_attention_request(
             `block_sparse_heuristic`.
         interpret: False to compile for TPU, or `pltpu.InterpretParams`; default
             `default_interpret()`.
+        mask_function, reject_empty_rows: as in `blocksparse_attention`.
 
     Returns:
         ``out [B, T, N, H]`` in q's dtype, and with ``request.return_lse`` ``(out, lse [B, N, T])``.
 
     Raises:
         NotImplementedError: what the kernels cannot serve, with `unsupported_reason`'s reason.
-        ValueError, TypeError: a mask or config of the wrong shape or kind.
+        ValueError, TypeError: a mask or config of the wrong shape or kind; with
+            ``reject_empty_rows``, a mask row that sees no key.
     """
     interpret = default_interpret() if interpret is None else interpret
     reason = unsupported_reason(request, interpret=interpret)
@@ -253,6 +295,8 @@ def blocksparse_attention_request(
     if 0 in (batch, q_len, kv_len, heads, head_dim):
         return _empty_call(request, mask)
     mask = _with_visibility(mask, request)
+    if reject_empty_rows:
+        _reject_empty_rows(mask)
     q, k, v = request.q, request.k, request.v
     if config is None:
         config = block_sparse_heuristic(q_len, kv_len, head_dim, q.dtype.itemsize)
@@ -270,11 +314,11 @@ def blocksparse_attention_request(
         mask = jnp.asarray(mask, bool)
         mask = mask[None] if mask.ndim == 2 else mask
         mask = jnp.pad(mask, ((0, 0), (0, t_pad - q_len), (0, s_pad - kv_len)))
-    tables = (
-        _tables(mask, fwd, False),
-        _tables(mask, dq, False),
-        _tables(mask, dkv, True),
+    (fwd_tables, mask_fn), (dq_tables, _), (dkv_tables, _) = (
+        _tables(mask, block, is_dkv, tiles=not mask_function)
+        for block, is_dkv in ((fwd, False), (dq, False), (dkv, True))
     )
+    tables = (fwd_tables, dq_tables, dkv_tables)
     st = Static(
         heads=heads,
         kv_heads=kv_heads,
@@ -287,6 +331,7 @@ def blocksparse_attention_request(
         has_sinks=request.softmax_sinks is not None,
         interpret=interpret,
         dropout_rate=request.dropout_rate,
+        mask_fn=mask_fn,
     )
 
     def to_kernel(x, length):
@@ -335,6 +380,8 @@ def blocksparse_attention(
     return_lse: bool = False,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,
+    mask_function: bool = True,
+    reject_empty_rows: bool = False,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Block-sparse attention on TPU (Pallas), differentiable in q, k, v and the sinks.
 
@@ -364,6 +411,13 @@ def blocksparse_attention(
         config: block sizes; default `block_sparse_heuristic`.
         interpret: False to compile for TPU, or `pltpu.InterpretParams`; default: interpret
             unless the default backend is a TPU.
+        mask_function: when one static mask computable from indices (causal, local,
+            chunked, their ``&``/``|``, padded) serves every head, the kernels evaluate it on
+            each partial block from ``q_sequence`` and the key indices and store no tile
+            (`process_mask`'s mask function). False: store and load partial tiles always.
+        reject_empty_rows: raise ValueError, as splash attention's mask check does, when a
+            row of the mask (with causal / window joined) sees no key. Default False: such a
+            row gives zeros and zero gradients (ejk's rule).
 
     Returns:
         ``out [B, T, N, H]`` in q's dtype, and with ``return_lse`` ``(out, lse [B, N, T])``.
@@ -371,7 +425,8 @@ def blocksparse_attention(
         axis (B, T or S = 0) gives `reference_attention`'s answer without a launch.
 
     Raises:
-        ValueError, TypeError: a bad argument (the message names it).
+        ValueError, TypeError: a bad argument (the message names it); with
+            ``reject_empty_rows``, a mask row that sees no key.
         NotImplementedError: what `unsupported_reason` names (v's head_dim != q's, float64,
             float16 when compiling for TPU).
     """
@@ -387,4 +442,11 @@ def blocksparse_attention(
         dropout_seed=dropout_seed,
         return_lse=return_lse,
     )
-    return blocksparse_attention_request(request, mask, config=config, interpret=interpret)
+    return blocksparse_attention_request(
+        request,
+        mask,
+        config=config,
+        interpret=interpret,
+        mask_function=mask_function,
+        reject_empty_rows=reject_empty_rows,
+    )

@@ -42,3 +42,16 @@ def pallas_calls(monkeypatch):
 
     monkeypatch.setitem(_backends.BACKENDS, "pallas", Recording())
     return calls
+
+
+@pytest.fixture
+def no_shape_checks():
+    """Switch jaxtyping's runtime checks off for one test: tests of a function's own
+    validation see the message a user (who runs without the checks) sees."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ejk_sequtils import AttentionRequest
+from ejk_sequtils import AttentionRequest, PagedAttentionRequest
 
 from ._xla import xla_attention
 
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-def platform_of(request: AttentionRequest) -> str:
+def platform_of(request: AttentionRequest | PagedAttentionRequest) -> str:
     """The platform the call runs on: the devices of concrete inputs, else the default backend."""
     q = request.q
     if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
@@ -360,7 +360,7 @@ def resolve_implementation(
 
 
 def run_first(
-    request: AttentionRequest,
+    request: AttentionRequest | PagedAttentionRequest,
     names: Sequence[str],
     config: Any = None,
     bwd_config: Any = None,
@@ -368,7 +368,8 @@ def run_first(
 ) -> tuple[str, Any]:
     """Run the first backend in ``names`` that serves ``request``; ``(name, result)``.
 
-    ``backends`` maps names to backends (default: flash attention's `BACKENDS`).
+    ``backends`` maps names to backends (default: flash attention's `BACKENDS`; paged
+    attention passes its own, which take a `PagedAttentionRequest`).
 
     Raises:
         NotImplementedError: none could, with each backend's reason.

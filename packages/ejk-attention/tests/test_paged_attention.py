@@ -1,0 +1,236 @@
+"""`paged_attention` / `ragged_paged_attention` against the float32 paged reference.
+
+Random page tables share pages between sequences and list them out of order; their
+entries past each sequence's last page hold garbage, and the pool's unused slots hold
+NaN, so a backend that reads either fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import _paged, _paged_xla, paged_attention, ragged_paged_attention
+from ejk_sequtils import (
+    assert_allclose,
+    attention_tolerance,
+    paged_reference_attention,
+    validate_paged_attention,
+)
+
+# Pool pages, page size, head dim: pairwise distinct from the other sizes below.
+P, PAGE, H = 13, 8, 24
+
+
+def _has_triton_paged() -> bool:
+    try:
+        import ejk_kernels_gpu
+    except ImportError:
+        return False
+    return hasattr(ejk_kernels_gpu, "paged_attention_request")
+
+
+def _inputs(seed, kv_lens, *, cols, heads, kv_heads, dtype, q_rows):
+    """q ``q_rows`` (a shape), pools whose slots past every length are NaN, a random table."""
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    table = rng.integers(0, P, size=(len(kv_lens), cols)).astype(np.int32)
+    for b, n in enumerate(kv_lens):
+        table[b, -(-n // PAGE) :] = rng.choice([-3, P + 4])
+    pools = []
+    for _ in range(2):
+        pool = rng.standard_normal((P, PAGE, kv_heads, H)).astype(np.float32)
+        used = np.zeros((P, PAGE), bool)
+        for b, n in enumerate(kv_lens):
+            for j in range(n):
+                used[table[b, j // PAGE], j % PAGE] = True
+        pool[~used] = np.nan
+        pools.append(jnp.asarray(pool, dtype))
+    q = jnp.asarray(rng.standard_normal((*q_rows, heads, H)), dtype)
+    return q, pools[0], pools[1], jnp.asarray(table), jnp.asarray(kv_lens)
+
+
+def _expected(q, k_pages, v_pages, table, kv_lens, **kwargs):
+    """The reference on the float32-upcast inputs."""
+    f32 = (x.astype(jnp.float32) for x in (q, k_pages, v_pages))
+    return paged_reference_attention(validate_paged_attention(*f32, table, kv_lens, **kwargs))
+
+
+def _sinks(heads):
+    return jnp.asarray(np.random.default_rng(9).standard_normal((heads, 2)), jnp.float32)
+
+
+CASES = [
+    # (q_len, heads, kv_heads, features)
+    (1, 6, 2, {}),
+    (1, 4, 1, {"sliding_window": (9, 0)}),  # MQA
+    (5, 6, 2, {"logits_soft_cap": 3.0}),
+    (5, 6, 3, {"softmax_sinks": True}),
+    (17, 4, 2, {"sliding_window": 12, "logits_soft_cap": 5.0, "softmax_sinks": True}),
+    (64, 2, 2, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(("q_len", "heads", "kv_heads", "features"), CASES)
+def test_xla_matches_reference(dtype, q_len, heads, kv_heads, features):
+    cols = 9
+    capacity = cols * PAGE
+    # 0 (idle), shorter than q_len (negative positions), a page edge, random, full.
+    kv_lens = [0, max(q_len - 3, 1), PAGE, 37, capacity]
+    args = _inputs(q_len, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
+                   q_rows=(len(kv_lens), q_len))  # fmt: skip
+    kwargs = dict(features)
+    if kwargs.pop("softmax_sinks", False):
+        kwargs["softmax_sinks"] = _sinks(heads)
+    out = paged_attention(*args, implementation="xla", **kwargs)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    tol = attention_tolerance(dtype, "out")
+    assert_allclose(out, _expected(*args, **kwargs), rtol=tol, atol=tol)
+    assert np.all(np.asarray(out[0], np.float32) == 0)  # the idle slot
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_mixes_prefill_and_decode(dtype):
+    kv_lens = [40, 3, 0, 71, 9, 2]
+    q_lens = [13, 1, 0, 1, 9, 4]  # prefill chunks, decode steps, an idle slot, T_b > kv_len
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = _inputs(7, kv_lens, cols=9, heads=6, kv_heads=2, dtype=dtype, q_rows=(int(cu[-1]),))
+    kwargs = {"sliding_window": (20, 0), "softmax_sinks": _sinks(6), "logits_soft_cap": 6.0}
+    out = ragged_paged_attention(*args, cu, implementation="xla", **kwargs)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    expected = _expected(*args, cu_q_lens=cu, **kwargs)
+    tol = attention_tolerance(dtype, "out")
+    assert_allclose(out, expected, rtol=tol, atol=tol)
+    # The decode row of sequence 1 is the [B, T=1] call of that sequence.
+    q, k_pages, v_pages, table, lens = args
+    one = paged_attention(q[13:14][None], k_pages, v_pages, table[1:2], lens[1:2], **kwargs)
+    assert_allclose(out[13], one[0, 0], rtol=tol, atol=tol)
+
+
+def test_chunked_over_sequences(monkeypatch):
+    """A batch larger than the memory budget runs in chunks (lax.map): same values."""
+    args = _inputs(3, [5, 0, 33, 60, 1], cols=8, heads=4, kv_heads=2, dtype=jnp.float32,
+                   q_rows=(5, 2))  # fmt: skip
+    whole = paged_attention(*args, implementation="xla")
+    # 1: one sequence at a time; 15000: two at a time (7168 elements each), then the fifth.
+    for budget in (1, 15_000):
+        monkeypatch.setattr(_paged_xla, "_CHUNK_ELEMENTS", budget)
+        _paged_xla._paged.clear_cache()
+        chunked = paged_attention(*args, implementation="xla")
+        assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+    _paged_xla._paged.clear_cache()
+
+
+def test_under_jit_with_traced_lengths():
+    args = _inputs(4, [7, 50, 0], cols=8, heads=4, kv_heads=1, dtype=jnp.float32, q_rows=(3, 3))
+    step = jax.jit(lambda *a: paged_attention(*a, sliding_window=(6, 0)))
+    out = step(*args)
+    assert_allclose(out, _expected(*args, sliding_window=(6, 0)), rtol=1e-4, atol=1e-4)
+    other = (*args[:4], jnp.asarray([2, 49, 0], jnp.int32))  # same compiled step
+    assert_allclose(step(*other), _expected(*other, sliding_window=(6, 0)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not _has_triton_paged(), reason="ejk_kernels_gpu has no paged kernel")
+def test_triton_matches_reference():
+    """The Triton kernel through the facade (interpreted on CPU): float32, small."""
+    args = _inputs(5, [0, 3, 21], cols=4, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(3, 2))
+    kwargs = {"sliding_window": (10, 0), "softmax_sinks": _sinks(4)}
+    out = paged_attention(*args, implementation="triton", **kwargs)
+    assert_allclose(out, _expected(*args, **kwargs), rtol=1e-4, atol=1e-4)
+
+
+def test_default_is_xla_off_gpu(monkeypatch):
+    calls = []
+
+    class Recording(_paged.PagedXlaBackend):
+        def run(self, request, config, bwd_config):
+            calls.append(request.q.shape)
+            return super().run(request, config, bwd_config)
+
+    monkeypatch.setitem(_paged.PAGED_BACKENDS, "xla", Recording())
+    args = _inputs(6, [4, 9], cols=2, heads=2, kv_heads=1, dtype=jnp.float32, q_rows=(2, 1))
+    paged_attention(*args)
+    assert calls == [(2, 1, 2, H)]
+
+
+def test_implementation_names():
+    args = _inputs(6, [4, 9], cols=2, heads=2, kv_heads=1, dtype=jnp.float32, q_rows=(2, 1))
+    with pytest.raises(ValueError, match=r"implementation must be one of \('xla', 'triton'"):
+        paged_attention(*args, implementation="cuda")
+    with pytest.raises(NotImplementedError, match=r"implementation='pallas' cannot serve"):
+        paged_attention(*args, implementation="pallas")
+    out = paged_attention(*args, implementation=("pallas", "xla"))
+    assert_allclose(out, _expected(*args), rtol=1e-4, atol=1e-4)
+
+
+def _valid():
+    q, k_pages, v_pages, table, kv_lens = _inputs(
+        8, [4, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1)
+    )
+    return {"q": q, "k_pages": k_pages, "v_pages": v_pages, "page_table": table, "kv_lens": kv_lens}
+
+
+BAD = [
+    ({"page_table": jnp.zeros((2, 2), jnp.float32)}, TypeError, r"page_table must have an integer dtype"),
+    ({"page_table": np.zeros((2, 2), np.int64)}, TypeError, r"page_table must be int32"),
+    ({"page_table": jnp.zeros((3, 2), jnp.int32)}, ValueError, r"page_table must have shape \[B, pages_per_seq\]=\(2, 2\)"),
+    ({"kv_lens": jnp.zeros((2, 1), jnp.int32)}, ValueError, r"kv_lens must have shape \[B\]=\(2,\)"),
+    ({"kv_lens": jnp.asarray([4, 17], jnp.int32)}, ValueError, r"kv_lens must be in \[0, pages_per_seq \* page_size = 16\], got kv_lens\[1\]=17"),
+    ({"k_pages": jnp.zeros((P, PAGE, 3, H)), "v_pages": jnp.zeros((P, PAGE, 3, H))}, ValueError, r"q heads=4 must be a multiple of the pages' kv heads=3"),
+    ({"k_pages": jnp.zeros((P, PAGE, 2, H + 8)), "v_pages": jnp.zeros((P, PAGE, 2, H + 8))}, ValueError, r"k_pages must have q's head_dim 24"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "error", "match"), BAD)
+def test_bad_input_names_the_argument(changes, error, match, no_shape_checks):
+    with pytest.raises(error, match=match):
+        paged_attention(**{**_valid(), **changes})
+
+
+def test_ragged_bad_cu_q_lens(no_shape_checks):
+    args = _valid()
+    q = jnp.zeros((3, 4, H))
+    with pytest.raises(ValueError, match=r"cu_q_lens must end at total_q=3"):
+        ragged_paged_attention(**{**args, "q": q}, cu_q_lens=jnp.asarray([0, 1, 2], jnp.int32))
+    with pytest.raises(TypeError, match=r"cu_q_lens must have an integer dtype"):
+        ragged_paged_attention(**{**args, "q": q}, cu_q_lens=jnp.asarray([0.0, 1.0, 3.0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40))
+def test_sampled_grid(seed):
+    """Random batch, lengths, page size, table width, heads, T, features and dtype."""
+    rng = np.random.default_rng(100 + seed)
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    cols = int(rng.integers(1, 10))
+    q_len = int(rng.choice([1, 2, 7, 33, 64]))
+    batch = int(rng.integers(1, 6))
+    kv_lens = rng.integers(0, cols * PAGE + 1, size=batch)
+    kv_lens[0] = int(rng.choice([0, cols * PAGE]))
+    dtype = [jnp.float32, jnp.bfloat16, jnp.float16][seed % 3]
+    args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
+                   q_rows=(batch, q_len))  # fmt: skip
+    kwargs = {}
+    if rng.random() < 0.5:
+        kwargs["sliding_window"] = (int(rng.integers(0, 40)), int(rng.integers(0, 3)))
+    if rng.random() < 0.4:
+        kwargs["logits_soft_cap"] = float(rng.uniform(1, 20))
+    if rng.random() < 0.4:
+        kwargs["softmax_sinks"] = _sinks(heads)
+    tol = attention_tolerance(dtype, "out")
+    out = paged_attention(*args, implementation="xla", **kwargs)
+    assert_allclose(out, _expected(*args, **kwargs), rtol=tol, atol=tol)
+    # The same rows as one ragged call (every sequence with T_b = min(T, ...) rows).
+    q_lens = rng.integers(0, q_len + 1, size=batch)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    rows = np.concatenate(
+        [np.stack([np.full(t, b), np.arange(t)], 1) for b, t in enumerate(q_lens)]
+    )
+    q = args[0][rows[:, 0], rows[:, 1]] if len(rows) else args[0].reshape(-1, heads, H)[:0]
+    ragged = (q, *args[1:])
+    out = ragged_paged_attention(*ragged, cu, implementation="xla", **kwargs)
+    assert_allclose(out, _expected(*ragged, cu_q_lens=cu, **kwargs), rtol=tol, atol=tol)

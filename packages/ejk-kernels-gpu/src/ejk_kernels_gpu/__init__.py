@@ -1,4 +1,5 @@
-"""Triton flash attention kernels (forward and backward) called from JAX.
+"""Triton flash attention kernels (forward and backward) and the split-KV paged attention
+kernel for serving, called from JAX.
 
 On a GPU the kernels run through jax-triton; on a CPU through Triton's
 interpreter (called with a host callback), so the same kernels are tested in CI.
@@ -15,11 +16,20 @@ from ._config import fwd_heuristic as fwd_heuristic
 from ._config import fwd_search_space as fwd_search_space
 from ._executor_kernels import FlashAttentionBackward as FlashAttentionBackward
 from ._executor_kernels import FlashAttentionForward as FlashAttentionForward
+from ._paged_api import paged_attention as paged_attention
+from ._paged_api import paged_attention_request as paged_attention_request
+from ._paged_api import unsupported_paged_reason as unsupported_paged_reason
+from ._paged_config import PagedConfig as PagedConfig
+from ._paged_config import paged_heuristic as paged_heuristic
+from ._paged_config import paged_search_space as paged_search_space
+from ._paged_executor import PagedAttention as PagedAttention
 
 __all__ = [
     "FlashAttentionBackward",
     "FlashAttentionForward",
     "FlashConfig",
+    "PagedAttention",
+    "PagedConfig",
     "attention",
     "bwd_heuristic",
     "bwd_search_space",
@@ -27,5 +37,10 @@ __all__ = [
     "flash_attention",
     "fwd_heuristic",
     "fwd_search_space",
+    "paged_attention",
+    "paged_attention_request",
+    "paged_heuristic",
+    "paged_search_space",
+    "unsupported_paged_reason",
     "unsupported_reason",
 ]

@@ -15,6 +15,7 @@ from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._backward_launch import backward
 from ._config import FlashConfig
+from ._decode_route import decode_route
 from ._forward_launch import forward
 from ._masks import Tables, kernel_tables
 from ._options import CallOptions, call_options
@@ -98,6 +99,9 @@ def attention(
         raise TypeError(f"bwd_config must be a FlashConfig or None, got {bwd_config!r}")
     if bwd_config is not None and bwd_config.gluon:
         raise ValueError(f"bwd_config.gluon: the Gluon build is a forward only, got {bwd_config!r}")
+    routed = decode_route(request, config, bwd_config)  # decoding: the split-KV kernel
+    if routed is not None:
+        return routed
     opts = call_options(request, config, bwd_config)
     tables = kernel_tables(opts, request)
     arrays = (request.q, request.k, request.v, request.bias, request.softmax_sinks)

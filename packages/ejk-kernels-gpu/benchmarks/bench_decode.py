@@ -1,0 +1,303 @@
+"""Decoding and serving: GB/s of ejk's split-KV paged attention against cuDNN.
+
+In one process, bf16: first the kernel's values against `ejk_sequtils.paged_reference_attention`
+(fresh random inputs, shared and out-of-order pages, window / soft cap / sinks, ragged),
+then timings in interleaved rounds (see `bench_flash.bench_shape`) of
+
+- contiguous decode (T = 1): ``paged_attention`` on the cache ``[B, S, K, H]`` viewed as
+  one page per sequence, and ``flash_attention`` (its split-KV decode route), against
+  ``jax.nn.dot_product_attention(implementation="cudnn")`` on the same cache;
+- paged decode: the same cache in pages of 64 tokens in shuffled order;
+- a ragged serving batch (8 prefill chunks of 512 tokens and 56 decode tokens over 4k
+  contexts) in one call, against its prefill part and its decode part as two calls.
+
+GB/s = bytes of k and v the call must read / time (each key a sequence sees, once).
+
+Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
+    python3 packages/ejk-kernels-gpu/benchmarks/bench_decode.py [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import contender, time_rounds
+
+from ejk_kernels_gpu import PagedConfig, flash_attention, paged_attention
+from ejk_sequtils import attention_tolerance, paged_reference_attention, validate_paged_attention
+
+# (B, S, N, K, H): the contiguous decode shapes.
+DECODE_SHAPES = [(32, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
+PAGE = 64
+
+
+def interleaved(variants: dict, rounds: int) -> dict:
+    """``{name: (median s, best s, spread)}`` of ``variants = {name: (jitted fn, args)}``,
+    timed in interleaved rounds (`_timing`); a variant that fails is reported and left out."""
+    cases = [
+        contender(dict(impl=name), fn, (*args, None), with_bwd=False)
+        for name, (fn, args) in variants.items()
+    ]
+    for row, _, _ in cases:
+        if "error" in row:
+            print(json.dumps(row), flush=True)
+    rows = time_rounds([c for c in cases if "error" not in c[0]], rounds, 0.0)
+    return {r["impl"]: (r["fwd_ms"] * 1e-3, r["fwd_best_ms"] * 1e-3, r["fwd_spread"]) for r in rows}
+
+
+def paged_cache(rng, k, v, page: int):
+    """The contiguous cache ``[B, S, K, H]`` as shuffled pages of ``page`` tokens."""
+    batch, seq, kv_heads, head_dim = k.shape
+    per = seq // page
+    order = rng.permutation(batch * per)
+    table = jnp.asarray(order.reshape(batch, per), jnp.int32)
+    inverse = jnp.asarray(np.argsort(order), jnp.int32)
+
+    def pages(x):
+        return x.reshape(batch * per, page, kv_heads, head_dim)[inverse]
+
+    return pages(k), pages(v), table
+
+
+def check_values(rng) -> list[dict]:
+    """bf16 values against the float32 reference on fresh random calls."""
+    rows = []
+    cases = [
+        dict(B=5, T=1, N=32, K=8, H=128, page=64, pps=40, cfg=None),
+        dict(B=3, T=7, N=16, K=2, H=128, page=16, pps=64, cfg=None, window=(300, 0)),
+        dict(B=4, T=1, N=8, K=1, H=64, page=128, pps=16, cfg=PagedConfig(num_splits=5)),
+        dict(B=4, T=3, N=8, K=8, H=256, page=32, pps=20, cfg=None, cap=20.0, sinks=True),
+        # The reference gathers every row's keys: a small pool.
+        dict(B=6, T=0, N=16, K=4, H=128, page=32, pps=12, cfg=None, ragged=[200, 1, 0, 37, 1, 90]),
+    ]  # fmt: skip
+    for case in cases:
+        B, T, N, K, H, page, pps = (case[x] for x in ("B", "T", "N", "K", "H", "page", "pps"))
+        pool = B * pps
+        table = rng.integers(0, pool, (B, pps)).astype(np.int32)  # shared and out of order
+        kv_lens = rng.integers(0, pps * page + 1, B).astype(np.int32)
+        kv_lens[0], kv_lens[-1] = pps * page, 0
+        kp = jnp.asarray(rng.standard_normal((pool, page, K, H)), jnp.bfloat16)
+        vp = jnp.asarray(rng.standard_normal((pool, page, K, H)), jnp.bfloat16)
+        kwargs = dict(
+            sliding_window=case.get("window"),
+            logits_soft_cap=case.get("cap"),
+            softmax_sinks=jnp.asarray(rng.standard_normal(N), jnp.float32)
+            if case.get("sinks")
+            else None,
+        )
+        if "ragged" in case:
+            q_lens = np.array(case["ragged"])
+            kv_lens = np.maximum(kv_lens, q_lens).astype(np.int32)
+            kv_lens = np.minimum(kv_lens, pps * page).astype(np.int32)
+            cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+            q = jnp.asarray(rng.standard_normal((int(cu[-1]), N, H)), jnp.bfloat16)
+            kwargs["cu_q_lens"] = cu
+        else:
+            q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+        args = (q, kp, vp, jnp.asarray(table), jnp.asarray(kv_lens))
+        out = jax.jit(lambda *a, kw=kwargs, c=case["cfg"]: paged_attention(*a, config=c, **kw))(
+            *args
+        )
+        ref = paged_reference_attention(validate_paged_attention(*args, **kwargs))
+        out32, ref32 = out.astype(jnp.float32), ref.astype(jnp.float32)
+        err = float(jnp.max(jnp.abs(out32 - ref32)))
+        rel = float(jnp.linalg.norm(out32 - ref32) / jnp.maximum(jnp.linalg.norm(ref32), 1e-30))
+        tol = attention_tolerance(jnp.bfloat16, "out")
+        row = dict(
+            check={k: v for k, v in case.items() if k != "cfg"},
+            max_abs_err=err,
+            rel_err=rel,
+            tol=tol,
+            passed=bool(jnp.all(jnp.abs(out32 - ref32) <= tol + tol * jnp.abs(ref32))),
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds * 1e-9
+
+
+def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
+    """Contiguous and paged decode of one shape: ejk (heuristic and ``configs``) and cuDNN."""
+    B, S, N, K, H = shape
+    keys = jax.random.split(jax.random.key(sum(shape)), 3)
+    q = jax.random.normal(keys[0], (B, 1, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, S, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, S, K, H), jnp.bfloat16)
+    kv_lens = jnp.full((B,), S, jnp.int32)
+    one_page = jnp.arange(B, dtype=jnp.int32)[:, None]
+    kp, vp, table = paged_cache(rng, k, v, PAGE)
+
+    def contiguous(cfg):
+        return jax.jit(lambda q, k, v: paged_attention(q, k, v, one_page, kv_lens, config=cfg))
+
+    def paged(cfg):
+        return jax.jit(lambda q, k, v, t: paged_attention(q, k, v, t, kv_lens, config=cfg))
+
+    variants = {
+        "cudnn": (
+            jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
+            (q, k, v),
+        ),
+        "ejk contiguous": (contiguous(None), (q, k, v)),
+        "ejk flash_attention": (jax.jit(lambda q, k, v: flash_attention(q, k, v)), (q, k, v)),
+        "ejk paged": (paged(None), (q, kp, vp, table)),
+    }
+    for label, cfg in configs.items():
+        variants[f"ejk contiguous {label}"] = (contiguous(cfg), (q, k, v))
+    nbytes = 2 * B * S * K * H * 2
+    timed = interleaved(variants, rounds)
+    rows = []
+    for name, (med, best, spread) in timed.items():
+        row = dict(
+            bench="decode", impl=name, B=B, S=S, N=N, K=K, H=H, ms=med * 1e3,
+            best_ms=best * 1e3, spread=spread, gbps=_gbps(nbytes, med),
+        )  # fmt: skip
+        if name in timed and "cudnn" in timed:
+            row["vs_cudnn"] = timed["cudnn"][0] / med
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_ragged(rng, rounds: int, configs: dict) -> list[dict]:
+    """8 prefill chunks of 512 tokens + 56 decode tokens over 4k contexts, paged (64):
+    one ragged call against the prefill part and the decode part as two calls."""
+    N, K, H, ctx = 32, 8, 128, 4096
+    prefill, decode = 8, 56
+    B = prefill + decode
+    pps = ctx // PAGE
+    keys = jax.random.split(jax.random.key(7), 3)
+    kp = jax.random.normal(keys[0], (B * pps, PAGE, K, H), jnp.bfloat16)
+    vp = jax.random.normal(keys[1], (B * pps, PAGE, K, H), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(B * pps).reshape(B, pps), jnp.int32)
+    kv_lens = jnp.full((B,), ctx, jnp.int32)
+    q_lens = np.array([512] * prefill + [1] * decode)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    total = int(cu[-1])
+    q = jax.random.normal(keys[2], (total, N, H), jnp.bfloat16)
+    rows_prefill = prefill * 512
+    q_pre = q[:rows_prefill].reshape(prefill, 512, N, H)
+    q_dec = q[rows_prefill:].reshape(decode, 1, N, H)
+
+    def mixed_call(cfg):
+        return jax.jit(
+            lambda q, kp, vp, t, c: paged_attention(q, kp, vp, t, kv_lens, cu_q_lens=c, config=cfg)
+        )
+
+    part = jax.jit(lambda q, kp, vp, t, lens: paged_attention(q, kp, vp, t, lens))
+
+    @jax.jit
+    def two_calls(qp, qd, kp, vp, t):
+        a = paged_attention(qp, kp, vp, t[:prefill], kv_lens[:prefill])
+        b = paged_attention(qd, kp, vp, t[prefill:], kv_lens[prefill:])
+        return a, b
+
+    variants = {
+        "ragged one call": (mixed_call(None), (q, kp, vp, table, cu)),
+        "prefill part": (part, (q_pre, kp, vp, table[:prefill], kv_lens[:prefill])),
+        "decode part": (part, (q_dec, kp, vp, table[prefill:], kv_lens[prefill:])),
+        "two calls": (two_calls, (q_pre, q_dec, kp, vp, table)),
+    }
+    for label, cfg in configs.items():
+        variants[f"ragged one call {label}"] = (mixed_call(cfg), (q, kp, vp, table, cu))
+    nbytes = 2 * B * ctx * K * H * 2
+    timed = interleaved(variants, rounds)
+    rows = []
+    parts = timed.get("prefill part", (np.nan,))[0] + timed.get("decode part", (np.nan,))[0]
+    for name, (med, best, spread) in timed.items():
+        row = dict(
+            bench="ragged", impl=name, ms=med * 1e3, best_ms=best * 1e3, spread=spread,
+            gbps=_gbps(nbytes, med), vs_parts=med / parts,
+        )  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def copy_ceiling() -> dict:
+    """Device memory bandwidth of a plain read + write of 1 GiB (the decode ceiling)."""
+    x = jax.random.normal(jax.random.key(1), (1 << 29,), jnp.bfloat16)
+    fn = jax.jit(lambda x: x + 1)
+    med, best, _ = interleaved({"copy": (fn, (x,))}, 5)["copy"]
+    row = dict(bench="copy", gbps=_gbps(2 * x.nbytes, med), best_gbps=_gbps(2 * x.nbytes, best))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _config(splits, block_kv, warps, stages, block_m=16):
+    return PagedConfig(
+        block_m=block_m, block_kv=block_kv, num_splits=splits, num_warps=warps, num_stages=stages
+    )
+
+
+# Decode configs timed by --sweep on the contiguous cache: (splits, block_kv, warps, stages).
+SWEEP = {
+    f"s{s}-kv{b}-w{w}-st{st}": _config(s, b, w, st)
+    for s, b, w, st in [
+        (1, 64, 4, 3), (2, 64, 2, 3), (4, 64, 2, 3), (8, 64, 2, 3), (16, 64, 2, 3),
+        (32, 64, 2, 3), (64, 64, 2, 3), (2, 64, 4, 2), (2, 32, 4, 4), (4, 128, 2, 2),
+        (8, 128, 4, 2), (64, 128, 4, 2),
+    ]
+}  # fmt: skip
+# Ragged-call configs timed by --sweep: (block_m, block_kv, warps, stages), one split.
+RAGGED_SWEEP = {
+    f"m{m}-kv{b}-w{w}-st{st}": _config(1, b, w, st, block_m=m)
+    for m, b, w, st in [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 4)]
+}
+
+
+def _table(rows):
+    print(f"{'bench':8} {'impl':34} {'shape':>16} {'ms':>8} {'GB/s':>7} {'ratio':>6}")
+    for r in rows:
+        if r.get("bench") not in ("decode", "ragged"):
+            continue
+        shape = f"{r['B']}x{r['S']}" if "S" in r else ""
+        ratio = r.get("vs_cudnn", r.get("vs_parts", float("nan")))
+        print(
+            f"{r['bench']:8} {r['impl']:34} {shape:>16} {r['ms']:8.3f} {r['gbps']:7.0f} {ratio:6.2f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP configs")
+    parser.add_argument("--shapes", default="", help="comma-separated indices into DECODE_SHAPES")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--json", default="", help="write every row, device and versions here")
+    parser.add_argument("--commit", default="", help="the commit under test (for the JSON)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    wanted = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(DECODE_SHAPES))
+    parts = [lambda: check_values(rng), lambda: [copy_ceiling()]]
+    parts += [
+        lambda i=i: bench_decode(rng, DECODE_SHAPES[i], args.rounds, SWEEP if args.sweep else {})
+        for i in wanted
+    ]
+    parts.append(lambda: bench_ragged(rng, args.rounds, RAGGED_SWEEP if args.sweep else {}))
+    rows = []
+    for part in parts:  # one failing part (out of memory, say) leaves the others' rows
+        try:
+            rows += part()
+        except Exception as exc:
+            rows.append(dict(error=f"{type(exc).__name__}: {str(exc)[:500]}"))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            from gpu_conformance import run_info
+
+            with open(args.json, "w") as f:
+                json.dump({**run_info("bench_decode.py", args.commit), "rows": rows}, f, indent=1)
+    _table(rows)
+    failed = [r for r in rows if ("passed" in r and not r["passed"]) or "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

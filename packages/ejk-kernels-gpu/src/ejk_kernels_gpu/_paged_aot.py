@@ -1,0 +1,141 @@
+"""Ahead-of-time sm_90 builds of the paged kernel, without a GPU.
+
+``python -m ejk_kernels_gpu._paged_aot`` compiles the paged kernel for
+``GPUTarget("cuda", 90, 32)`` for each build a call can take (decode and prefill tiles,
+one split and several, pages larger and smaller than the key block, every feature or
+none) and prints one JSON line per build: shared memory, register spills (ptxas). It
+must run where Triton's interpreter is off, so the tests start it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._aot import spill_stores
+from ._config import SHARED_MEMORY_LIMIT
+from ._jax_triton_fix import source_signature
+from ._paged_config import PagedConfig, paged_heuristic, tile_shape
+from ._paged_launch import PagedCall, paged_constexprs
+
+__all__ = ["BUILDS", "compile_paged", "main"]
+
+_TRITON_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_POINTERS = {
+    "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "page_table_ptr": "i32",
+    "tiles_ptr": "i32", "sinks_ptr": "fp32", "o_ptr": "out", "lse_ptr": "fp32",
+}  # fmt: skip
+
+# (name, batch, q_len, page, features): the heuristic's config for each, at N=32, K=8.
+BUILDS = [
+    ("decode", 32, 1, 64, False),
+    ("decode-features", 32, 1, 16, True),
+    ("long-decode", 1, 1, 256, False),
+    ("prefill", 8, 512, 64, False),
+    ("prefill-features", 8, 512, 128, True),
+]
+
+
+def compile_paged(
+    cfg: PagedConfig,
+    *,
+    head_dim: int,
+    q_len: int,
+    page: int,
+    features: bool,
+    dtype: str = "bfloat16",
+) -> dict[str, Any]:
+    """Compile the paged kernel for sm_90 with ``cfg`` and report its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    module = importlib.import_module("ejk_kernels_gpu._paged_kernel")
+    if importlib.import_module("ejk_kernels_gpu._jit_kernels").INTERPRET:
+        raise RuntimeError("compile_paged needs TRITON_INTERPRET unset (run it in a subprocess)")
+    heads, kv_heads, batch, pages_per_seq = 32, 8, 8, 64
+    call = PagedCall(
+        scale=head_dim**-0.5,
+        causal=True,
+        window=(1024, 0) if features else None,
+        soft_cap=30.0 if features else 0.0,
+        config=cfg,
+        tile=tile_shape(cfg, heads // kv_heads, q_len),
+    )
+    q = jax.ShapeDtypeStruct((batch * q_len, heads, head_dim), jnp.dtype(dtype))
+    pages = jax.ShapeDtypeStruct((batch * pages_per_seq, page, kv_heads, head_dim), q.dtype)
+    table = jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32)
+    consts = dict(paged_constexprs(call, q, pages, table, features), INTERPRET=False)
+    data = _TRITON_DTYPE[dtype]
+    out = data if cfg.num_splits == 1 else "fp32"
+    kinds = {"data": data, "out": out}
+    fn = module.paged_kernel
+    pointers = {
+        n: "*" + kinds.get(_POINTERS[n], _POINTERS[n]) for n in fn.arg_names if n not in consts
+    }
+    signature, attrs = source_signature(fn, pointers, consts)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    start = time.perf_counter()
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )
+    shared = int(compiled.metadata.shared)
+    return dict(
+        config=dict(
+            block_m=cfg.block_m, block_kv=cfg.block_kv, num_splits=cfg.num_splits,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ),
+        rows=call.tile.rows,
+        shared=shared,
+        fits=shared <= SHARED_MEMORY_LIMIT,
+        spill_stores=spill_stores(compiled.asm["ptx"]),
+        seconds=round(time.perf_counter() - start, 2),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--head-dims", default="128")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--builds", default=",".join(b[0] for b in BUILDS))
+    args = parser.parse_args(argv)
+    wanted = set(args.builds.split(","))
+    failed = 0
+    itemsize = jnp.dtype(args.dtype).itemsize
+    for head_dim in (int(h) for h in args.head_dims.split(",")):
+        for name, batch, q_len, page, features in (b for b in BUILDS if b[0] in wanted):
+            cfg = paged_heuristic(
+                batch=batch, q_len=q_len, ragged=False, heads=32, kv_heads=8,
+                head_dim=head_dim, capacity=64 * page, itemsize=itemsize,
+            )  # fmt: skip
+            row: dict[str, Any] = dict(build=name, head_dim=head_dim, dtype=args.dtype)
+            try:
+                row.update(
+                    compile_paged(
+                        cfg,
+                        head_dim=head_dim,
+                        q_len=q_len,
+                        page=page,
+                        features=features,
+                        dtype=args.dtype,
+                    )
+                )
+                if row["spill_stores"]:
+                    row["error"] = f"ptxas spills {row['spill_stores']} bytes"
+            except Exception as exc:  # report every failure, then fail the run
+                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(json.dumps(row), flush=True)
+            failed += "error" in row or not row.get("fits", False)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

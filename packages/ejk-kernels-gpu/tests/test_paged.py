@@ -1,0 +1,286 @@
+"""The split-KV paged attention kernel against `ejk_sequtils.paged_reference_attention`
+(Triton's interpreter on CPU), and the decode route of `flash_attention`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_kernels_gpu import (
+    FlashConfig,
+    PagedAttention,
+    PagedConfig,
+    _decode_route,
+    _paged_launch,
+    flash_attention,
+    paged_attention,
+    paged_attention_request,
+    paged_heuristic,
+    paged_search_space,
+    unsupported_paged_reason,
+)
+from ejk_kernels_gpu._paged_config import tile_shape
+from ejk_sequtils import paged_reference_attention, reference_attention, validate_paged_attention
+
+# Past a sequence's last page the table holds ids far outside the pool: a read of one
+# would fault or bring garbage into the output.
+GARBAGE_PAGE = 1 << 20
+
+
+def paged_inputs(rng, *, batch, q_len, heads, kv_heads, head_dim, page, pages_per_seq,
+                 dtype=jnp.float32, ragged=None, kv_lens=None):  # fmt: skip
+    """Random q, a pool with shared and out-of-order pages, kv_lens from 0 to capacity.
+
+    ``ragged``: per-sequence query counts (the ragged form); kv_lens then hold them.
+    """
+    capacity = page * pages_per_seq
+    pool = max(batch * pages_per_seq // 2, 1)  # fewer pages than slots: sequences share pages
+    table = rng.integers(0, pool, (batch, pages_per_seq)).astype(np.int32)
+    if kv_lens is None:
+        kv_lens = rng.integers(0, capacity + 1, batch)
+        kv_lens[0] = capacity
+        if batch > 2:
+            kv_lens[1] = 0
+    kv_lens = np.asarray(kv_lens, np.int32)
+    if ragged is not None:
+        kv_lens = np.clip(np.maximum(kv_lens, ragged), 0, capacity).astype(np.int32)
+    used = -(-kv_lens // page)
+    table[np.arange(pages_per_seq)[None, :] >= used[:, None]] = GARBAGE_PAGE
+    k = rng.standard_normal((pool, page, kv_heads, head_dim))
+    v = rng.standard_normal((pool, page, kv_heads, head_dim))
+    extra = {}
+    if ragged is not None:
+        cu = np.concatenate([[0], np.cumsum(ragged)]).astype(np.int32)
+        q = rng.standard_normal((int(cu[-1]), heads, head_dim))
+        extra["cu_q_lens"] = jnp.asarray(cu)
+    else:
+        q = rng.standard_normal((batch, q_len, heads, head_dim))
+    arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+    return (*arrays, jnp.asarray(table), jnp.asarray(kv_lens)), extra
+
+
+def check(args, extra, config, close, dtype=jnp.float32, **kwargs):
+    out = paged_attention(*args, config=config, **extra, **kwargs)
+    request = validate_paged_attention(*args, **extra, **kwargs)
+    expected = paged_reference_attention(request)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    close(out, expected, dtype, "out")
+    return out
+
+
+# (batch, q_len, heads, kv_heads, head_dim, page, pages_per_seq, config)
+CASES = [
+    # decode, GQA, pages larger than the key block, three splits
+    (3, 1, 6, 2, 32, 32, 4, PagedConfig(block_kv=16, num_splits=3)),
+    # MQA, pages smaller than the key block (a page per row), T = 5 over 2 splits
+    (2, 5, 4, 1, 40, 16, 5, PagedConfig(block_kv=32, num_splits=2)),
+    # MHA, one split (the kernel writes the output), a tile of 16 rows = 2 tiles of T = 19
+    (2, 19, 2, 2, 16, 16, 3, PagedConfig(block_m=16, block_kv=16, num_splits=1)),
+    # the heuristic config
+    (2, 3, 8, 2, 64, 16, 6, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:7])))
+def test_paged_matches_reference(rng, close, case):
+    batch, q_len, heads, kv_heads, head_dim, page, pps, config = case
+    args, extra = paged_inputs(
+        rng, batch=batch, q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        page=page, pages_per_seq=pps,
+    )  # fmt: skip
+    out = check(args, extra, config, close)
+    if batch > 2:  # the idle slot (kv_len 0) outputs zeros
+        assert not np.any(np.asarray(out[1]))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_window_soft_cap_and_sinks(rng, close, splits):
+    """Window, soft cap and two sinks per head folded (in the kernel with one split, in the
+    combine with several); rows of a short sequence before its first key output zeros."""
+    args, extra = paged_inputs(
+        rng, batch=3, q_len=6, heads=4, kv_heads=2, head_dim=32, page=16, pages_per_seq=4,
+        kv_lens=[64, 3, 37],
+    )  # fmt: skip
+    sinks = jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)
+    check(
+        args, extra, PagedConfig(block_kv=16, num_splits=splits), close,
+        sliding_window=(9, 0), logits_soft_cap=4.0, softmax_sinks=sinks,
+    )  # fmt: skip
+
+
+def test_paged_ragged_batch(rng, close):
+    """Prefill chunks longer than a tile, decode rows and an empty sequence in one call."""
+    q_lens = np.array([23, 1, 0, 7, 1])
+    args, extra = paged_inputs(
+        rng, batch=5, q_len=0, heads=4, kv_heads=2, head_dim=32, page=16, pages_per_seq=3,
+        ragged=q_lens,
+    )  # fmt: skip
+    check(args, extra, PagedConfig(block_m=16, block_kv=16, num_splits=2), close)
+
+
+def test_paged_float16(rng, close):
+    args, extra = paged_inputs(
+        rng, batch=2, q_len=2, heads=4, kv_heads=1, head_dim=64, page=32, pages_per_seq=2,
+        dtype=jnp.float16,
+    )  # fmt: skip
+    check(args, extra, PagedConfig(block_kv=32, num_splits=2), close, jnp.float16)
+
+
+def test_paged_jit_is_deterministic(rng):
+    args, _extra = paged_inputs(
+        rng, batch=2, q_len=1, heads=4, kv_heads=2, head_dim=16, page=16, pages_per_seq=2
+    )
+    fn = jax.jit(lambda *a: paged_attention(*a, config=PagedConfig(block_kv=16, num_splits=2)))
+    np.testing.assert_array_equal(fn(*args), fn(*args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_len", [1, 2, 8, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_wide_grid(rng, close, q_len, heads, kv_heads, splits):
+    args, extra = paged_inputs(
+        rng, batch=3, q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=32, page=16,
+        pages_per_seq=6,
+    )  # fmt: skip
+    check(args, extra, PagedConfig(block_m=64, block_kv=32, num_splits=splits), close)
+
+
+def test_empty_calls_give_zeros():
+    q = jnp.ones((2, 0, 4, 16), jnp.float32)
+    pages = jnp.ones((3, 16, 2, 16), jnp.float32)
+    table = jnp.zeros((2, 1), jnp.int32)
+    out = paged_attention(q, pages, pages, table, jnp.asarray([16, 3], jnp.int32))
+    assert out.shape == q.shape
+    no_pages = jnp.ones((0, 16, 2, 16), jnp.float32)
+    q1 = jnp.ones((2, 1, 4, 16), jnp.float32)
+    out = paged_attention(q1, no_pages, no_pages, table, jnp.zeros((2,), jnp.int32))
+    assert not np.any(np.asarray(out))
+
+
+def test_unsupported_and_bad_config(rng):
+    args, _extra = paged_inputs(
+        rng, batch=1, q_len=1, heads=2, kv_heads=1, head_dim=16, page=16, pages_per_seq=1
+    )
+    request = validate_paged_attention(*args)
+    assert unsupported_paged_reason(request) is None
+    with pytest.raises(TypeError, match="config must be a PagedConfig"):
+        paged_attention_request(request, config={"num_splits": 2})
+    big = validate_paged_attention(
+        jnp.zeros((1, 1, 1, 512)), jnp.zeros((1, 16, 1, 512)), jnp.zeros((1, 16, 1, 512)),
+        jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+    )  # fmt: skip
+    assert "head_dim <= 256" in unsupported_paged_reason(big)
+    with pytest.raises(NotImplementedError, match="head_dim=512"):
+        paged_attention_request(big)
+
+
+def test_paged_config_validates_its_fields():
+    with pytest.raises(ValueError, match="block_kv must be a power of two, got block_kv=48"):
+        PagedConfig(block_kv=48)
+    with pytest.raises(ValueError, match="block_m must be >= 16"):
+        PagedConfig(block_m=8)
+    with pytest.raises(ValueError, match="num_splits must be positive, got num_splits=0"):
+        PagedConfig(num_splits=0)
+    with pytest.raises(TypeError, match="num_stages must be an int"):
+        PagedConfig(num_stages=2.0)
+
+
+def test_heuristic_fills_the_gpu_and_the_space_fits():
+    def splits(batch, seq):
+        return paged_heuristic(
+            batch=batch, q_len=1, ragged=False, heads=32, kv_heads=8, head_dim=128, capacity=seq
+        ).num_splits
+
+    # Fewer sequences, more splits; short sequences are not split below 512 keys a split.
+    assert splits(1, 131072) > splits(8, 32768) > splits(32, 8192) >= 2
+    assert splits(128, 1024) == 1 and splits(1, 600) == 1
+    space = paged_search_space(group=4, max_q_len=1, max_keys=8192, head_dim=128)
+    assert {c.num_splits for c in space} == {1, 2, 4, 8, 16}
+    assert PagedConfig(block_m=64, block_kv=64, num_splits=2, num_stages=3) in space
+    # A whole kv group per tile: a decode step of G = 4 needs 16 rows; 64 tokens of it 128.
+    assert tile_shape(PagedConfig(block_m=64), 4, 1).rows == 16
+    assert tile_shape(PagedConfig(block_m=128), 4, 512) == tile_shape(
+        PagedConfig(block_m=128), 4, 32
+    )
+
+
+def test_query_tiles_cover_every_row_once():
+    q_lens = jnp.asarray([5, 0, 1, 9, 2], jnp.int32)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)[:-1]])
+    tiles = np.asarray(
+        _paged_launch.query_tiles(q_lens, starts, q_lens + 3, tokens=4, max_tiles=10)
+    )
+    rows = [start + t for seq, start, t0, q_len, _ in tiles for t in range(t0, min(t0 + 4, q_len))]
+    assert sorted(rows) == list(range(17))
+    assert np.all(tiles[tiles[:, 3] > 0, 4] == np.asarray(q_lens + 3)[tiles[tiles[:, 3] > 0, 0]])
+
+
+@pytest.mark.parametrize("causal,q_len", [(False, 3), (True, 1)])
+def test_flash_attention_decode_takes_the_split_kv_kernel_with_flash_gradients(
+    rng, close, monkeypatch, causal, q_len
+):
+    """Few queries, many keys: the split-KV forward serves flash_attention (spied), values
+    and every gradient (flash backward) match the reference; top-left causal with one query
+    sees key 0 alone."""
+    monkeypatch.setattr(_decode_route, "MIN_DECODE_KEYS", 64)
+    launches = []
+    forward = _decode_route.paged_forward
+    monkeypatch.setattr(
+        _decode_route, "paged_forward", lambda *a: launches.append(a[0]) or forward(*a)
+    )
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in [(2, q_len, 4, 16), (2, 70, 2, 16), (2, 70, 2, 16)]
+    )
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    kwargs = dict(causal=causal, softmax_sinks=sinks, logits_soft_cap=3.0)
+    out = flash_attention(q, k, v, **kwargs)
+    assert len(launches) == 1 and launches[0].causal == causal
+    close(out, reference_attention(q, k, v, **kwargs), jnp.float32, "out")
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a[:3], softmax_sinks=a[3], causal=causal, logits_soft_cap=3.0) ** 2)  # fmt: skip
+
+    grads = jax.grad(loss(flash_attention), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    expected = jax.grad(loss(reference_attention), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for name, g, e in zip(("dq", "dk", "dv", "dsinks"), grads, expected, strict=True):
+        close(g, e, jnp.float32, "grad", name)
+
+
+def test_flash_attention_route_leaves_other_calls():
+    def request(**kwargs):
+        from ejk_sequtils import validate_attention
+
+        q = jnp.zeros((1, 1, 4, 16))
+        k = jnp.zeros((1, 2048, 2, 16))
+        return validate_attention(q, k, k, **kwargs)
+
+    assert _decode_route.routes_to_decode(request(), None)
+    assert not _decode_route.routes_to_decode(request(), FlashConfig())  # explicit: flash
+    assert not _decode_route.routes_to_decode(request(sliding_window=(8, 8)), None)
+    assert not _decode_route.routes_to_decode(request(return_lse=True), None)
+    assert not _decode_route.routes_to_decode(request(dropout_rate=0.1, dropout_seed=1), None)
+
+
+def test_executor_runs_the_paged_kernel(rng, close):
+    from ejk_executor import ConfigCache, ConfigSelectorChain, Executor, Invocation
+
+    args, extra = paged_inputs(
+        rng, batch=3, q_len=0, heads=4, kv_heads=2, head_dim=16, page=16, pages_per_seq=2,
+        ragged=np.array([5, 1, 2]),
+    )  # fmt: skip
+    kernel = PagedAttention()
+    inv = Invocation.make(kernel, args, extra)
+    cfg = kernel.heuristic_cfg(inv)
+    assert cfg == paged_heuristic(
+        batch=3, q_len=8, ragged=True, heads=4, kv_heads=2, head_dim=16, capacity=32, itemsize=4
+    )
+    assert cfg in kernel.config_space(inv)
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache()))
+    out = executor(kernel, *args, **extra)
+    close(
+        out, paged_reference_attention(validate_paged_attention(*args, **extra)), jnp.float32, "out"
+    )

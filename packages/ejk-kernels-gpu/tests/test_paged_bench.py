@@ -1,0 +1,49 @@
+"""benchmarks/bench_decode.py imports and its helpers work on the CPU, so it does not rot
+between GPU sessions."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_kernels_gpu import _triton
+from ejk_sequtils import gather_pages
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(name="bench_decode")
+def bench_decode_fixture(monkeypatch):
+    _triton.kernels()  # Triton's backend (the interpreter here) before the script imports triton
+    monkeypatch.syspath_prepend(str(BENCH))
+    yield importlib.import_module("bench_decode")
+    for name in [
+        n for n, m in sys.modules.items() if str(BENCH) in str(getattr(m, "__file__", ""))
+    ]:
+        del sys.modules[name]
+
+
+def test_shuffled_pages_hold_the_contiguous_cache(bench_decode):
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((3, 64, 2, 8)), jnp.float32)
+    kp, vp, table = bench_decode.paged_cache(rng, k, 2 * k, 16)
+    lens = jnp.full((3,), 64, jnp.int32)
+    assert not np.array_equal(np.asarray(table).ravel(), np.arange(12))  # shuffled
+    np.testing.assert_array_equal(gather_pages(kp, table, lens), k)
+    np.testing.assert_array_equal(gather_pages(vp, table, lens), 2 * k)
+
+
+def test_interleaved_times_every_variant_and_drops_failures(bench_decode):
+    def broken(x):
+        raise ValueError("no")
+
+    timed = bench_decode.interleaved(
+        {"ok": (jax.jit(lambda x: x + 1), (jnp.ones(4),)), "broken": (broken, (jnp.ones(4),))}, 2
+    )
+    assert set(timed) == {"ok"} and timed["ok"][1] <= timed["ok"][0]

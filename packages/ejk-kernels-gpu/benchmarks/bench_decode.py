@@ -208,14 +208,15 @@ def bench_ragged(rng, rounds: int, configs: dict) -> list[dict]:
     }
     for label, cfg in configs.items():
         variants[f"ragged one call {label}"] = (mixed_call(cfg), (q, kp, vp, table, cu))
-    nbytes = 2 * B * ctx * K * H * 2
+    per_seq = 2 * ctx * K * H * 2  # k and v bytes of one sequence
+    seqs = {"prefill part": prefill, "decode part": decode}
     timed = interleaved(variants, rounds)
     rows = []
     parts = timed.get("prefill part", (np.nan,))[0] + timed.get("decode part", (np.nan,))[0]
     for name, (med, best, spread) in timed.items():
         row = dict(
             bench="ragged", impl=name, ms=med * 1e3, best_ms=best * 1e3, spread=spread,
-            gbps=_gbps(nbytes, med), vs_parts=med / parts,
+            gbps=_gbps(seqs.get(name, B) * per_seq, med), vs_parts=med / parts,
         )  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -284,3 +284,20 @@ def test_executor_runs_the_paged_kernel(rng, close):
     close(
         out, paged_reference_attention(validate_paged_attention(*args, **extra)), jnp.float32, "out"
     )
+
+
+def test_traced_kv_lens_past_capacity_read_only_the_table(rng, close):
+    """Under jit, kv_lens are not checked: a length past the table's capacity places the
+    queries as the reference does (every held key visible) and reads no page past the table."""
+    args, _ = paged_inputs(
+        rng, batch=2, q_len=2, heads=4, kv_heads=2, head_dim=16, page=16, pages_per_seq=2,
+        kv_lens=[32, 20],
+    )  # fmt: skip
+    q, k, v, table, _ = args
+    kv_lens = jnp.asarray([37, 20], jnp.int32)  # capacity 32
+    cfg = PagedConfig(block_kv=16, num_splits=2)
+    out = jax.jit(lambda lens: paged_attention(q, k, v, table, lens, config=cfg))(kv_lens)
+    expected = jax.jit(
+        lambda lens: paged_reference_attention(validate_paged_attention(q, k, v, table, lens))
+    )(kv_lens)
+    close(out, expected, jnp.float32, "out")

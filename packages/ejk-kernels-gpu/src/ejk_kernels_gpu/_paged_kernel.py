@@ -53,7 +53,7 @@ class _Tile(NamedTuple):
     k_base: object  # k_pages / v_pages at this kv head
     v_base: object
     pages: object  # this sequence's row of the page table
-    kv_len: object
+    kv_len: object  # keys that exist (positions come from the caller's kv_len)
     pos: object  # [BLOCK_M] position of each row's token
     offs_d: object
 
@@ -204,9 +204,12 @@ def paged_kernel(
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     pos = kv_len - q_len + tok
 
+    # Keys that exist: a kv_len past the table's capacity (possible only with traced values,
+    # which validation cannot check) still places the queries, but reads stay in the table.
+    keys = tl.minimum(kv_len, PAGES_PER_SEQ * PAGE)
     first = kv_len - q_len + t0
     last = kv_len - q_len + tl.minimum(t0 + TILE_T, q_len) - 1
-    lo, hi, full_lo, full_hi = _key_range(first, last, kv_len, F)
+    lo, hi, full_lo, full_hi = _key_range(first, last, keys, F)
     hi = tl.where(q_len > t0, hi, 0)  # an unused tile reads nothing
     # This split's share of the key blocks [lo, hi) (blocks at multiples of BLOCK_N).
     lo = lo // BLOCK_N * BLOCK_N
@@ -223,7 +226,7 @@ def paged_kernel(
         k_ptr + kh * H,
         v_ptr + kh * H,
         page_table_ptr + seq.to(tl.int64) * PAGES_PER_SEQ,
-        kv_len,
+        keys,
         pos,
         offs_d,
     )

@@ -14,6 +14,7 @@ import functools
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -108,6 +109,9 @@ class _HostBuffer:
 
 
 _BFLOAT16 = np.dtype(jax.numpy.bfloat16)
+# Triton's interpreter patches triton.language while it runs a kernel: two devices' host
+# callbacks (a shard_map over several CPU devices) must not interpret at the same time.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _interpretable(dtype: np.dtype) -> np.dtype:
@@ -132,7 +136,8 @@ def _interpret_call(
         (np.zeros if z else np.empty)(s.shape, _interpretable(np.dtype(s.dtype)))
         for s, z in zip(out_shapes, zeroed, strict=True)
     ]
-    kernel[grid](*ins, *(_HostBuffer(o) for o in outs), **constexprs)
+    with _INTERPRETER_LOCK:
+        kernel[grid](*ins, *(_HostBuffer(o) for o in outs), **constexprs)
     return tuple(
         o.astype(np.dtype(s.dtype), copy=False) for o, s in zip(outs, out_shapes, strict=True)
     )

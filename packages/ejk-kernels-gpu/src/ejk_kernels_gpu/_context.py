@@ -1,0 +1,231 @@
+"""Kernel entry for context parallelism: one block of queries against one block of keys.
+
+A device of a ring (or of an all-gather step) holds a block of queries and a block of
+keys that sit at offsets of the global sequence. `block_forward` runs the forward kernel
+on the pair with masks evaluated on GLOBAL positions and returns the block's output and
+lse, which the caller merges with other blocks' by the lse (FlashAttention-2's rescaling,
+once per block). `block_backward` runs the dq and dk/dv kernels of the pair given the
+GLOBAL statistics of each query row (the merged output and lse): the kernels rebuild
+``P = exp(s - lse)`` with the global lse, and ``delta = rowsum(dO ∘ O)`` of the global
+output, so the pair's dq, dk and dv are exactly its share of the global gradients
+(FlashAttention-2, Alg. 2, with the row statistics of the whole row).
+
+Global positions reach the kernels in one of two ways:
+
+- ``q_offset``/``k_offset`` given and a causal or window mask: the packed-sequence path
+  (``VARLEN``): every token has sequence id 0 and position ``offset + index``, and the
+  kernels compare positions (`_kernel_common.visibility`). Block tables computed here
+  skip every key block the offsets hide and run the fully visible ones unmasked.
+- offsets None: positions are local. Exact for a pair that is fully visible (call it
+  with ``causal=False``) or on the causal diagonal (equal offsets), and such calls run
+  the plain (and on Hopper the warp-specialised / Gluon) builds; the ring picks these
+  for the zigzag layout, where every pair is one of the two or hidden.
+
+Segment ids (documents crossing shard boundaries) stay per token and go with the
+blocks; the per-batch block tables of `_masks` skip key blocks of other documents, as
+on one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import Array
+from jaxtyping import Float, Int
+
+from ejk_sequtils import validate_attention
+
+from ._backward_launch import backward
+from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
+from ._forward_launch import forward
+from ._masks import Tables, block_table, dummy
+from ._masks import _per_batch_tables as per_batch_tables
+from ._options import CallOptions, call_options
+
+__all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
+
+_I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMasks:
+    """The static options of one (query block, key block) call (hashable)."""
+
+    scale: float
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    soft_cap: float | None = None
+    relative: bool = False  # masks on offset positions (the packed path); else local indices
+
+    def __post_init__(self) -> None:
+        if self.relative and not (self.causal or self.window is not None):
+            raise ValueError(
+                f"relative positions matter only with causal or a window, got {self!r}"
+            )
+
+
+def block_options(
+    masks: BlockMasks,
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    has_segments: bool,
+    config: FlashConfig | None = None,
+    bwd_config: FlashConfig | None = None,
+) -> CallOptions:
+    """The kernels' `CallOptions` of one block call (heuristic configs where None)."""
+    request = validate_attention(
+        q,
+        k,
+        v,
+        softmax_scale=masks.scale,
+        causal=masks.causal,
+        sliding_window=masks.window,
+        logits_soft_cap=masks.soft_cap,
+        segment_ids=(
+            (jnp.zeros(q.shape[:2], _I32), jnp.zeros(k.shape[:2], _I32)) if has_segments else None
+        ),
+    )
+    opts = call_options(request, config, bwd_config)
+    if not masks.relative:
+        return opts
+    opts = dataclasses.replace(opts, varlen=True)
+    head_dim, itemsize = q.shape[3], q.dtype.itemsize
+    if config is None:  # the packed path reads side inputs: the heuristics leave room
+        opts = dataclasses.replace(opts, fwd_cfg=fwd_heuristic(head_dim, itemsize, True))
+    if bwd_config is None:
+        group = q.shape[2] // k.shape[2]
+        opts = dataclasses.replace(opts, bwd_cfg=bwd_heuristic(head_dim, itemsize, True, group))
+    return opts
+
+
+def _mask_ranges(
+    masks: BlockMasks, length: int, other_len: int, own: Array, other: Array, of_queries: bool
+) -> tuple[Array, Array]:
+    """``[lo, hi)`` on the other axis for each index of this axis from causal and window:
+    query i (global ``own + i``) sees keys ``j`` with global ``other + j`` in
+    ``[p - left, p + right]`` (``<= p`` causal); key j is seen by the mirror range."""
+    p = own + jnp.arange(length, dtype=_I32) - other  # own position in the other's indices
+    lo = jnp.zeros((length,), _I32)
+    hi = jnp.full((length,), other_len, _I32)
+    left, right = masks.window if masks.window is not None else (None, None)
+    below, above = (left, right) if of_queries else (right, left)
+    if masks.causal:
+        if of_queries:
+            above = 0 if above is None else min(above, 0)
+        else:
+            below = 0 if below is None else min(below, 0)
+    if below is not None:
+        lo = jnp.maximum(lo, p - below)
+    if above is not None:
+        hi = jnp.minimum(hi, p + above + 1)
+    return lo, hi
+
+
+def block_tables(
+    opts: CallOptions,
+    masks: BlockMasks,
+    q_len: int,
+    kv_len: int,
+    q_offset: Int[Array, ""] | int,
+    k_offset: Int[Array, ""] | int,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None,
+) -> Tables:
+    """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``)."""
+    if not masks.relative:
+        q_offset = k_offset = 0
+    qo, ko = jnp.asarray(q_offset, _I32), jnp.asarray(k_offset, _I32)
+    rlo, rhi = _mask_ranges(masks, q_len, kv_len, qo, ko, of_queries=True)
+    clo, chi = _mask_ranges(masks, kv_len, q_len, ko, qo, of_queries=False)
+    rhi, chi = jnp.maximum(rhi, rlo), jnp.maximum(chi, clo)
+    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
+    if segment_ids is None:
+        q_seg = k_seg = dummy()
+        fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k)
+        dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k)
+        dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k)
+    else:
+        # Per batch row, narrowed to each token's document (`_masks`: blocks of other
+        # documents are skipped, as on one GPU).
+        q_seg, k_seg = (jnp.asarray(x, _I32) for x in segment_ids)
+        fwd_table = per_batch_tables(rlo, rhi, q_seg, k_seg, fwd.block_q, fwd.block_k)
+        dq_table = per_batch_tables(rlo, rhi, q_seg, k_seg, bwd.block_q, bwd.block_k)
+        dkdv_table = per_batch_tables(clo, chi, k_seg, q_seg, bwd.block_q, bwd.block_k)
+    if masks.relative:
+        q_sid, k_sid = jnp.zeros((q_len,), _I32), jnp.zeros((kv_len,), _I32)
+        q_pos = qo + jnp.arange(q_len, dtype=_I32)
+        k_pos = ko + jnp.arange(kv_len, dtype=_I32)
+    else:
+        q_sid = k_sid = q_pos = k_pos = dummy()
+    seed = dummy(jnp.uint32)
+    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
+
+
+def block_forward(
+    masks: BlockMasks,
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    *,
+    q_offset: Int[Array, ""] | int = 0,
+    k_offset: Int[Array, ""] | int = 0,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    config: FlashConfig | None = None,
+) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
+    """Output and lse of ``q`` against one key block, masks on global positions.
+
+    Args:
+        masks: scale, causal, window, soft cap, and whether the offsets apply
+            (``relative``; else positions are local indices, see the module docstring).
+        q: this block's queries ``[B, T, N, H]``.
+        k: the key block ``[B, S, K, H]``, ``N % K == 0``.
+        v: the value block ``[B, S, K, H]``.
+        q_offset: global position of ``q``'s first row (traced int32 is fine).
+        k_offset: global position of ``k``'s first row.
+        segment_ids: ``(q_ids [B, T], k_ids [B, S])`` of these blocks, or None.
+        config: the forward tile config; default the heuristic's.
+
+    Returns:
+        ``out [B, T, N, H]`` in q's dtype (0 for rows that see no key of the block) and
+        the float32 ``lse [B, N, T]`` (``-inf`` for those rows).
+    """
+    opts = block_options(masks, q, k, v, segment_ids is not None, config)
+    tables = block_tables(opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids)
+    out, lse, _ = forward(opts, q, k, v, None, None, tables)
+    return out, lse
+
+
+def block_backward(
+    masks: BlockMasks,
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    out: Float[Array, "B T N H"],
+    lse: Float[Array, "B N T"],
+    d_out: Float[Array, "B T N H"],
+    d_lse: Float[Array, "B N T"] | None = None,
+    *,
+    q_offset: Int[Array, ""] | int = 0,
+    k_offset: Int[Array, ""] | int = 0,
+    segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    bwd_config: FlashConfig | None = None,
+) -> tuple[Float[Array, "B T N H"], Float[Array, "B S K H"], Float[Array, "B S K H"]]:
+    """This key block's share of the gradients, given the GLOBAL output and lse of the rows.
+
+    Args:
+        masks, q, k, v, q_offset, k_offset, segment_ids: as in `block_forward`.
+        out: the rows' merged (global) output ``[B, T, N, H]``.
+        lse: the rows' global float32 lse ``[B, N, T]``.
+        d_out: cotangent of the global output.
+        d_lse: cotangent of the global lse, or None.
+        bwd_config: the backward tile config; default the heuristic's.
+
+    Returns:
+        ``(dq, dk, dv)`` in the inputs' dtypes: dq is this block's addend of q's
+        gradient, dk/dv the whole gradient of this block from these rows.
+    """
+    opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
+    tables = block_tables(opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids)
+    dq, dk, dv, _, _ = backward(opts, q, k, v, None, None, tables, out, lse, d_out, d_lse)
+    return dq, dk, dv

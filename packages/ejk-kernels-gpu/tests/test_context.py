@@ -1,0 +1,138 @@
+"""Block calls of context parallelism: masks on global positions, global-statistics backward.
+
+A query block of a global sequence against the key blocks the sequence is cut into:
+the block outputs merged by their lse equal the reference's rows, and the sums of the
+blocks' dq (and the blocks' dk/dv side by side) equal the reference's gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_kernels_gpu._context import BlockMasks, block_backward, block_forward
+from ejk_sequtils import reference_attention
+
+B, T, N, K, H = 2, 48, 4, 2, 16
+Q_ROWS = (16, 40)  # the query block: global rows [16, 40)
+K_CUTS = (0, 24, 48)  # two key blocks
+
+CASES = {
+    # name: (reference kwargs, BlockMasks kwargs without scale, with segment ids)
+    "causal": ({"causal": True}, {"causal": True, "relative": True}, False),
+    "window_softcap": (
+        {"sliding_window": (5, 3), "logits_soft_cap": 3.0},
+        {"window": (5, 3), "soft_cap": 3.0, "relative": True},
+        False,
+    ),
+    "causal_documents": ({"causal": True}, {"causal": True, "relative": True}, True),
+    "full_documents": ({}, {}, True),
+}
+
+
+def _merge(parts):
+    """Outputs and lse of blocks merged by their lse (FlashAttention-2's rescaling)."""
+    lse = jax.nn.logsumexp(jnp.stack([p[1] for p in parts]), axis=0)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    out = sum(
+        o.astype(jnp.float32) * jnp.exp(lse_p - safe).transpose(0, 2, 1)[..., None]
+        for o, lse_p in parts
+    )
+    return out, lse
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blocks_merge_to_the_reference(rng, make_inputs, close, case):
+    ref_kw, mask_kw, with_seg = CASES[case]
+    q, k, v = make_inputs(rng, B, T, T, N, K, H, jnp.float32)
+    seg = None
+    if with_seg:  # documents that cross the block boundaries, and padding at the end
+        ids = np.repeat(np.arange(4), [10, 20, 12, 6])
+        ids[-3:] = -1
+        seg = jnp.asarray(np.stack([ids, np.sort(rng.integers(0, 3, T))]), jnp.int32)
+    a, b = Q_ROWS
+    masks = BlockMasks(scale=H**-0.5, **mask_kw)
+
+    def blocks(x, lo, hi):
+        return x[:, lo:hi]
+
+    parts = []
+    for lo, hi in itertools.pairwise(K_CUTS):
+        parts.append(
+            block_forward(
+                masks,
+                q[:, a:b],
+                blocks(k, lo, hi),
+                blocks(v, lo, hi),
+                q_offset=a,
+                k_offset=lo,
+                segment_ids=None if seg is None else (seg[:, a:b], seg[:, lo:hi]),
+            )
+        )
+    out, lse = _merge(parts)
+    ref = lambda q, k, v: reference_attention(q, k, v, segment_ids=seg, return_lse=True, **ref_kw)
+    want, want_lse = ref(q, k, v)
+    close(out, want[:, a:b], jnp.float32, "out")
+    close(lse, want_lse[:, :, a:b], jnp.float32, "lse")
+
+    w = jnp.asarray(rng.standard_normal(want.shape), jnp.float32).at[:, :a].set(0).at[:, b:].set(0)
+
+    def loss(q, k, v):
+        o, rows = ref(q, k, v)
+        rows = jnp.where(jnp.isfinite(rows), rows, 0.0)[:, :, a:b]
+        return jnp.sum(o * w) + 0.1 * jnp.sum(rows)
+
+    dq_want, dk_want, dv_want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    d_lse = jnp.full(lse.shape, 0.1, jnp.float32)
+    global_out = want[:, a:b]
+    dq = 0.0
+    dks, dvs = [], []
+    for lo, hi in itertools.pairwise(K_CUTS):
+        gq, gk, gv = block_backward(
+            masks,
+            q[:, a:b],
+            k[:, lo:hi],
+            v[:, lo:hi],
+            global_out,
+            want_lse[:, :, a:b],
+            w[:, a:b],
+            d_lse,
+            q_offset=a,
+            k_offset=lo,
+            segment_ids=None if seg is None else (seg[:, a:b], seg[:, lo:hi]),
+        )
+        dq = dq + gq
+        dks.append(gk)
+        dvs.append(gv)
+    close(dq, dq_want[:, a:b], jnp.float32, "grad", "dq")
+    close(jnp.concatenate(dks, 1), dk_want, jnp.float32, "grad", "dk")
+    close(jnp.concatenate(dvs, 1), dv_want, jnp.float32, "grad", "dv")
+
+
+def test_local_diagonal_equals_relative_positions(rng, make_inputs):
+    """With equal offsets, local causal (the plain build) and relative positions agree."""
+    q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
+    local = block_forward(BlockMasks(scale=0.25, causal=True), q, k, v)
+    rel = BlockMasks(scale=0.25, causal=True, relative=True)
+    shifted = block_forward(rel, q, k, v, q_offset=jnp.int32(64), k_offset=jnp.int32(64))
+    for x, y in zip(local, shifted, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_hidden_block_gives_empty_rows(rng, make_inputs):
+    q, k, v = make_inputs(rng, 1, 16, 16, 2, 2, 16, jnp.float32)
+    masks = BlockMasks(scale=0.25, causal=True, relative=True)
+    out, lse = jax.jit(lambda q, k, v: block_forward(masks, q, k, v, q_offset=0, k_offset=16))(
+        q, k, v
+    )
+    np.testing.assert_array_equal(out, 0.0)
+    assert np.all(np.isneginf(lse))
+
+
+def test_relative_without_a_position_mask_is_refused():
+    with pytest.raises(ValueError, match="relative positions matter only"):
+        BlockMasks(scale=1.0, relative=True)

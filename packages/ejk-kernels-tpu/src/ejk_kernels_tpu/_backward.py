@@ -23,13 +23,13 @@ from ._common import (
     dropout_scale,
     launch,
     logits,
-    mask_inputs,
     mask_row,
     partial_visibility,
     q_major_inputs,
     rem,
     smem_inputs,
     split_refs,
+    tile_inputs,
     visibility,
 )
 from ._mask_info import MaskInfo
@@ -41,17 +41,17 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
     """The dropped weights ``P * Z`` and ``dS`` of one tile (transposed for dkv), f32, pre-scale.
 
     ``origin`` = (batch, query head, first row, first column) of the tile, for dropout's
-    keep mask Z and the mask function's key indices (columns, or rows when ``transposed``).
+    keep mask Z and the mask function's positions (rows are keys when ``transposed``).
     With dropout, ``O = (P * Z) V``, so ``dP = (dO V^T) * Z`` and D is unchanged.
     """
     if transposed:
         s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
-        partial = partial_visibility(st, r, origin[2], s.shape, True) if masked else None
+        partial = partial_visibility(st, r, origin, s.shape, True) if masked else None
         visible = visibility(partial, r.get("kv_seg"), r.get("q_seg"))
         dp = dot(r["v"][...], r["do"][...], NT_DIMS)
     else:
         s, t = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
-        partial = partial_visibility(st, r, origin[3], s.shape, False) if masked else None
+        partial = partial_visibility(st, r, origin, s.shape, False) if masked else None
         visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         dp = dot(r["do"][...], r["v"][...], NT_DIMS)
     if visible is not None:
@@ -212,12 +212,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
             pl.BlockSpec((None, block_kv, 1), lambda b, kh, j, s, dn, bm, mn: (b, j, 0)),
         ]
         args += [q_seg_row, kv_seg_col]
-    extra = mask_inputs(
-        info,
-        pl.BlockSpec((None, block_kv, block_q), tile_map),
-        pl.BlockSpec((1, block_q), lambda b, kh, j, s, dn, bm, mn: (0, q_block(kh, j, s, dn)[1])),
-        (1, q.shape[2]),
-    )
+    extra = tile_inputs(info, pl.BlockSpec((None, block_kv, block_q), tile_map))
     names, in_specs, args = names + extra[0], in_specs + extra[1], args + extra[2]
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
     dk, dv = launch(

@@ -38,8 +38,8 @@ class Static:
         dropout_rate: probability of dropping a normalised weight (0: no dropout; the seed
             is then not passed).
         mask_fn: the mask's ``f(q_ids, kv_ids)`` (`process_mask`'s mask function): partial
-            blocks evaluate it on ``q_sequence`` and the key indices instead of loading a
-            stored tile; None: partial blocks load their tile.
+            blocks evaluate it on their query and key positions instead of loading a stored
+            tile; None: partial blocks load their tile.
     """
 
     heads: int
@@ -115,20 +115,23 @@ def logits(
 
 
 def partial_visibility(
-    st: Static, r: dict[str, Any], kv0: jax.Array, shape: tuple[int, int], transposed: bool
+    st: Static, r: dict[str, Any], origin: tuple, shape: tuple[int, int], transposed: bool
 ) -> jax.Array:
     """Which entries of a partial block's score tile the mask lets through, bool ``shape``.
 
-    With a mask function (``st.mask_fn``) it is evaluated on the block's query positions
-    (``r["q_ids"]``, from `MaskInfo.q_sequence`: ``[rows, 1]``, or ``[1, cols]`` when
-    ``transposed``) and key indices (``kv0`` + the tile's column, or row when ``transposed``);
-    no tile is loaded. Otherwise the stored int8 tile ``r["tile"]`` is read.
+    With a mask function (``st.mask_fn``) it is evaluated on the tile's query and key
+    positions, from ``origin`` = (batch, head, first row, first column) of the tile (rows
+    are keys when ``transposed``): the positions are ``q_sequence`` = ``arange(T)`` (checked
+    when the tables are built), so they come from the grid, and no byte is loaded.
+    Otherwise the stored int8 tile ``r["tile"]`` is read.
     """
     if st.mask_fn is None:
         # Widen before comparing so the predicate has the f32 tile's layout.
         return r["tile"][...].astype(jnp.int32) != 0
-    kv_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if transposed else 1) + kv0
-    return jnp.broadcast_to(st.mask_fn(r["q_ids"][...], kv_ids), shape)
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]
+    col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
+    q_ids, kv_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
+    return jnp.broadcast_to(st.mask_fn(q_ids, kv_ids), shape)
 
 
 def visibility(partial: jax.Array | None, row_ids_ref: Any, col_ids_ref: Any) -> jax.Array | None:
@@ -226,15 +229,9 @@ def kernel_tables(info: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.asarray(info.data_next), jnp.asarray(info.block_mask), jnp.asarray(mask_next)
 
 
-def mask_inputs(
-    info: Any, tile_spec: pl.BlockSpec, q_ids_spec: pl.BlockSpec, q_ids_shape: tuple[int, int]
-) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
-    """The input that resolves partial blocks: the query positions of the mask function
-    (``q_ids``, int32 ``q_ids_shape``) or the stored tiles (``tile``), or none when no block
-    is partial."""
-    if info.q_sequence is not None:
-        q_ids = jnp.asarray(info.q_sequence, jnp.int32).reshape(q_ids_shape)
-        return ["q_ids"], [q_ids_spec], [q_ids]
+def tile_inputs(info: Any, tile_spec: pl.BlockSpec) -> tuple[list[str], list[pl.BlockSpec], list]:
+    """The stored partial tiles as the kernel input ``tile``, or no input when none is stored
+    (no partial block, or the mask function resolves them)."""
     tiles = tiles_of(info)
     if tiles is None:
         return [], [], []
@@ -291,13 +288,7 @@ def q_major_inputs(
             ),
         ]
         args += [q_seg, kv_seg]
-    q_len = q_rows["q"][0].shape[2]
-    extra = mask_inputs(
-        info,
-        pl.BlockSpec((None, block_q, block_kv), tile_map),
-        pl.BlockSpec((block_q, 1), lambda b, h, i, j, dn, bm, mn: (i, 0)),
-        (q_len, 1),
-    )
+    extra = tile_inputs(info, pl.BlockSpec((None, block_q, block_kv), tile_map))
     return names + extra[0], specs + extra[1], args + extra[2]
 
 

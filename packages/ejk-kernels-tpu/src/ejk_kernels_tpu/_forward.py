@@ -54,7 +54,8 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         s, _ = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
         block_q, block_kv = st.fwd
         col0 = dn_ref[row, i, j].astype(jnp.int32) * block_kv  # the step's block (grids shrink)
-        partial = partial_visibility(st, r, col0, s.shape, False) if masked else None
+        origin = (pl.program_id(0), h, i * block_q, col0)
+        partial = partial_visibility(st, r, origin, s.shape, False) if masked else None
         visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
@@ -68,8 +69,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         if st.has_dropout:
             # Dropout acts on the normalised weights: l keeps the full sum, the values get
             # the dropped, rescaled weights (1 / l is applied at the end).
-            b = pl.program_id(0)
-            p = p * dropout_scale(st, r["seed"], b, h, i * block_q, col0, p.shape, False)
+            p = p * dropout_scale(st, r["seed"], *origin, p.shape, False)
         v = r["v"][...]
         pv = dot(p.astype(v.dtype), v, NN_DIMS)
         acc_scr[...] = alpha * acc_scr[...] + pv

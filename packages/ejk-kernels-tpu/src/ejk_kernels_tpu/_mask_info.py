@@ -216,8 +216,9 @@ def _as_heads(mask: Mask) -> tuple[Mask, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _classify(mask: Mask, block_q: int, block_kv: int, is_dkv: bool):
-    """Block classes of one 2-d mask and its distinct partial tiles (computed once per mask)."""
+def _classify(mask: Mask, block_q: int, block_kv: int, is_dkv: bool, keep_tiles: bool = True):
+    """Block classes of one 2-d mask and its distinct partial tiles (computed once per mask;
+    none are kept without ``keep_tiles``: the kernels evaluate the mask function instead)."""
     q_len, kv_len = mask.shape
     q_blocks, kv_blocks = q_len // block_q, kv_len // block_kv
     classes = np.zeros((q_blocks, kv_blocks), np.int8)
@@ -230,6 +231,8 @@ def _classify(mask: Mask, block_q: int, block_kv: int, is_dkv: bool):
         anyb = blocks.any(axis=(1, 2))
         allb = blocks.all(axis=(1, 2))
         classes[i] = np.where(allb, FULL, np.where(anyb, PARTIAL, EMPTY))
+        if not keep_tiles:
+            continue
         for j in np.flatnonzero(anyb & ~allb):
             tile = blocks[j].T if is_dkv else blocks[j]
             key = tile.tobytes()
@@ -267,20 +270,22 @@ def _process(
     one_per_shard = all(len(set(ms)) == 1 for ms in shard_masks)
     rows = [ms[0] for ms in shard_masks] if one_per_shard else list(heads_masks)
     unique = list(dict.fromkeys(heads_masks))  # by value, in order of first appearance
+    # One computable mask for every head (splash's rule): the kernels evaluate its function.
+    mask_function = unique[0].mask_function if len(unique) == 1 else None
 
     # Distinct partial tiles of every mask, numbered in (mask, q block, kv block) order.
     tiles: list[np.ndarray] = []
     tile_ids: dict[bytes, int] = {}
     per_mask = {}
     for m in unique:
-        cls, pidx, mtiles = _classify(m, block_q, block_kv, is_dkv)
+        cls, pidx, mtiles = _classify(m, block_q, block_kv, is_dkv, mask_function is None)
         remap = np.zeros(max(len(mtiles), 1), np.int64)
         for t, tile in enumerate(mtiles):
             remap[t] = tile_ids.setdefault(tile.tobytes(), len(tiles))
             if remap[t] == len(tiles):
                 tiles.append(tile)
         per_mask[m] = (cls, remap[pidx])
-    # One mask for all heads (splash's rule): shrink, and evaluate it in the kernel if it can.
+    # One mask for all heads (splash's rule): the grid shrinks.
     single = len(unique) == 1 and len(rows) == head_shards
     data_next, mask_next, block_mask = _tables(
         np.stack([per_mask[m][0] for m in rows]),
@@ -292,7 +297,6 @@ def _process(
     walked = q_len // block_q // q_seq_shards if is_dkv else kv_len // block_kv
     data_next = _downcast(data_next, walked - 1, downcast_smem_data)
     block_mask = block_mask.astype(np.int8 if downcast_smem_data else np.int32)
-    mask_function = unique[0].mask_function if len(unique) == 1 else None
     if mask_function is not None:
         info = MaskInfo(data_next, None, block_mask, None, unique[0].q_sequence, False)
     elif tiles:

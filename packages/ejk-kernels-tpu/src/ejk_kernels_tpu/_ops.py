@@ -73,8 +73,8 @@ def _tables(
 ) -> tuple[tuple[Any, ...], Any]:
     """The kernel tables of a padded static or dynamic mask, and its mask function or None.
 
-    The tables (data_next, mask_next, block_mask, int8 tiles, q_sequence; None where the
-    kernels need no such input) go to the custom_vjp as (integer, gradient-free) arrays, so
+    The tables (data_next, mask_next, block_mask, int8 tiles, and None for q_sequence; None
+    where the kernels need no such input) go to the custom_vjp as (integer, gradient-free) arrays, so
     static and traced masks take one path; a static mask's tables are constants, computed
     once per (mask, block). ``tiles``: store partial tiles even for a computable mask.
     """
@@ -84,13 +84,17 @@ def _tables(
             info, mask_fn = _static_info(stored_tiles(mask), block, is_dkv)
     else:
         info, mask_fn = process_dynamic_mask(mask, block, is_dkv=is_dkv)
+    if info.q_sequence is not None and not np.array_equal(
+        info.q_sequence, np.arange(mask.shape[-2])
+    ):
+        # The kernels take a query's position from the grid, so q_sequence must be arange(T).
+        raise NotImplementedError(
+            "the block-sparse kernels evaluate a mask function at query positions arange(T); "
+            f"this mask's q_sequence differs (starts {info.q_sequence[:4]})"
+        )
     arrays = (info.data_next, info.mask_next, info.block_mask)
-    q_sequence = info.q_sequence
-    return (
-        *(None if x is None else jnp.asarray(x) for x in arrays),
-        tiles_of(info),
-        None if q_sequence is None else jnp.asarray(q_sequence),
-    ), mask_fn
+    # q_sequence is arange(T): the kernels take it from the grid, so it is not passed.
+    return (*(None if x is None else jnp.asarray(x) for x in arrays), tiles_of(info), None), mask_fn
 
 
 def _info(tables: tuple[jax.Array | None, ...]) -> MaskInfo:

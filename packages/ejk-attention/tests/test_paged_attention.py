@@ -142,6 +142,26 @@ def test_triton_matches_reference():
     assert_allclose(out, _expected(*args, **kwargs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not _has_triton_paged(), reason="ejk_kernels_gpu has no paged kernel")
+def test_triton_config_from_the_executor(monkeypatch):
+    """No config: the executor's choice (here the kernel's heuristic); a config: that one."""
+    import ejk_kernels_gpu
+
+    seen = []
+    monkeypatch.setattr(
+        ejk_kernels_gpu, "paged_attention_request", lambda r, config: seen.append(config) or r.q
+    )
+    args = _inputs(5, [3, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1))
+    paged_attention(*args, implementation="triton")
+    backend = _paged.PAGED_BACKENDS["triton"]
+    request = validate_paged_attention(*args)
+    assert seen[0] == backend.invocations(request)["forward"].kernel.heuristic_cfg(
+        backend.invocations(request)["forward"]
+    )
+    paged_attention(*args, implementation="triton", config=seen[0])
+    assert seen[1] is seen[0]
+
+
 def test_default_is_xla_off_gpu(monkeypatch):
     calls = []
 
@@ -234,3 +254,16 @@ def test_sampled_grid(seed):
     ragged = (q, *args[1:])
     out = ragged_paged_attention(*ragged, cu, implementation="xla", **kwargs)
     assert_allclose(out, _expected(*ragged, cu_q_lens=cu, **kwargs), rtol=tol, atol=tol)
+
+
+def test_ragged_under_jit_rows_past_the_last_sequence_are_zero():
+    """Traced cu_q_lens cannot be checked: rows past cu_q_lens[-1] give zeros, as the
+    reference defines, and the others are exact."""
+    kv_lens = [30, 4, 12]
+    args = _inputs(11, kv_lens, cols=5, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(20,))
+    cu = jnp.asarray([0, 9, 10, 16], jnp.int32)  # 4 rows of padding at the end
+    out = jax.jit(ragged_paged_attention)(*args, cu)
+    q, *rest = args
+    expected = _expected(q[:16], *rest, cu_q_lens=cu)
+    assert_allclose(out[:16], expected, rtol=1e-4, atol=1e-4)
+    assert np.all(np.asarray(out[16:]) == 0)

@@ -17,7 +17,7 @@ from jaxtyping import Float, Int
 
 from ejk_sequtils import PagedAttentionRequest, validate_paged_attention
 
-from ._backends import Backend, platform_of, resolve_implementation, run_first
+from ._backends import Backend, kernel_executor, platform_of, resolve_implementation, run_first
 from ._paged_xla import xla_paged_attention
 
 __all__ = ["PAGED_BACKENDS", "paged_attention", "ragged_paged_attention"]
@@ -49,6 +49,9 @@ class PagedTritonBackend(Backend):
     """``ejk_kernels_gpu.paged_attention_request`` (on CPU it runs in Triton's interpreter).
 
     Looked up when called, so the facade works with an ``ejk_kernels_gpu`` without it.
+    Its config comes from the executor (explicit ``config=``, else its caches, where a
+    tuned config is stored, else the kernel's heuristic) when the package has the
+    `ejk_executor` kernel ``PagedAttention``; otherwise the kernel's own heuristic.
     """
 
     name = "triton"
@@ -64,10 +67,30 @@ class PagedTritonBackend(Backend):
         reason = getattr(ejk_kernels_gpu, "unsupported_paged_reason", None)
         return None if reason is None else reason(request)
 
+    def invocations(self, request: PagedAttentionRequest) -> dict[str, Any]:
+        import ejk_kernels_gpu
+        from ejk_executor import Invocation
+
+        kernel = getattr(ejk_kernels_gpu, "PagedAttention", None)
+        if kernel is None:
+            return {}
+        args = (request.q, request.k_pages, request.v_pages, request.page_table, request.kv_lens)
+        kwargs = {
+            "cu_q_lens": request.cu_q_lens,
+            "softmax_scale": request.softmax_scale,
+            "sliding_window": request.sliding_window,
+            "logits_soft_cap": request.logits_soft_cap,
+            "softmax_sinks": request.softmax_sinks,
+        }
+        return {"forward": Invocation.make(kernel(), args, kwargs)}
+
     def choose_configs(
         self, request: PagedAttentionRequest, config: Any = None, bwd_config: Any = None
     ) -> tuple[Any, Any]:
-        del request, bwd_config  # forward only; None: the kernel's heuristic
+        del bwd_config  # forward only
+        inv = self.invocations(request).get("forward")
+        if config is None and inv is not None:
+            config = kernel_executor().chooser.choose(inv).cfg
         return config, None
 
     def run(self, request: PagedAttentionRequest, config: Any, bwd_config: Any) -> Any:

@@ -5,11 +5,10 @@ Triton kernel is checked against besides the reference. Sequences are processed 
 chunks (`jax.lax.map` over groups of sequences) so that the gathered keys and the
 scores of one chunk stay within a fixed memory budget, whatever the batch.
 
-The ragged form runs as the ``[B, T]`` form with one query per row: a query at
-position ``p`` of sequence ``b`` sees exactly what the last query of a sequence of
-length ``p + 1`` sees (its keys ``<= p``, and the window). That is the best layout for
-decode rows; a prefill chunk's rows each gather their sequence's keys again (the
-Triton kernel reads them once per tile of rows).
+The ragged form is cut into tiles of query rows, each inside one sequence (`_RowTiles`:
+about the mean number of rows per sequence, so a batch of decode steps runs one row per
+tile and a prefill chunk a few dozen); each tile then runs as one sequence of the
+``[B, T]`` form and gathers its sequence's pages once per tile.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ejk_sequtils import PagedAttentionRequest, gather_pages, paged_visibility, ragged_rows
+from ejk_sequtils import PagedAttentionRequest, gather_pages, paged_visibility
 
 from ._xla import _grouped_sinks, _row_stats
 
@@ -52,12 +51,79 @@ def xla_paged_attention(request: PagedAttentionRequest) -> Array:
     q = jnp.asarray(request.q)
     table = jnp.asarray(request.page_table, jnp.int32)
     kv_lens = jnp.asarray(request.kv_lens, jnp.int32)
-    if request.is_ragged:
-        seq, position = ragged_rows(request)
-        # Row r as the last query of its sequence cut at position + 1 (0 below: no key).
-        q, table, kv_lens = q[:, None], table[seq], jnp.maximum(position + 1, 0)
-    out = _paged(opts, q, request.k_pages, request.v_pages, table, kv_lens, request.softmax_sinks)
-    return out[:, 0] if request.is_ragged else out
+    pages = (request.k_pages, request.v_pages)
+    if not request.is_ragged:
+        first = kv_lens - request.num_q_rows
+        return _paged(opts, q, *pages, table, kv_lens, first, request.softmax_sinks)
+    if request.num_q_rows == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    tile = _row_tile(request.num_q_rows, request.batch)
+    cu_q_lens = jnp.asarray(request.cu_q_lens, jnp.int32)
+    tiles = _RowTiles.of(cu_q_lens, kv_lens, tile, request.num_q_rows)
+    rows = jnp.clip(tiles.first_row[:, None] + jnp.arange(tile), 0, request.num_q_rows - 1)
+    out = _paged(
+        opts,
+        q[rows],  # [tiles, tile, N, H]
+        *pages,
+        table[tiles.seq],
+        jnp.where(tiles.live, kv_lens[tiles.seq], 0),
+        tiles.first_position,
+        request.softmax_sinks,
+    )
+    out = out[tiles.row_tile, tiles.row_offset]
+    return jnp.where(tiles.row_live[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _row_tile(total_q: int, batch: int) -> int:
+    """Query rows per tile of the ragged form: about the mean rows per sequence (a power
+    of two, at most 32): 1 for a batch of decode steps, more for prefill chunks."""
+    mean = -(-total_q // max(batch, 1))
+    return min(1 << (mean - 1).bit_length(), 32)
+
+
+class _RowTiles(NamedTuple):
+    """The ragged rows cut into tiles of ``tile`` rows, each inside one sequence.
+
+    A sequence of ``T_b`` rows takes ``cdiv(T_b, tile)`` tiles, so there are at most
+    ``min(cdiv(total_q, tile) + B, total_q)`` (a static count; the tiles past the
+    sequences' own are not live and see no key). Each tile is then one sequence of the
+    ``[B, T]`` form with ``T = tile``, and every query row is read back from its tile.
+    """
+
+    seq: Array  # [tiles] the tile's sequence (0 for a tile that is not live)
+    live: Array  # [tiles] bool
+    first_row: Array  # [tiles] its first row in q
+    first_position: Array  # [tiles] that row's position in its sequence
+    row_tile: Array  # [total_q] the tile of each row
+    row_offset: Array  # [total_q] the row's index inside its tile
+    row_live: Array  # [total_q] bool: the row is one of a sequence's (not past cu_q_lens[-1])
+
+    @classmethod
+    def of(cls, cu_q_lens: Array, kv_lens: Array, tile: int, total_q: int) -> _RowTiles:
+        batch = kv_lens.shape[0]
+        q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+        tiles_of = (q_lens + tile - 1) // tile
+        ends = jnp.cumsum(tiles_of)  # sequence b owns the tiles [ends[b] - tiles_of[b], ends[b])
+        starts = ends - tiles_of
+        num_tiles = min(-(-total_q // tile) + batch, total_q)
+        j = jnp.arange(num_tiles, dtype=jnp.int32)
+        seq = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)  # skips empty ones
+        live = seq < batch
+        seq = jnp.minimum(seq, batch - 1)
+        first_local = (j - starts[seq]) * tile
+        r = jnp.arange(total_q, dtype=jnp.int32)
+        row_seq = jnp.searchsorted(cu_q_lens, r, side="right").astype(jnp.int32) - 1
+        row_seq = jnp.clip(row_seq, 0, batch - 1)
+        local = r - cu_q_lens[row_seq]
+        return cls(
+            seq=seq,
+            live=live,
+            first_row=cu_q_lens[seq] + first_local,
+            first_position=kv_lens[seq] - q_lens[seq] + first_local,
+            row_tile=jnp.clip(starts[row_seq] + local // tile, 0, num_tiles - 1),
+            row_offset=local % tile,
+            row_live=r < cu_q_lens[-1],
+        )
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -68,9 +134,11 @@ def _paged(
     v_pages: Array,
     table: Array,
     kv_lens: Array,
+    first_position: Array,
     sinks: Array | None,
 ) -> Array:
-    """``[B, T, N, H]`` paged attention, chunked over sequences."""
+    """``[B, T, N, H]`` paged attention, chunked over sequences: row ``b``'s queries sit at
+    ``first_position[b] + t`` over the first ``kv_lens[b]`` keys of its pages."""
     batch, q_len, heads, _ = q.shape
     _, page_size, kv_heads, head_dim = k_pages.shape
     capacity = table.shape[1] * page_size
@@ -78,19 +146,20 @@ def _paged(
     chunk = max(1, min(batch, _CHUNK_ELEMENTS // max(per_sequence, 1)))
     sinks = _grouped_sinks(sinks, kv_heads)  # [1, K, G, 1]
 
-    def attend(rows: tuple[Array, Array, Array]) -> Array:
-        q, table, kv_lens = rows
+    def attend(rows: tuple[Array, Array, Array, Array]) -> Array:
+        q, table, kv_lens, first_position = rows
         keys = gather_pages(k_pages, table, kv_lens)
         values = gather_pages(v_pages, table, kv_lens)
-        return _attend(opts, q, keys, values, kv_lens - q_len, sinks)
+        return _attend(opts, q, keys, values, first_position, sinks)
 
+    rows = (q, table, kv_lens, first_position)
     if chunk >= batch:
-        return attend((q, table, kv_lens))
+        return attend(rows)
 
-    def attend_one(row: tuple[Array, Array, Array]) -> Array:
+    def attend_one(row: tuple[Array, Array, Array, Array]) -> Array:
         return attend(tuple(x[None] for x in row))[0]
 
-    return jax.lax.map(attend_one, (q, table, kv_lens), batch_size=chunk)
+    return jax.lax.map(attend_one, rows, batch_size=chunk)
 
 
 def _attend(

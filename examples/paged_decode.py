@@ -11,6 +11,7 @@ Run: ``uv run python examples/paged_decode.py`` (CPU is fine).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -111,7 +112,8 @@ def main(num_steps: int = 4, prompt_lens: tuple[int, ...] = (5, 9, 3), seed: int
     last_rows = np.cumsum(prompt_lens) - 1
     tokens = next_tokens(params, out[last_rows])
 
-    @jax.jit
+    # Donating the cache lets XLA write the new tokens into the pages in place.
+    @functools.partial(jax.jit, donate_argnums=0)
     def decode_step(cache: PagedKVCache, tokens: jax.Array):
         q, k, v = project(params, tokens[:, None])
         cache = cache.append(k, v, slots)

@@ -5,6 +5,8 @@ slot's page table row and length, and the free pages as a stack (``free_pages[:n
 are free). `PagedKVCache.append` and `PagedKVCache.release` are pure functions of the
 cache with static shapes, so a decode step ``cache = cache.append(k, v, seq_ids)`` (or
 ``PagedKVCache.append(cache, k, v, seq_ids)``) runs under ``jit`` and inside ``lax.scan``.
+Jit the step with the cache donated (``donate_argnums``) so that XLA writes the new
+tokens into the pages in place instead of copying the pools.
 
 Running out is never silent and never touches another sequence: an `append` that finds
 no free page (or a sequence that would outgrow its page-table row) leaves that sequence

@@ -171,3 +171,19 @@ def test_traced_repeats_are_skipped():
     k = np.ones((2, 2, K, H), np.float32)
     cache = jax.jit(PagedKVCache.append)(_cache(), k, k, jnp.asarray([1, 1], jnp.int32))
     assert int(cache.kv_lens[1]) == 2 and int(cache.num_free) == NUM_PAGES - 1
+
+
+def test_cache_is_a_scan_carry():
+    """A whole decode loop inside lax.scan: the cache is the carry, shapes stay static."""
+    rng = np.random.default_rng(3)
+    ks = jnp.asarray(rng.standard_normal((6, 2, 1, K, H)), jnp.float32)  # 6 steps, 2 slots
+    slots = jnp.asarray([0, 2], jnp.int32)
+
+    def body(cache, k):
+        cache = cache.append(k, k, slots)
+        return cache, cache.kv_lens[slots]
+
+    cache, lens = jax.jit(lambda c, ks: jax.lax.scan(body, c, ks))(_cache(), ks)
+    assert np.asarray(lens)[:, 0].tolist() == [1, 2, 3, 4, 5, 6]
+    truth = {s: [(np.asarray(ks[t, b, 0]),) * 2 for t in range(6)] for b, s in enumerate((0, 2))}
+    _check(cache, truth)

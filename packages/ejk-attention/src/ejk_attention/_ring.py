@@ -1,21 +1,26 @@
-"""Ring attention: sequence-parallel attention inside ``shard_map``.
+"""Context parallelism: attention over a sequence split across devices, inside ``shard_map``.
 
-Each of the ``n`` devices on ``axis_name`` holds one contiguous block of the
-queries and one of the keys/values. The k/v blocks travel round the ring with
-``ppermute`` (device d sends to d + 1), so at step s device d holds the block that
-started on device ``d - s``. Each step folds that block into an online softmax
-(running max, denominator and unnormalised output; FlashAttention-2, Alg. 1),
-and the partial results merge through the log-sum-exp. The next block's
-``ppermute`` is issued before the current block's compute, so XLA can overlap
-the transfer with the math (Liu et al. 2023, "Ring Attention with Blockwise
-Transformers", Sec. 3).
+Each of the ``n`` devices on ``axis_name`` holds a block of the queries and one of the
+keys/values, contiguous (device d: ``[d T, (d+1) T)``) or in the zigzag layout
+(chunks d and 2n-1-d, `ejk_sequtils.to_zigzag`), which balances causal work. Two
+strategies bring the other devices' key blocks:
 
-The backward pass is a second ring (custom VJP): dq accumulates in place, while
-dk and dv travel with their k/v block and arrive home after ``n`` hops. Each
-block's gradient is the VJP of ``(P @ v, rowsum P)`` with ``P = exp(s - lse)``
-for the saved global lse and cotangents ``(dout, dlse - D)``, ``D = rowsum(dout * out)``,
-which is FlashAttention-2's ``dS = P * (dP - D)`` (Alg. 2) without writing it out.
-Blocks that causality or the window hide entirely are skipped with ``lax.cond``.
+- ``"ring"``: the k/v blocks travel round the ring with ``ppermute`` (device d sends to
+  d + 1), so at step s device d holds the block of device ``d - s``. The next block's
+  ``ppermute`` is issued before the step's compute, so the transfer overlaps it (Liu et
+  al. 2023, "Ring Attention with Blockwise Transformers", Sec. 3).
+- ``"all_gather"``: keys and values are gathered once (as Llama 3's context
+  parallelism does; cheaper when K is small, as with GQA), the steps read the gathered
+  blocks, and the backward reduce-scatters dk/dv.
+
+Every step runs the calls of `_context_plan.step_plan` (masks on global positions;
+hidden blocks skipped with ``lax.switch``) through the Triton kernels
+(`ejk_kernels_gpu._context`) or XLA einsums (`_context_calls`); partial results merge
+through the log-sum-exp. The backward (custom VJP) runs the same steps: each call's
+dq/dk/dv from the saved GLOBAL output and lse (FlashAttention-2, Alg. 2, with the row
+statistics of the whole row); dq accumulates in place, while dk and dv travel with
+their k/v block and arrive home after ``n`` hops (ring) or are reduce-scattered
+(all-gather).
 """
 
 from __future__ import annotations
@@ -30,23 +35,27 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ejk_sequtils import validate_attention, visibility_mask
+from ejk_sequtils import validate_attention
 
-__all__ = ["ring_attention"]
+from ._context_calls import CallMasks, call_backward, call_forward, merge
+from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
+
+__all__ = ["STRATEGIES", "Placement", "device_backward", "device_forward", "ring_attention"]
 
 AnyArray = Array | np.ndarray
 _F32 = jnp.float32
+STRATEGIES = ("ring", "all_gather")
+IMPLEMENTATIONS = ("triton", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The static (hashable) part of a ring attention call."""
+    """The static (hashable) part of a context-parallel call."""
 
     axis_name: Any
-    scale: float
-    causal: bool
-    window: tuple[int, int] | None
-    soft_cap: float | None
+    masks: CallMasks
+    strategy: str
+    zigzag: bool
 
 
 def _ring_size(axis_name: Any) -> int:
@@ -59,153 +68,241 @@ def _shift(tree: Any, axis_name: Any, size: int) -> Any:
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
-def _visible(
-    st: _Ring, q_len: int, kv_len: int, q_start: Array, k_start: Array, q_ids: Any, kv_ids: Any
-) -> Array:
-    """bool ``[B|1, 1, Tl, Sl]``: which keys of this block each local query sees."""
-    return visibility_mask(
-        q_len,
-        kv_len,
-        causal=st.causal,
-        sliding_window=st.window,
-        segment_ids=None if q_ids is None else (q_ids, kv_ids),
-        q_offset=q_start,
-        kv_offset=k_start,
-    )
+def _gather(tree: Any, axis_name: Any) -> Any:
+    """Every device's block of ``tree``, stacked on a new leading axis (device order)."""
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name), tree)
 
 
-def _block_hidden(st: _Ring, q_len: int, kv_len: int, q_start: Array, k_start: Array) -> Array:
-    """True when causality or the window hides the whole block (its compute can be skipped)."""
-    hidden = jnp.asarray(False)
-    if st.causal:
-        hidden |= k_start > q_start + q_len - 1
-    if st.window is not None:
-        left, right = st.window
-        hidden |= k_start + kv_len - 1 < q_start - left
-        hidden |= k_start > q_start + q_len - 1 + right
-    return hidden
+def _block_of(gathered: Any, source: Array) -> Any:
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, source, keepdims=False), gathered)
 
 
-def _logits(st: _Ring, q: Array, k: Array) -> Array:
-    """Soft-capped float32 logits ``[B, N, Tl, Sl]``; query head n reads kv head ``n // G``."""
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=_F32)
-    s = s.reshape(b, n, t, k.shape[1]) * st.scale
-    if st.soft_cap is not None:
-        s = st.soft_cap * jnp.tanh(s / st.soft_cap)
-    return s
+def _varying_axes(x: Any) -> set:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (jax >= 0.10: its manual axis
+    type; earlier: ``vma``)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return set(manual.varying)
+    return set(getattr(aval, "vma", ()))
 
 
-def _pv(p: Array, v: Array) -> Array:
-    """``p [B, N, Tl, Sl] @ v [B, Sl, K, Hv]`` -> float32 ``[B, N, Tl, Hv]``."""
-    b, n, t, s = p.shape
-    kv_heads = v.shape[2]
-    pg = p.reshape(b, kv_heads, n // kv_heads, t, s).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskh->bkgth", pg, v, preferred_element_type=_F32)
-    return o.reshape(b, n, t, v.shape[-1])
+def _varying_like(tree: Any, *refs: Any) -> Any:
+    """``tree`` marked varying over every mesh axis the ``refs`` vary over, so that
+    ``lax.switch`` branches that skip and branches that compute agree (shard_map's
+    varying-axes check)."""
+    axes: set = set()
+    for r in refs:
+        if r is not None:
+            axes |= _varying_axes(r)
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying_axes(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    if not axes or not hasattr(jax.lax, "pcast"):
+        return tree
+    return jax.tree.map(cast, tree)
 
 
-def _positions(q: Array, k: Array, axis_name: Any, size: int, step: int) -> tuple[Array, Array]:
-    """Global start of this device's queries and of the k/v block it holds at ``step``."""
-    me = jax.lax.axis_index(axis_name)
-    source = (me - step) % size
-    return me * q.shape[1], source * k.shape[1]
+def _ids_of(call: Call, q_ids: Any, kv_ids: Any) -> Any:
+    if q_ids is None:
+        return None
+    return take_rows(q_ids, call.q), take_rows(kv_ids, call.k)
+
+
+def _documents_meet(ids: tuple[Array, Array]) -> Array:
+    """False when no query id equals a key id (their ranges of non-negative ids are apart)."""
+    q_ids, k_ids = ids
+    big = jnp.iinfo(jnp.int32).max
+    lowest = lambda x: jnp.min(jnp.where(x >= 0, x, big))
+    return (lowest(q_ids) <= jnp.max(k_ids)) & (lowest(k_ids) <= jnp.max(q_ids))
+
+
+def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, first: bool):
+    """``run_call(call, carry)``, skipped (``lax.cond``) when the call's query and key
+    blocks hold no common document: with documents shorter than a shard most pairs of
+    blocks are, and their kernels and merges would do nothing."""
+    ids = _ids_of(call, q_ids, kv_ids)
+    if ids is None or first:
+        return run_call(call, carry)
+    carry = _varying_like(carry, *ids)  # a kernel's result may not be marked varying yet
+    return jax.lax.cond(_documents_meet(ids), lambda c: run_call(call, c), lambda c: c, carry)
+
+
+def _run_plan(plan, run_branch, carry):
+    """Carry through every ``(index, branches)`` of a step plan (``lax.switch`` where the
+    branch depends on the devices)."""
+    for index, branches in plan:
+        if index is None:
+            carry = run_branch(branches[0], carry)
+            continue
+        fns = [functools.partial(run_branch, br) for br in branches]
+        carry = jax.lax.switch(index, fns, carry)
+    return carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a device sits: its index ``me`` on an axis of ``size`` devices, and the key
+    blocks of every device stacked in device order (``gathered``: all-gather), or None
+    (ring: blocks arrive by ``ppermute``)."""
+
+    me: Any
+    size: int
+    gathered: Any = None
+
+
+def _placement(st: _Ring, kv: Any) -> Placement:
+    gathered = _gather(kv, st.axis_name) if st.strategy == "all_gather" else None
+    return Placement(_axis_index(st), _ring_size(st.axis_name), gathered)
+
+
+def _axis_index(st: _Ring) -> Array:
+    return jax.lax.axis_index(st.axis_name)
+
+
+def _step_blocks(st: _Ring, where: Placement, kv: Any, step: int) -> tuple[Any, Any, Any]:
+    """``(source, kv, next_kv)`` of a step: the block it holds, and for the ring the
+    transfer of the next one, issued here, before the step's compute (it does not depend
+    on it)."""
+    source = (where.me - step) % where.size
+    nxt = None
+    if where.gathered is not None:
+        kv = kv if step == 0 else _block_of(where.gathered, source)
+    elif step < where.size - 1:
+        nxt = _shift(kv, st.axis_name, where.size)
+    return source, kv, nxt
+
+
+def _step(st: _Ring, where: Placement, layout: Layout, kv: Any, step: int) -> tuple:
+    """``(source, kv, next_kv, plan, q_offsets, k_offsets)`` of one step (`_step_blocks`,
+    `step_plan` and the global offsets of the query and key chunks)."""
+    source, kv, nxt = _step_blocks(st, where, kv, step)
+    plan = step_plan(st.masks.causal, st.masks.window, layout, where.me, source, step == 0)
+    q_offs = layout.offsets(where.me, layout.q_len)
+    k_offs = layout.offsets(source, layout.kv_len)
+    return source, kv, nxt, plan, q_offs, k_offs
+
+
+def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:
+    return Layout(size=where.size, zigzag=st.zigzag, q_len=q.shape[1], kv_len=k.shape[1])
+
+
+def device_forward(st: _Ring, q, k, v, q_ids, kv_ids, where: Placement) -> tuple[Array, Array]:
+    """``(out, lse)`` of this device's queries: the steps of `step_plan`, merged by lse."""
+    layout = _layout(st, where, q, k)
+    b, t, n, _ = q.shape
+    acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
+    acc = _varying_like(acc, q, k, v, q_ids, kv_ids)
+    first = step_plan(st.masks.causal, st.masks.window, layout, where.me, where.me, True)
+    if len(first) == 1 and first[0][0] is None and len(first[0][1][0]) == 1:
+        call = first[0][1][0][0]
+        if isinstance(call.q, slice) and (call.q.start, call.q.stop) == (0, t):
+            acc = (None, None)  # set by that call, no zeros to merge with
+    kv = (k, v, kv_ids)
+    for step in range(where.size):
+        _, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
+
+        def run_call(call, acc, kv=kv, q_offs=q_offs, k_offs=k_offs):
+            k, v, kv_ids = kv
+            out, lse = acc
+            part = call_forward(
+                st.masks,
+                call,
+                take_rows(q, call.q),
+                take_rows(k, call.k),
+                take_rows(v, call.k),
+                _ids_of(call, q_ids, kv_ids),
+                q_offs[call.q_chunk],
+                k_offs[call.k_chunk],
+            )
+            if out is None:  # the first call covers every row: it starts the merge
+                return part[0].astype(_F32), part[1]
+            o, rows = merge((take_rows(out, call.q), take_rows(lse, call.q, 2)), part)
+            return put_rows(out, call.q, o), put_rows(lse, call.q, rows, 2)
+
+        def run_branch(branch, acc, kv=kv, run_call=run_call):
+            for call in branch:
+                acc = _unless_apart(call, q_ids, kv[2], run_call, acc, first=acc[0] is None)
+            return acc
+
+        acc = _run_plan(plan, run_branch, acc)
+        kv = nxt if where.gathered is None else kv
+    out, lse = acc
+    return out.astype(q.dtype), lse
+
+
+def device_backward(st: _Ring, res, cts, where: Placement) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` float32 of this device: dk/dv of its own block (ring: they travelled
+    home) or, with ``where.gathered``, of every device's block ``[size, B, S, K, H]``,
+    not yet reduced over the devices."""
+    q, k, v, q_ids, kv_ids, out, lse = res
+    d_out, d_lse = cts
+    layout = _layout(st, where, q, k)
+    kv = (k, v, kv_ids)
+    dq = jnp.zeros(q.shape, _F32)
+    if where.gathered is None:
+        dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+    else:
+        dkv = (jnp.zeros((where.size, *k.shape), _F32), jnp.zeros((where.size, *v.shape), _F32))
+    dq, dkv = _varying_like((dq, dkv), q, k, v, q_ids, kv_ids, d_out)
+    for step in range(where.size):
+        source, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
+
+        def run_call(call, carry, kv=kv, q_offs=q_offs, k_offs=k_offs):
+            k, v, kv_ids = kv
+            dq, dk, dv = carry
+            gq, gk, gv = call_backward(
+                st.masks,
+                call,
+                take_rows(q, call.q),
+                take_rows(k, call.k),
+                take_rows(v, call.k),
+                take_rows(out, call.q),
+                take_rows(lse, call.q, 2),
+                take_rows(d_out, call.q),
+                take_rows(d_lse, call.q, 2),
+                _ids_of(call, q_ids, kv_ids),
+                q_offs[call.q_chunk],
+                k_offs[call.k_chunk],
+            )
+            dq = put_rows(dq, call.q, take_rows(dq, call.q) + gq.astype(_F32))
+            dk = put_rows(dk, call.k, take_rows(dk, call.k) + gk.astype(_F32))
+            dv = put_rows(dv, call.k, take_rows(dv, call.k) + gv.astype(_F32))
+            return dq, dk, dv
+
+        def run_branch(branch, carry, kv=kv, run_call=run_call):
+            for call in branch:
+                carry = _unless_apart(call, q_ids, kv[2], run_call, carry, first=False)
+            return carry
+
+        if where.gathered is None:
+            dq, *dkv = _run_plan(plan, run_branch, (dq, *dkv))
+            # dk/dv travel with their block; after `size` hops they are home.
+            dkv = _shift(tuple(dkv), st.axis_name, where.size)
+            kv = nxt
+        else:
+            blocks = [jax.lax.dynamic_index_in_dim(x, source, keepdims=False) for x in dkv]
+            dq, *blocks = _run_plan(plan, run_branch, (dq, *blocks))
+            dkv = tuple(
+                jax.lax.dynamic_update_index_in_dim(x, blk, source, 0)
+                for x, blk in zip(dkv, blocks, strict=True)
+            )
+    return dq, *dkv
 
 
 def _forward(st: _Ring, q, k, v, q_ids, kv_ids) -> tuple[Array, Array]:
-    size = _ring_size(st.axis_name)
-    b, t, n, _ = q.shape
-    s_len = k.shape[1]
-    m = jnp.full((b, n, t), -jnp.inf, _F32)
-    den = jnp.zeros((b, n, t), _F32)
-    acc = jnp.zeros((b, n, t, v.shape[-1]), _F32)
-
-    def fold(carry, kv, step):
-        m, den, acc = carry
-        k, v, kv_ids = kv
-        q_start, k_start = _positions(q, k, st.axis_name, size, step)
-        vis = _visible(st, t, s_len, q_start, k_start, q_ids, kv_ids)
-        s = jnp.where(vis, _logits(st, q, k), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        alpha = jnp.exp(m - safe)
-        p = jnp.exp(s - safe[..., None])
-        return m_new, den * alpha + p.sum(-1), acc * alpha[..., None] + _pv(p, v)
-
-    kv = (k, v, kv_ids)
-    carry = (m, den, acc)
-    for step in range(size):
-        # Issue the transfer of the next block first: it does not depend on this step's math.
-        nxt = _shift(kv, st.axis_name, size) if step < size - 1 else None
-        if step == 0:
-            carry = fold(carry, kv, step)  # the own block is never hidden
-        else:
-            q_start, k_start = _positions(q, k, st.axis_name, size, step)
-            carry = jax.lax.cond(
-                _block_hidden(st, t, s_len, q_start, k_start),
-                lambda c, kv: c,
-                functools.partial(fold, step=step),
-                carry,
-                kv,
-            )
-        kv = nxt
-    m, den, acc = carry
-    has_mass = den > 0
-    safe_den = jnp.where(has_mass, den, 1.0)
-    lse = jnp.where(has_mass, m + jnp.log(safe_den), -jnp.inf)
-    out = (acc / safe_den[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
-    return out, lse
+    where = _placement(st, (k, v, kv_ids))
+    return device_forward(st, q, k, v, q_ids, kv_ids, where)
 
 
 def _backward(st: _Ring, res, cts) -> tuple:
-    q, k, v, q_ids, kv_ids, out, lse = res
-    d_out, d_lse = cts
-    size = _ring_size(st.axis_name)
-    t, s_len = q.shape[1], k.shape[1]
-    safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(_F32), out.astype(_F32))
-    row_ct = d_lse.astype(_F32) - delta  # cotangent of rowsum(P)
-    d_out_t = d_out.astype(_F32).transpose(0, 2, 1, 3)  # [B, N, T, Hv]
-
-    def block_grads(kv, step):
-        k, v, kv_ids = kv
-        q_start, k_start = _positions(q, k, st.axis_name, size, step)
-        vis = _visible(st, t, s_len, q_start, k_start, q_ids, kv_ids)
-
-        def partial_out(q, k, v):
-            p = jnp.exp(jnp.where(vis, _logits(st, q, k), -jnp.inf) - safe_lse[..., None])
-            return _pv(p, v), p.sum(-1)
-
-        _, vjp = jax.vjp(partial_out, q, k, v)
-        return vjp((d_out_t, row_ct))
-
-    def accumulate(carry, kv, step):
-        dq, dk, dv = carry
-        gq, gk, gv = block_grads(kv, step)
-        return dq + gq.astype(_F32), dk + gk.astype(_F32), dv + gv.astype(_F32)
-
-    kv = (k, v, kv_ids)
-    dq = jnp.zeros(q.shape, _F32)
-    dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
-    for step in range(size):
-        nxt = _shift(kv, st.axis_name, size) if step < size - 1 else None
-        if step == 0:
-            dq, *dkv = accumulate((dq, *dkv), kv, step)
-        else:
-            q_start, k_start = _positions(q, k, st.axis_name, size, step)
-            dq, *dkv = jax.lax.cond(
-                _block_hidden(st, t, s_len, q_start, k_start),
-                lambda c, kv: c,
-                functools.partial(accumulate, step=step),
-                (dq, *dkv),
-                kv,
-            )
-        # dk/dv travel with their block; after `size` hops they are home.
-        dkv = _shift(tuple(dkv), st.axis_name, size)
-        kv = nxt
-    dk, dv = dkv
+    q, k, v, _, kv_ids, _, _ = res
+    where = _placement(st, (k, v, kv_ids))
+    dq, dk, dv = device_backward(st, res, cts, where)
+    if where.gathered is not None:  # each device's share of every block, to the block's owner
+        dk, dv = (jax.lax.psum_scatter(x, st.axis_name, scatter_dimension=0) for x in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
@@ -234,6 +331,33 @@ def _ring_fwd(st: _Ring, q, k, v, q_ids, kv_ids):
 _ring.defvjp(_ring_fwd, _backward)
 
 
+def _use_kernels(implementation: str | None, request: Any) -> bool:
+    """Whether the steps run the Triton kernels (``implementation``: None picks them on GPU
+    when they serve the call)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+        )
+    if implementation == "xla":
+        return False
+    try:
+        from ejk_kernels_gpu import unsupported_reason
+    except ImportError:
+        if implementation == "triton":
+            raise NotImplementedError(
+                "implementation='triton' needs ejk-kernels-gpu (the cuda extra)"
+            ) from None
+        return False
+    reason = unsupported_reason(request)
+    if implementation == "triton":
+        if reason is not None:
+            raise NotImplementedError(
+                f"ring_attention's Triton steps cannot serve this call: {reason}"
+            )
+        return True
+    return reason is None and jax.default_backend() == "gpu"
+
+
 def ring_attention(
     q: Float[AnyArray, "B T N H"],
     k: Float[AnyArray, "B S K H"],
@@ -249,13 +373,18 @@ def ring_attention(
     | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
     | None = None,
     return_lse: bool = False,
+    strategy: str = "ring",
+    layout: str = "contiguous",
+    implementation: str | None = None,
 ) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
-    """Sequence-parallel attention; call it inside ``shard_map`` with T and S sharded over ``axis_name``.
+    """Context-parallel attention; call it inside ``shard_map`` with T and S sharded over ``axis_name``.
 
-    The arguments are this device's blocks: device d holds queries
-    ``[d * T, (d + 1) * T)`` and keys ``[d * S, (d + 1) * S)`` of the global sequence,
-    and masks (causal, window, segment ids) apply to global positions. The result
-    equals `reference_attention` on the gathered inputs, and so do its gradients.
+    The arguments are this device's blocks of the global sequence: with
+    ``layout="contiguous"`` device d holds queries ``[d * T, (d + 1) * T)`` and keys
+    ``[d * S, (d + 1) * S)``; with ``layout="zigzag"`` it holds chunks d and 2n-1-d of
+    each (`ejk_sequtils.to_zigzag` lays a global array out so). Masks (causal, window,
+    segment ids) apply to global positions. The result equals `reference_attention` on
+    the gathered inputs, and so do its gradients.
 
     Args:
         q: this device's queries ``[B, T, N, H]``.
@@ -270,9 +399,19 @@ def ring_attention(
         segment_ids: this device's ``[B, T]`` ids (self attention, T == S) or the pair
             ``(q_ids [B, T], kv_ids [B, S])``; the kv ids travel with their block.
         return_lse: also return the float32 lse ``[B, N, T]`` of the local rows.
+        strategy: ``"ring"`` (k/v blocks travel, overlapped with compute) or
+            ``"all_gather"`` (k/v gathered once, dk/dv reduce-scattered).
+        layout: ``"contiguous"`` or ``"zigzag"`` (T and S even).
+        implementation: ``"triton"`` (the flash kernels per step), ``"xla"`` (einsums),
+            or None: Triton on GPU where it serves the call, else XLA.
 
     Returns:
         This device's output block ``[B, T, N, Hv]`` (and its lse).
+
+    Raises:
+        ValueError: a bad argument (named).
+        NotImplementedError: ``implementation="triton"`` where the kernels cannot serve
+            the call (the reason).
     """
     request = validate_attention(
         q,
@@ -286,13 +425,24 @@ def ring_attention(
         segment_ids=segment_ids,
         return_lse=return_lse,
     )
-    st = _Ring(
-        axis_name=axis_name,
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    t, s_len = request.q.shape[1], request.k.shape[1]
+    if layout == "zigzag" and (t % 2 or s_len % 2):
+        raise ValueError(
+            f"layout='zigzag' holds two equal chunks per device; local lengths {t=} and "
+            f"S={s_len} must be even"
+        )
+    masks = CallMasks(
         scale=request.softmax_scale,
         causal=request.causal,
         window=request.sliding_window,
         soft_cap=request.logits_soft_cap,
+        kernels=_use_kernels(implementation, request),
     )
+    st = _Ring(axis_name=axis_name, masks=masks, strategy=strategy, zigzag=layout == "zigzag")
     q_ids, kv_ids = request.segment_ids or (None, None)
     out, lse = _ring(st, request.q, request.k, request.v, q_ids, kv_ids)
     if request.softmax_sinks is not None:

@@ -4,12 +4,14 @@ Attention is independent across batch rows and across head groups, so a call
 sharded over B and N (with K sharded alike, which keeps each query head beside
 its kv head: head n reads kv head ``n // (N // K)``, and a contiguous split of N
 and K into d parts maps part i to part i) needs no communication. Sharding the
-sequence needs communication: that is `ring_attention`.
+sequence needs communication: context parallelism (`_context_sharding`, which runs
+`ring_attention` with the ring or all-gather strategy).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,8 +45,8 @@ def _shards(mesh: Any, entry: Any) -> int:
     return math.prod(mesh.shape[a] for a in _axes(entry))
 
 
-def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any, Any]:
-    """The ``(batch, heads)`` entries of a ``[B, T, N, H]`` PartitionSpec, checked."""
+def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any, Any, Any]:
+    """The ``(batch, seq, heads)`` entries of a ``[B, T, N, H]`` PartitionSpec, checked."""
     if not isinstance(mesh, Mesh | getattr(jax.sharding, "AbstractMesh", Mesh)):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if in_specs is None:
@@ -57,27 +59,26 @@ def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any,
         raise ValueError(f"in_specs has {len(in_specs)} entries, q has 4 axes [B, T, N, H]")
     entries = tuple(in_specs) + (None,) * (4 - len(in_specs))
     batch_axis, seq_axis, head_axis, dim_axis = entries
-    if seq_axis is not None:
-        raise ValueError(
-            f"in_specs={in_specs} shards the sequence axis; shard B and N only, "
-            "or call ring_attention inside shard_map for sequence parallelism"
-        )
     if dim_axis is not None:
-        raise ValueError(f"in_specs={in_specs} shards head_dim; shard B and N only")
-    for axis in _axes(batch_axis) + _axes(head_axis):
+        raise ValueError(f"in_specs={in_specs} shards head_dim; shard B, T and N only")
+    for axis in _axes(batch_axis) + _axes(seq_axis) + _axes(head_axis):
         if axis not in mesh.shape:
             raise ValueError(
                 f"in_specs={in_specs} names axis {axis!r}, not in mesh axes {mesh.axis_names}"
             )
-    b, _, _, n, kh, _ = request.shape
-    nb, nh = _shards(mesh, batch_axis), _shards(mesh, head_axis)
+    b, t, s, n, kh, _ = request.shape
+    nb, nh, ns = _shards(mesh, batch_axis), _shards(mesh, head_axis), _shards(mesh, seq_axis)
     if b % nb:
         raise ValueError(f"in_specs={in_specs} splits batch {b} into {nb} shards, not evenly")
+    if t % ns or s % ns:
+        raise ValueError(
+            f"in_specs={in_specs} splits the sequence (T={t}, S={s}) into {ns} shards, not evenly"
+        )
     if n % nh or kh % nh:
         raise ValueError(
             f"in_specs={in_specs} splits q heads {n} and k/v heads {kh} into {nh} shards, not evenly"
         )
-    return batch_axis, head_axis
+    return batch_axis, seq_axis, head_axis
 
 
 def inferred_mesh(request: AttentionRequest) -> tuple[Any, PartitionSpec] | None:
@@ -126,10 +127,22 @@ def sharded_call(
         out_specs: None (derived from ``in_specs``) or the output's PartitionSpec, which
             must equal q's spec (the output is laid out as q).
     """
-    batch_axis, head_axis = _qkv_spec(mesh, in_specs, request)
-    qkv_spec = PartitionSpec(batch_axis, None, head_axis, None)
+    batch_axis, seq_axis, head_axis = _qkv_spec(mesh, in_specs, request)
+    qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
     if out_specs is not None and out_specs != qkv_spec and out_specs != tuple(qkv_spec):
         raise ValueError(f"out_specs={out_specs} must match q's spec {qkv_spec} (or be None)")
+    if seq_axis is not None:
+        from ._context_sharding import context_call
+
+        return context_call(
+            request,
+            mesh=mesh,
+            batch_axis=batch_axis,
+            seq_axis=seq_axis,
+            head_axis=head_axis,
+            shards=_shards(mesh, seq_axis),
+            shard_map=functools.partial(shard_map_compat, check=False),
+        )
     if request.dropout_rate > 0.0:
         # The counter hash is keyed on global (b, n) indices; a shard would see local ones.
         raise NotImplementedError("dropout is not supported in a mesh= call yet")

@@ -1,0 +1,234 @@
+"""Context parallelism on one GPU: the work one device of a zigzag ring does, against the
+unsharded kernel on the whole sequence (issue 19's one-GPU target).
+
+A device of an n-way ring runs n steps: its own block (causal on local indices) and n - 1
+blocks of other devices (one plain non-causal call each, see `_context_plan`). Here the
+blocks of every device are stacked on one GPU and `device_forward` / `device_backward`
+run exactly the steps device ``d`` would (its index passed as a traced argument, so the
+``lax.switch`` of each step is taken at run time as on the ring), back to back in one jit,
+without the transfers. Target: time(device) <= 1.1 * time(unsharded) / n.
+
+``--check`` first compares, at a small size, every device's outputs and gradients
+(assembled over the devices and laid back out of the zigzag) with the float32 reference.
+
+Usage (GPU):  python packages/ejk-attention/benchmarks/bench_context.py --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_KERNEL_BENCH = Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"
+sys.path.insert(0, str(_KERNEL_BENCH))
+
+from _timing import seconds_per_call  # noqa: E402
+from gpu_conformance import run_info  # noqa: E402
+
+from ejk_attention._context_calls import CallMasks  # noqa: E402
+from ejk_attention._ring import Placement, _Ring, device_backward, device_forward  # noqa: E402
+from ejk_sequtils import attention_tolerance, from_zigzag, reference_attention, to_zigzag  # noqa: E402
+
+N, K, H = 32, 8, 128
+DOCS = 16
+
+
+def _inputs(t: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    make = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+    return make(1, t, N, H), make(1, t, K, H), make(1, t, K, H), make(1, t, N, H)
+
+
+def _documents(t: int) -> jax.Array:
+    return jnp.asarray(np.repeat(np.arange(DOCS), t // DOCS)[None], jnp.int32)
+
+
+def _options(kernels: bool = True) -> _Ring:
+    masks = CallMasks(scale=H**-0.5, causal=True, window=None, soft_cap=None, kernels=kernels)
+    return _Ring(axis_name=None, masks=masks, strategy="all_gather", zigzag=True)
+
+
+def _blocks(x: jax.Array | None, n: int):
+    """Zigzag layout, then the n device blocks stacked: ``[n, B, T / n, ...]``."""
+    if x is None:
+        return None
+    z = to_zigzag(x, n)
+    return jnp.stack(jnp.split(z, n, axis=1))
+
+
+def device_work(n: int, d: int, with_bwd: bool):
+    """The jitted steps of device ``d`` of an n-way zigzag ring (``me`` traced)."""
+    st = _options()
+
+    def fwd(q, k, v, ids, me):
+        where = Placement(me=me, size=n, gathered=(k, v, ids))
+        q_ids = None if ids is None else ids[d]
+        return device_forward(st, q[d], k[d], v[d], q_ids, None if ids is None else ids[d], where)
+
+    def fwd_bwd(q, k, v, ids, me, d_out):
+        out, lse = fwd(q, k, v, ids, me)
+        where = Placement(me=me, size=n, gathered=(k, v, ids))
+        kv_ids = None if ids is None else ids[d]
+        res = (q[d], k[d], v[d], kv_ids, kv_ids, out, lse)
+        return device_backward(st, res, (d_out[d], jnp.zeros_like(lse)), where)
+
+    return jax.jit(fwd_bwd if with_bwd else fwd)
+
+
+def unsharded(with_bwd: bool):
+    from ejk_kernels_gpu import flash_attention
+
+    def fwd(q, k, v, ids):
+        return flash_attention(q, k, v, causal=True, segment_ids=ids)
+
+    def fwd_bwd(q, k, v, ids, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, ids), q, k, v)
+        return out, vjp(d_out)
+
+    return jax.jit(fwd_bwd if with_bwd else fwd)
+
+
+def check(t: int, n: int, with_docs: bool, dtype=jnp.bfloat16) -> dict:
+    """Every device's work assembled against the float32 reference: max relative errors."""
+    q, k, v, d_out = _inputs(t, dtype, seed=1)
+    ids = _documents(t) if with_docs else None
+    blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
+    outs, lses, dqs = [], [], []
+    dk = dv = 0.0
+    for d in range(n):
+        out, lse = device_work(n, d, False)(*blocks[:4], jnp.int32(d))
+        dq, dk_d, dv_d = device_work(n, d, True)(*blocks[:4], jnp.int32(d), blocks[4])
+        outs.append(out)
+        lses.append(lse)
+        dqs.append(dq)
+        dk, dv = dk + dk_d, dv + dv_d
+    unlay = lambda parts, axis=1: from_zigzag(jnp.concatenate(parts, axis), n, axis=axis)
+    got = {
+        "out": unlay(outs),
+        "lse": unlay(lses, 2),
+        "dq": unlay(dqs),
+        "dk": unlay(list(dk)),
+        "dv": unlay(list(dv)),
+    }
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def ref(q, k, v):
+        return reference_attention(q, k, v, causal=True, segment_ids=ids, return_lse=True)
+
+    (want_out, want_lse), vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    dq_w, dk_w, dv_w = vjp((f32(d_out), jnp.zeros_like(want_lse)))
+    want = {"out": want_out, "lse": want_lse, "dq": dq_w, "dk": dk_w, "dv": dv_w}
+    row = {"t": t, "n": n, "docs": with_docs, "dtype": jnp.dtype(dtype).name}
+    ok = True
+    for name, w in want.items():
+        g = f32(got[name])
+        err = float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
+        row[f"{name}_rel_err"] = err
+        quantity = "out" if name == "out" else "lse" if name == "lse" else "grad"
+        ok &= err <= attention_tolerance(dtype, quantity)
+    row["passed"] = bool(ok)
+    return row
+
+
+def bench(t: int, ns: tuple[int, ...], with_docs: bool, rounds: int, reps: int) -> list[dict]:
+    q, k, v, d_out = _inputs(t, jnp.bfloat16)
+    ids = _documents(t) if with_docs else None
+    contenders = []
+    for with_bwd in (False, True):
+        args = (q, k, v, ids, *((d_out,) if with_bwd else ()))
+        contenders.append(
+            ({"impl": "unsharded", "n": 1, "bwd": with_bwd}, unsharded(with_bwd), args)
+        )
+        for n in ns:
+            blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
+            for d in sorted({0, n - 1}):
+                args = (*blocks[:4], jnp.int32(d), *((blocks[4],) if with_bwd else ()))
+                row = {"impl": "zigzag-device", "n": n, "device": d, "bwd": with_bwd}
+                contenders.append((row, device_work(n, d, with_bwd), args))
+    for _, fn, args in contenders:  # compile and warm up
+        jax.block_until_ready(fn(*args))
+    times = [[] for _ in contenders]
+    for _ in range(rounds):
+        for i, (_, fn, args) in enumerate(contenders):
+            times[i].append(seconds_per_call(fn, *args, reps=reps))
+    rows = []
+    for (row, _, _), ts in zip(contenders, times, strict=True):
+        rows.append(dict(row, t=t, docs=with_docs, ms=float(np.median(ts)) * 1e3))
+    for row in rows:
+        base = next(r for r in rows if r["impl"] == "unsharded" and r["bwd"] == row["bwd"])
+        row["ratio_to_ideal"] = row["ms"] / (base["ms"] / row["n"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--ring", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--check", action="store_true", help="check numerics first")
+    parser.add_argument(
+        "--documents", choices=("both", "no", "yes"), default="both", help="16 packed documents"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    commit = (
+        os.environ.get("EJK_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
+    result = {
+        **run_info("../../ejk-attention/benchmarks/bench_context.py", commit),
+        "shape": {
+            "B": 1,
+            "N": N,
+            "K": K,
+            "H": H,
+            "dtype": "bfloat16",
+            "causal": True,
+            "documents": DOCS,
+        },
+        "checks": [],
+        "rows": [],
+    }
+
+    def save() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1))
+
+    if args.check:
+        for with_docs in (False, True):
+            for n in (2, 4):
+                row = check(2048, n, with_docs)
+                print("check", row, flush=True)
+                result["checks"].append(row)
+                save()
+    docs = {"both": (False, True), "no": (False,), "yes": (True,)}[args.documents]
+    for t in args.seq:
+        for with_docs in docs:
+            start = time.perf_counter()
+            rows = bench(t, tuple(args.ring), with_docs, args.rounds, args.reps)
+            for row in rows:
+                print(
+                    f"T={t:6d} docs={with_docs!s:5} {'fwd+bwd' if row['bwd'] else 'fwd    '} "
+                    f"{row['impl']:13s} n={row['n']} dev={row.get('device', '-')}: "
+                    f"{row['ms']:8.2f} ms  ratio to 1/n = {row['ratio_to_ideal']:.3f}",
+                    flush=True,
+                )
+            result["rows"].extend(rows)
+            print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+            save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Context parallelism on every local GPU: checked against one GPU, and strong scaling timed.
+
+For each strategy (ring, all_gather) the sequence-sharded facade call
+``flash_attention(q, k, v, mesh=, in_specs=P(None, "sp"), causal=True)`` (zigzag layout,
+Triton steps) is compared with the float32 reference at a small size and with the
+one-GPU kernel at the timed sizes (relative Frobenius error of the output and of every
+gradient, thresholds below: the run exits 1 if one is missed), then forward+backward is
+timed against one GPU running the whole sequence: scaling = t(1 GPU) / (n * t(n GPUs)).
+Issue 19's targets: >= 0.9 for the better strategy, >= 0.8 for the other.
+
+    python packages/ejk-attention/benchmarks/multi_gpu_context_check.py --out result.json
+    [--seq 32768 65536] [--documents] [--profile DIR]  (a jax.profiler trace of the ring)
+
+On CPU, ``--small`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from ejk_attention import flash_attention, reference_attention
+from ejk_attention._context_sharding import choose_strategy, context_call
+from ejk_attention._sharding import shard_map_compat
+from ejk_sequtils import validate_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"))
+from _timing import seconds_per_call
+from gpu_conformance import run_info
+
+N, K, H = 32, 8, 128
+DOCS = 16
+# Pass thresholds: relative error of the output and of each gradient (bf16 inputs), and
+# the strong-scaling targets of issue 19.
+MAX_REL_ERR = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+SCALING_BEST, SCALING_OTHER = 0.9, 0.8
+
+
+def _rel(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def _inputs(t: int, dtype, documents: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    make = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+    ids = jnp.asarray(np.repeat(np.arange(DOCS), t // DOCS)[None], jnp.int32) if documents else None
+    return make(1, t, N, H), make(1, t, K, H), make(1, t, K, H), make(1, t, N, H), ids
+
+
+def _fwd_bwd(fn, ids):
+    def run(q, k, v, w):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
+        return out, vjp(w.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+def _sharded(mesh, strategy: str):
+    """The facade's sequence-sharded call (zigzag layout, Triton steps) with ``strategy``."""
+
+    def fn(q, k, v, ids):
+        request = validate_attention(q, k, v, causal=True, segment_ids=ids)
+        return context_call(
+            request,
+            mesh=mesh,
+            batch_axis=None,
+            seq_axis="sp",
+            head_axis=None,
+            shards=mesh.shape["sp"],
+            shard_map=functools.partial(shard_map_compat, check=False),
+            strategy=strategy,
+        )
+
+    return fn
+
+
+def _one_gpu(q, k, v, ids):
+    return flash_attention(q, k, v, causal=True, segment_ids=ids, implementation="triton")
+
+
+def check_errors(fn, ref_fn, t, dtype, documents) -> dict:
+    q, k, v, w, ids = _inputs(t, dtype, documents, seed=1)
+    out, grads = _fwd_bwd(fn, ids)(q, k, v, w)
+    want, want_grads = _fwd_bwd(ref_fn, ids)(q, k, v, w)
+    errs = {"out": _rel(out, want)}
+    errs.update({f"d{x}": _rel(g, wg) for x, g, wg in zip("qkv", grads, want_grads, strict=True)})
+    return errs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536])
+    parser.add_argument("--documents", action="store_true", help="16 packed documents too")
+    parser.add_argument("--small", action="store_true", help="CPU smoke sizes")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    global N, K, H
+    if args.small:
+        N, K, H = 4, 2, 16
+        args.seq = [256]
+    devices = jax.devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("sp",))
+    commit = (
+        os.environ.get("EJK_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
+    result = {**run_info("../../ejk-attention/benchmarks/multi_gpu_context_check.py", commit)}
+    result.update(gpus=n, shape={"B": 1, "N": N, "K": K, "H": H, "dtype": "bfloat16"}, rows=[])
+    ok = True
+
+    def ref32(q, k, v, ids):
+        f = lambda x: x.astype(jnp.float32)
+        return reference_attention(f(q), f(k), f(v), causal=True, segment_ids=ids)
+
+    for documents in (False, True) if args.documents else (False,):
+        for strategy in ("ring", "all_gather"):
+            sharded = _sharded(mesh, strategy)
+            small_t = 256 if args.small else 4096
+            errs = check_errors(sharded, ref32, small_t, jnp.bfloat16, documents)
+            row = {"kind": "vs-reference", "strategy": strategy, "t": small_t, "docs": documents}
+            row.update(errs, passed=max(errs.values()) <= MAX_REL_ERR["bfloat16"])
+            ok &= row["passed"]
+            print(row, flush=True)
+            result["rows"].append(row)
+    for t in args.seq:
+        for documents in (False, True) if args.documents else (False,):
+            q, k, v, w, ids = _inputs(t, jnp.bfloat16, documents)
+            one = _fwd_bwd(_one_gpu, ids)
+            timed = {"one_gpu": (one, (q, k, v, w))}
+            for strategy in ("ring", "all_gather"):
+                f = _fwd_bwd(_sharded(mesh, strategy), ids)
+                errs = check_errors(_sharded(mesh, strategy), _one_gpu, t, jnp.bfloat16, documents)
+                row = {"kind": "vs-one-gpu", "strategy": strategy, "t": t, "docs": documents}
+                row.update(errs, passed=max(errs.values()) <= MAX_REL_ERR["bfloat16"])
+                ok &= row["passed"]
+                result["rows"].append(row)
+                timed[strategy] = (f, (q, k, v, w))
+            for f, a in timed.values():
+                jax.block_until_ready(f(*a))
+            times = {name: [] for name in timed}
+            for _ in range(args.rounds):
+                for name, (f, a) in timed.items():
+                    times[name].append(seconds_per_call(f, *a, reps=args.reps))
+            ms = {name: float(np.median(x)) * 1e3 for name, x in times.items()}
+            scaling = {s: ms["one_gpu"] / (n * ms[s]) for s in ("ring", "all_gather")}
+            best = max(scaling, key=scaling.get)
+            row = {"kind": "scaling", "t": t, "docs": documents, "ms": ms, "scaling": scaling}
+            row["facade_picks"] = choose_strategy(validate_attention(q, k, v, causal=True), n)
+            row["passed"] = scaling[best] >= SCALING_BEST and min(scaling.values()) >= SCALING_OTHER
+            ok &= row["passed"]
+            print(row, flush=True)
+            result["rows"].append(row)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+            if args.profile is not None and t == max(args.seq) and not documents:
+                f, a = timed["ring"]
+                with jax.profiler.trace(str(args.profile)):
+                    jax.block_until_ready(f(*a))
+    result["passed"] = bool(ok)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print("PASSED" if ok else "FAILED", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

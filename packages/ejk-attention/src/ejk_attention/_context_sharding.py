@@ -1,0 +1,122 @@
+"""Sequence-sharded facade calls: ``flash_attention(mesh=, in_specs=P(batch, seq, heads))``.
+
+The facade writes the ``shard_map`` and runs `ring_attention` inside it, with the
+strategy `choose_strategy` picks. Causal self-attention is laid out in the zigzag order
+first (`ejk_sequtils.to_zigzag`, a static gather XLA turns into one exchange of half of
+each shard) so every device does the same work, and laid back out after; other calls
+keep the contiguous split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ejk_sequtils import AttentionRequest, from_zigzag, to_zigzag
+
+from ._ring import ring_attention
+
+__all__ = ["choose_strategy", "context_call"]
+
+# Gathered keys/values (and their float32 gradients) a device may hold before the ring is
+# preferred for memory, bytes; see docs/performance.md, "Context parallelism".
+_GATHER_BUDGET = 4 * 2**30
+
+
+def choose_strategy(request: AttentionRequest, shards: int) -> str:
+    """``"all_gather"`` or ``"ring"`` for a call split over ``shards`` devices.
+
+    All-gather (Llama 3's context parallelism) moves each k/v block once per layer and
+    runs no step waits on a transfer; it pays the gathered k/v in memory, ``shards`` times
+    a device's block, and their float32 gradients. With grouped heads (K < N) that is
+    small next to the queries, so all-gather wins while it fits `_GATHER_BUDGET`; with
+    as many kv heads as query heads the ring, whose transfers hide behind each step's
+    compute, is the default (cost model in docs/performance.md).
+    """
+    b, _, kv_len, heads, kv_heads, head_dim = request.shape
+    if kv_heads == heads or shards <= 1:
+        return "ring"
+    itemsize = jnp.dtype(request.k.dtype).itemsize
+    gathered = b * kv_len * kv_heads * head_dim * 2 * (itemsize + 4)  # k and v, + f32 grads
+    return "all_gather" if gathered <= _GATHER_BUDGET else "ring"
+
+
+# The request's fields that `ring_attention` takes by the same name.
+_RING_OPTIONS = (
+    "softmax_scale",
+    "causal",
+    "sliding_window",
+    "logits_soft_cap",
+    "softmax_sinks",
+    "segment_ids",
+)
+
+
+def _zigzag_fits(request: AttentionRequest, shards: int) -> bool:
+    _, q_len, kv_len, *_ = request.shape
+    return request.causal and q_len == kv_len and q_len % (2 * shards) == 0
+
+
+def context_call(
+    request: AttentionRequest,
+    *,
+    mesh: Any,
+    batch_axis: Any,
+    seq_axis: Any,
+    head_axis: Any,
+    shards: int,
+    shard_map: Any,
+    strategy: str | None = None,
+) -> Any:
+    """``request`` with T and S split over ``seq_axis`` (and B, N as given), run by
+    `ring_attention` in a ``shard_map`` with ``strategy`` (default `choose_strategy`'s).
+
+    Raises:
+        NotImplementedError: a bias, packed input (cu_seqlens) or dropout, which the
+            sequence-parallel path does not serve (the reason names it).
+    """
+    for name, present in (
+        ("a bias", request.bias is not None),
+        ("packed input (cu_seqlens)", request.cu_seqlens_q is not None),
+        ("dropout", request.dropout_rate > 0.0),
+    ):
+        if present:
+            raise NotImplementedError(
+                f"a sequence-sharded call (in_specs shards T over {seq_axis!r}) does not "
+                f"serve {name} yet; pass segment ids for documents, or shard B and N only"
+            )
+    zigzag = _zigzag_fits(request, shards)
+    strategy = strategy or choose_strategy(request, shards)
+    seq = PartitionSpec(batch_axis, seq_axis, head_axis, None)
+    ids = PartitionSpec(batch_axis, seq_axis)
+    lay = (lambda x, axis=1: to_zigzag(x, shards, axis=axis)) if zigzag else (lambda x, axis=1: x)
+    unlay = (
+        (lambda x, axis=1: from_zigzag(x, shards, axis=axis)) if zigzag else (lambda x, axis=1: x)
+    )
+
+    arrays: dict[str, Any] = {"q": lay(request.q), "k": lay(request.k), "v": lay(request.v)}
+    specs: dict[str, Any] = {"q": seq, "k": seq, "v": seq}
+    if request.softmax_sinks is not None:
+        arrays["softmax_sinks"] = request.softmax_sinks
+        specs["softmax_sinks"] = PartitionSpec(head_axis)
+    if request.segment_ids is not None:
+        arrays["segment_ids"] = tuple(lay(x) for x in request.segment_ids)
+        specs["segment_ids"] = (ids, ids)
+    lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
+
+    def per_shard(local: dict[str, Any]) -> Any:
+        r = dataclasses.replace(request, **local)
+        options = {name: getattr(r, name) for name in _RING_OPTIONS}
+        layout = "zigzag" if zigzag else "contiguous"
+        return ring_attention(
+            r.q, r.k, r.v, axis_name=seq_axis, return_lse=True, strategy=strategy, layout=layout,
+            **options,
+        )  # fmt: skip
+
+    mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))
+    out, lse = mapped(arrays)
+    out, lse = unlay(out), unlay(lse, axis=2)
+    return (out, lse) if request.return_lse else out

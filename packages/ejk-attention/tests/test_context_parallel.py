@@ -1,0 +1,188 @@
+"""Context parallelism on 8 host CPU devices: ring and all-gather, contiguous and zigzag,
+Triton kernels per step (interpreter) and XLA, against the unsharded float32 reference.
+
+Values, lse and every gradient (q, k, v) of the sharded call, with the global arrays laid
+out (`to_zigzag`) and back inside the differentiated function, as a model would.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ejk_attention import reference_attention, ring_attention
+from ejk_attention._sharding import shard_map_compat
+from ejk_sequtils import attention_tolerance, from_zigzag, to_zigzag
+
+B, N, K, H = 1, 4, 2, 16
+CHUNK = 4  # tokens per zigzag chunk: T = 2 * n * CHUNK
+
+
+def _mesh(n):
+    if jax.device_count() < n:
+        pytest.skip("needs 8 devices (tests/conftest.py sets the host device count)")
+    return Mesh(np.array(jax.devices()[:n]), ("sp",))
+
+
+def _documents(length, rng):
+    """Sorted ids of a few documents whose boundaries fall inside shards, padding at the end."""
+    cuts = np.sort(rng.choice(np.arange(1, length - 2), size=3, replace=False))
+    ids = np.searchsorted(cuts, np.arange(length), side="right")
+    ids[-2:] = -1
+    return jnp.asarray(np.stack([ids] * B), jnp.int32)
+
+
+def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0):
+    rng = np.random.default_rng(seed)
+    t = 2 * n * CHUNK
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), dtype)
+        for s in ((B, t, N, H), (B, t, K, H), (B, t, K, H))
+    )
+    seg = _documents(t, rng) if with_seg else None
+    w = jnp.asarray(rng.standard_normal((B, t, N, H)), jnp.float32)
+    zig = layout == "zigzag"
+    lay = (lambda x, axis=1: to_zigzag(x, n, axis=axis)) if zig else (lambda x, axis=1: x)
+    unlay = (lambda x, axis=1: from_zigzag(x, n, axis=axis)) if zig else (lambda x, axis=1: x)
+    seq = P(None, "sp")
+
+    def local(q, k, v, seg):
+        return ring_attention(
+            q,
+            k,
+            v,
+            axis_name="sp",
+            segment_ids=seg,
+            return_lse=True,
+            strategy=strategy,
+            layout=layout,
+            implementation=implementation,
+            **kw,
+        )
+
+    sharded = shard_map_compat(
+        local,
+        mesh=_mesh(n),
+        in_specs=(seq, seq, seq, None if seg is None else seq),
+        out_specs=(seq, P(None, None, "sp")),
+    )
+
+    def ring(q, k, v):
+        out, lse = sharded(lay(q), lay(k), lay(v), None if seg is None else lay(seg))
+        return unlay(out), unlay(lse, axis=2)
+
+    def ref(q, k, v):
+        f32 = lambda x: x.astype(jnp.float32)
+        return reference_attention(f32(q), f32(k), f32(v), segment_ids=seg, return_lse=True, **kw)
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+            return jnp.sum(out.astype(jnp.float32) * w) + 0.1 * jnp.sum(finite)
+
+        return f
+
+    got = jax.jit(ring)(q, k, v)
+    want = ref(q, k, v)
+    got_g = jax.jit(jax.grad(loss(ring), argnums=(0, 1, 2)))(q, k, v)
+    want_g = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    return got, want, got_g, want_g
+
+
+def _check(got, want, got_g, want_g, dtype):
+    (out, lse), (want_out, want_lse) = got, want
+    assert out.shape == want_out.shape and out.dtype == jnp.dtype(dtype)
+    tol, gtol = attention_tolerance(dtype, "out"), attention_tolerance(dtype, "grad")
+    np.testing.assert_allclose(out.astype(np.float32), want_out, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=attention_tolerance(dtype, "lse"), atol=tol)
+    for name, g, wg in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(g.astype(np.float32), wg, rtol=gtol, atol=gtol, err_msg=name)
+
+
+CAUSAL = {"causal": True}
+WINDOW = {"causal": True, "sliding_window": (5, 0)}
+# (ring size, strategy, layout, implementation, masks, documents, dtype)
+CASES = {
+    "triton-ring2-zigzag-causal-docs": (2, "ring", "zigzag", "triton", CAUSAL, True, "float32"),
+    "triton-allgather4-zigzag-window": (
+        4,
+        "all_gather",
+        "zigzag",
+        "triton",
+        WINDOW,
+        False,
+        "float16",
+    ),
+    "triton-ring8-zigzag-causal": (8, "ring", "zigzag", "triton", CAUSAL, False, "float32"),
+    "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),
+    "xla-allgather2-contiguous-window": (
+        2,
+        "all_gather",
+        "contiguous",
+        "xla",
+        WINDOW,
+        True,
+        "float32",
+    ),
+}
+SLOW_CASES = {
+    f"{impl}-{strategy}{n}-{layout}-{name}-{dtype}": (n, strategy, layout, impl, kw, docs, dtype)
+    for impl, dtype in (("triton", "float32"), ("triton", "float16"), ("xla", "bfloat16"))
+    for n in (2, 4, 8)
+    for strategy in ("ring", "all_gather")
+    for layout in ("contiguous", "zigzag")
+    for name, kw, docs in (
+        ("causal", CAUSAL, False),
+        ("causal-docs", CAUSAL, True),
+        ("window-softcap", {"sliding_window": (6, 2), "logits_soft_cap": 2.0}, True),
+        ("full", {}, False),
+    )
+}
+
+
+def _run_and_check(n, strategy, layout, impl, kw, docs, dtype):
+    res = _run(
+        n, kw, strategy=strategy, layout=layout, implementation=impl, dtype=dtype, with_seg=docs
+    )
+    _check(*res, dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_matches_reference(case):
+    _run_and_check(*CASES[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_context_parallel_grid(case):
+    _run_and_check(*SLOW_CASES[case])
+
+
+def test_strategies_and_layouts_are_checked():
+    q = jnp.zeros((1, 6, 2, 8))
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        ring_attention(q, q, q, axis_name="sp", strategy="tree")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_attention(q, q, q, axis_name="sp", layout="striped")
+    with pytest.raises(ValueError, match="must be even"):
+        ring_attention(q[:, :5], q[:, :5], q[:, :5], axis_name="sp", layout="zigzag")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        ring_attention(q, q, q, axis_name="sp", implementation="cuda")
+    with pytest.raises(NotImplementedError, match="Triton steps cannot serve"):
+        ring_attention(q, q, q[..., :4], axis_name="sp", implementation="triton")
+
+
+def test_blocks_of_other_documents_are_skipped():
+    """A call whose blocks share no document is skipped (its ids' ranges are apart)."""
+    from ejk_attention._ring import _documents_meet
+
+    ids = lambda *x: jnp.asarray([x], jnp.int32)
+    assert not _documents_meet((ids(0, 0, 1), ids(2, 2, 3)))
+    assert not _documents_meet((ids(4, 5, -1), ids(-1, 2, 3)))  # padding is no document
+    assert _documents_meet((ids(0, 1, 1), ids(1, 2, 2)))
+    assert not _documents_meet((ids(-1, -1), ids(-1, -1)))

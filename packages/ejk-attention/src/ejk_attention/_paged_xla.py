@@ -59,16 +59,34 @@ def xla_paged_attention(request: PagedAttentionRequest) -> Array:
         return jnp.zeros(q.shape, q.dtype)
     tile = _row_tile(request.num_q_rows, request.batch)
     cu_q_lens = jnp.asarray(request.cu_q_lens, jnp.int32)
-    tiles = _RowTiles.of(cu_q_lens, kv_lens, tile, request.num_q_rows)
-    rows = jnp.clip(tiles.first_row[:, None] + jnp.arange(tile), 0, request.num_q_rows - 1)
+    return _ragged(opts, tile, q, *pages, table, kv_lens, cu_q_lens, request.softmax_sinks)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ragged(
+    opts: _Options,
+    tile: int,
+    q: Array,
+    k_pages: Array,
+    v_pages: Array,
+    table: Array,
+    kv_lens: Array,
+    cu_q_lens: Array,
+    sinks: Array | None,
+) -> Array:
+    """The ragged form ``q [total_q, N, H]`` as `_paged` over tiles of ``tile`` rows."""
+    total_q = q.shape[0]
+    tiles = _RowTiles.of(cu_q_lens, kv_lens, tile, total_q)
+    rows = jnp.clip(tiles.first_row[:, None] + jnp.arange(tile), 0, total_q - 1)
     out = _paged(
         opts,
         q[rows],  # [tiles, tile, N, H]
-        *pages,
+        k_pages,
+        v_pages,
         table[tiles.seq],
         jnp.where(tiles.live, kv_lens[tiles.seq], 0),
         tiles.first_position,
-        request.softmax_sinks,
+        sinks,
     )
     out = out[tiles.row_tile, tiles.row_offset]
     return jnp.where(tiles.row_live[:, None, None], out, jnp.zeros((), out.dtype))

@@ -126,10 +126,9 @@ def paged_heuristic(
 
     Rows per tile: all of a sequence's (token, head) rows of a kv group up to 64 (a ragged
     batch of 8 prefill chunks of 512 and 56 decode rows ran 0.92x its two parts with 64-row
-    tiles and 4 warps, 1.04-1.2x with 128-row ones, H100). In the ragged form the longest
+    tiles and 4 warps, 1.04-1.51x with 128-row ones, H100). In the ragged form the longest
     sequence is not known when tracing: a batch averaging under two tokens per sequence
-    (decode) gets 16-row tiles. Splits:
-    about `_WAVES` programs per SM (`SM_COUNT`), each split >= `_MIN_SPLIT_KEYS` keys.
+    (decode) gets 16-row tiles. Splits: `_splits`.
 
     Args:
         batch: B, sequences.

@@ -6,8 +6,8 @@ tile's key range. Its rows are every (token, query head) pair of the tile that r
 this kv head: row ``r`` is token ``r // G`` and head ``kh·G + r % G``, so a decode step
 (``T = 1``) of a GQA group fills ``G`` rows and k and v are read once per group, not
 once per query head. Key blocks of ``BLOCK_N`` rows are gathered through the page
-table inside the loop (one page per block when ``PAGE >= BLOCK_N``, one page per row
-otherwise).
+table inside the loop (one page per block when ``PAGE`` is a multiple of ``BLOCK_N``,
+one page per row otherwise).
 
 Flash-decoding (Dao et al., 2023): with few query rows a sequence's keys are spread
 over ``NUM_SPLITS`` programs, each writing a float32 partial output (normalised by its
@@ -18,8 +18,8 @@ kernel does).
 Positions are bottom-right (serving): token ``t`` of a sequence with ``q_len`` new
 tokens and ``kv_len`` keys sits at ``kv_len - q_len + t``. With ``CAUSAL`` it sees keys
 ``<=`` its position, with a window ``(WINDOW_LEFT, WINDOW_RIGHT)`` those within it, and
-never keys ``>= kv_len``. Keys fully visible to every row of the tile run without the
-mask (`_paged_loop` with ``MASKED=False``).
+never keys ``>= kv_len`` (nor past the page table's capacity). Keys fully visible to
+every row of the tile run without the mask (`_paged_loop` with ``MASKED=False``).
 """
 
 from typing import NamedTuple

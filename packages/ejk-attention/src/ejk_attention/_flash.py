@@ -105,11 +105,14 @@ def flash_attention(
             xla and cuDNN have none.
         bwd_config: the backward kernel config, chosen the same way (pallas: one config
             holds both, so pass ``config`` alone).
-        mesh: run batch/head sharded over this mesh (the facade writes the shard_map).
+        mesh: run sharded over this mesh (the facade writes the shard_map).
             Without it, a q that already carries a batch/head NamedSharding (concrete, or
             under jit on an Explicit mesh) is run per shard the same way.
-        in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); only B
-            and N may be sharded. Default: batch over every mesh axis.
+        in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); B, N and
+            T may be sharded. Sharding T runs context parallelism (`ring_attention`: the ring
+            or all-gather strategy, causal self-attention in the zigzag layout, masks on
+            global positions); a bias, packing or dropout are refused there with the reason.
+            Default: batch over every mesh axis.
         out_specs: the output's spec; must equal q's (default).
 
     Returns:

@@ -191,7 +191,9 @@ def segment_ranges(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
     # their steps is a launch).
     key = jnp.concatenate([other_ids, ids]).astype(jnp.int32)
     axis = jnp.concatenate([jnp.zeros((other,), jnp.int32), jnp.ones((length,), jnp.int32)])
-    index = jnp.concatenate([jnp.arange(other, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)])
+    index = jnp.concatenate(
+        [jnp.arange(other, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)]
+    )
     key, axis, index = jax.lax.sort((key, axis, index), num_keys=2)
     size = other + length
     pos = jnp.arange(size, dtype=jnp.int32)

@@ -126,9 +126,12 @@ def _compat_sessions(package: str) -> None:
         if python is None:
             session.skip("no Python >= 3.12 on this machine")
         _sync(session, "--package", package, "--group", "test", "--python", python)
+        # A package that tests with libtpu upgrades it with jax: each jax pins its libtpu.
+        tpu = "jax[tpu]" in (ROOT / "packages" / package / "pyproject.toml").read_text()
+        jax_req = f"jax{'[tpu]' if tpu else ''}>={_jax_floor(package)}"
         session.run_install(
             "uv", "pip", "install", "--python", session.virtualenv.location, "--upgrade",
-            f"jax>={_jax_floor(package)}", "jaxlib", external=True,
+            jax_req, "jaxlib", external=True,
         )  # fmt: skip
         session.chdir(ROOT / "packages" / package)
         session.run("python", "-c", "import jax, sys; print('jax', jax.__version__, sys.version)")

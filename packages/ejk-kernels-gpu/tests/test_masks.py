@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import _masks
+from ejk_kernels_gpu import FlashConfig, _masks
+from ejk_kernels_gpu._options import CallOptions
 from ejk_sequtils import visibility_mask
 
 CU_Q = [0, 9, 9, 30, 38]
@@ -89,7 +90,7 @@ def _documents(rng, length, repeat):
     [
         dict(),
         dict(causal=True),
-        dict(causal=True, sliding_window=(30, 0)),
+        dict(causal=True, sliding_window=(96, 0)),
         dict(packed=True, causal=True),
     ],
 )
@@ -97,7 +98,7 @@ def _documents(rng, length, repeat):
 def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, repeat):
     kw = dict(kw)
     packed = kw.pop("packed", False)
-    q_len, kv_len = (41, 37) if packed else (135, 142)
+    q_len, kv_len = (41, 37) if packed else (270, 284)
     rng = np.random.default_rng(3)
     batch = 3
     q_ids = np.stack([_documents(rng, q_len, repeat) for _ in range(batch)])
@@ -115,13 +116,17 @@ def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, re
     )[:, 0]
     packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
     causal, window = kw.get("causal", False), kw.get("sliding_window")
+    opts = CallOptions(
+        scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
+        varlen=packed, fwd_cfg=FlashConfig(block_q=32, block_k=16),
+        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+    )  # fmt: skip
+    rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
+    cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
+    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    fwd, dq, dkdv = _masks.range_tables(opts, rows, cols, ids)
     skipped = full_pairs = 0
-    for of_queries, block, inner in ((True, 16, 8), (False, 8, 16)):
-        lo, hi = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=of_queries)
-        ids, other = (q_ids, kv_ids) if of_queries else (kv_ids, q_ids)
-        tables = _masks._per_batch_tables(
-            lo, hi, jnp.asarray(ids), jnp.asarray(other), block, inner
-        )
+    for tables, of_queries, block, inner in ((fwd, True, 32, 16), (dq, True, 16, 32), (dkdv, False, 16, 32)):  # fmt: skip
         assert tables.shape[0] == batch
         for b in range(batch):
             want = vis[b] if of_queries else vis[b].T

@@ -39,8 +39,7 @@ from ejk_sequtils import validate_attention
 from ._backward_launch import backward
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
 from ._forward_launch import forward
-from ._masks import Tables, block_table, dummy
-from ._masks import _per_batch_tables as per_batch_tables
+from ._masks import Tables, dummy, range_tables
 from ._options import CallOptions, call_options
 
 __all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
@@ -139,19 +138,13 @@ def block_tables(
     rlo, rhi = _mask_ranges(masks, q_len, kv_len, qo, ko, of_queries=True)
     clo, chi = _mask_ranges(masks, kv_len, q_len, ko, qo, of_queries=False)
     rhi, chi = jnp.maximum(rhi, rlo), jnp.maximum(chi, clo)
-    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
     if segment_ids is None:
         q_seg = k_seg = dummy()
-        fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k)
-        dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k)
-        dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k)
     else:
         # Per batch row, narrowed to each token's document (`_masks`: blocks of other
         # documents are skipped, as on one GPU).
-        q_seg, k_seg = (jnp.asarray(x, _I32) for x in segment_ids)
-        fwd_table = per_batch_tables(rlo, rhi, q_seg, k_seg, fwd.block_q, fwd.block_k)
-        dq_table = per_batch_tables(rlo, rhi, q_seg, k_seg, bwd.block_q, bwd.block_k)
-        dkdv_table = per_batch_tables(clo, chi, k_seg, q_seg, bwd.block_q, bwd.block_k)
+        segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
+    fwd_table, dq_table, dkdv_table = range_tables(opts, (rlo, rhi), (clo, chi), segment_ids)
     if masks.relative:
         q_sid, k_sid = jnp.zeros((q_len,), _I32), jnp.zeros((kv_len,), _I32)
         q_pos = qo + jnp.arange(q_len, dtype=_I32)

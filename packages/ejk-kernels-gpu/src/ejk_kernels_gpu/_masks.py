@@ -29,6 +29,7 @@ __all__ = [
     "block_table",
     "dummy",
     "kernel_tables",
+    "range_tables",
     "ranges",
     "segment_ranges",
 ]
@@ -215,19 +216,51 @@ def segment_ranges(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
     return scatter(lo).astype(jnp.int32), scatter(hi).astype(jnp.int32), scatter(exact)
 
 
-def _per_batch_tables(
-    lo: Array, hi: Array, ids: Array, other_ids: Array, block: int, inner_block: int
-) -> Array:
-    """``[B, blocks, 4]`` tables of the ranges ``[lo, hi)`` (``[L]``, shared by the batch)
-    narrowed per batch row to the span of each index's segment id."""
+def _narrowed(lo: Array, hi: Array, ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
+    """``(lo, hi, exact)``, each ``[B, L]``: the ranges ``[lo, hi)`` (``[L]``, shared by the
+    batch) narrowed per batch row to the span of each index's segment id (`segment_ranges`)."""
 
-    def one_row(ids: Array, other_ids: Array) -> Array:
+    def one_row(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
         slo, shi, exact = segment_ranges(ids, other_ids)
         row_lo = jnp.maximum(lo, slo)
-        row_hi = jnp.maximum(jnp.minimum(hi, shi), row_lo)
-        return block_table(row_lo, row_hi, block, inner_block, exact)
+        return row_lo, jnp.maximum(jnp.minimum(hi, shi), row_lo), exact
 
     return jax.vmap(one_row)(ids, other_ids)
+
+
+def range_tables(
+    opts: CallOptions,
+    rows: tuple[Array, Array],
+    cols: tuple[Array, Array],
+    segment_ids: tuple[Array, Array] | None,
+) -> tuple[Array, Array, Array]:
+    """The forward, dq and dk/dv block tables of a call.
+
+    Args:
+        opts: the call's options (the configs' tiles).
+        rows: ``(lo, hi)``, ``[T]`` each: the keys each query row may see (`ranges`).
+        cols: ``(lo, hi)``, ``[S]`` each: the queries that may see each key.
+        segment_ids: int32 ``(q_ids [B, T], kv_ids [B, S])`` or None.
+
+    Returns:
+        ``(fwd, dq, dkdv)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with segment ids
+        (each row's range narrowed to its id's span, found once per direction).
+    """
+    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
+    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
+    shapes = ((fwd.block_q, fwd.block_k), (bwd.block_q, bwd.block_k), (bwd.block_q, bwd.block_k))
+    if segment_ids is None:
+        ranges_of = (rows, rows, cols)
+        return tuple(block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True))
+    q_seg, k_seg = segment_ids
+    row_ranges = _narrowed(*rows, q_seg, k_seg)
+    col_ranges = _narrowed(*cols, k_seg, q_seg)
+
+    def per_batch(narrowed: tuple[Array, Array, Array], block: int, inner: int) -> Array:
+        return jax.vmap(lambda lo, hi, exact: block_table(lo, hi, block, inner, exact))(*narrowed)
+
+    ranges_of = (row_ranges, row_ranges, col_ranges)
+    return tuple(per_batch(r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True))
 
 
 def dummy(dtype: object = jnp.int32) -> Array:
@@ -270,20 +303,14 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         cu_q = jnp.asarray(request.cu_seqlens_q, jnp.int32)
         cu_k = jnp.asarray(request.cu_seqlens_k, jnp.int32)
         packing = Packing(cu_q, cu_k, q_len, kv_len)
-    rlo, rhi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=True)
-    clo, chi = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=False)
-    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
-    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
+    rows = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=True)
+    cols = ranges(q_len, kv_len, opts.causal, opts.window, packing, of_queries=False)
     if request.segment_ids is None:
         q_seg = k_seg = dummy()
-        fwd_table = block_table(rlo, rhi, fwd.block_q, fwd.block_k)
-        dq_table = block_table(rlo, rhi, bwd.block_q, bwd.block_k)
-        dkdv_table = block_table(clo, chi, bwd.block_q, bwd.block_k)
+        segment_ids = None
     else:
-        q_seg, k_seg = (jnp.asarray(x, jnp.int32) for x in request.segment_ids)
-        fwd_table = _per_batch_tables(rlo, rhi, q_seg, k_seg, fwd.block_q, fwd.block_k)
-        dq_table = _per_batch_tables(rlo, rhi, q_seg, k_seg, bwd.block_q, bwd.block_k)
-        dkdv_table = _per_batch_tables(clo, chi, k_seg, q_seg, bwd.block_q, bwd.block_k)
+        segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, jnp.int32) for x in request.segment_ids)
+    fwd_table, dq_table, dkdv_table = range_tables(opts, rows, cols, segment_ids)
     if packing is None:
         q_sid = k_sid = q_pos = k_pos = dummy()
     else:

@@ -181,9 +181,7 @@ def _masked_bias(q: Any, k: Any, bias: Any, attention_mask: Any, logits_soft_cap
     kv_len = np.shape(k)[1] if np.ndim(k) == 4 else None
     if batch is None or kv_len is None or (bias is not None and np.ndim(bias) != 4):
         return bias  # validate_attention names the bad q, k or bias
-    mask = (
-        jnp.asarray(attention_mask) if not isinstance(attention_mask, jax.Array) else attention_mask
-    )
+    mask = jnp.asarray(attention_mask)  # a jax array (or tracer) comes back as it is
     ok = mask.ndim == 4 and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads)
     if not ok or mask.shape[2:] != (q_len, kv_len):
         raise ValueError(

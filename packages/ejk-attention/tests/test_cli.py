@@ -370,3 +370,162 @@ def test_tune_kernel_configs_through_the_executor(capsys):
         chosen = kernel_executor().chooser.lookup(inv)
         assert chosen is not None and chosen.source == "persistent", inv.kernel.name
         assert type(chosen.cfg).__name__ == "FlashConfig"
+
+
+PAGED = ["tune", "--op", "paged", "--iters", "1", "--warmup", "0", "--quiet"]
+SEVEN_PAGES = ["--op", "paged", "--shape", "2,1,100,4,2,16", "--page-size", "16"]
+
+
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--page-size", "16"], "--page-size apply to --op paged only"),
+        (["--ragged", "--num-pages", "4"], "--num-pages, --ragged apply to --op paged only"),
+        (
+            ["--op", "paged", "--impl", "triton"],
+            "--impl does not apply to --op paged: paged_attention reads no tuned backend, "
+            "so 'ejk tune' tunes only the Triton paged kernel's config",
+        ),
+        (
+            ["--op", "paged", "--no-kernels"],
+            "--op paged tunes only the Triton paged kernel's config: --no-kernels leaves nothing",
+        ),
+        (["--op", "paged", "--page-size", "0"], "argument --page-size: must be >= 1, got 0"),
+        (
+            ["--op", "paged", "--shape", "1,1,64,4,2,16,causal"],
+            "--shape 1,1,64,4,2,16,causal: paged attention is always causal (bottom-right): "
+            "drop ',causal' from 'B1 T1 S64 N4 K2 H16 float32 causal'",
+        ),
+        (
+            ["--op", "paged", "--shape", "1,8,4,4,2,16"],
+            "--shape 1,8,4,4,2,16: S=4 keys per sequence include its T=8 new tokens: need T <= S",
+        ),
+        (
+            [*SEVEN_PAGES, "--pages-per-seq", "6"],
+            "--shape 2,1,100,4,2,16: S=100 keys take 7 pages of 16 per sequence, more than "
+            "--pages-per-seq 6",
+        ),
+        (
+            [*SEVEN_PAGES, "--num-pages", "13"],
+            "--shape 2,1,100,4,2,16: B=2 sequences of S=100 keys take 14 pages of 16, more "
+            "than --num-pages 13",
+        ),
+        (
+            ["--op", "paged", "--shape", "1,1,8192,32,8,128", "--shape", "1,1,64,4,2"],
+            "argument --shape: shape must be 'B,T,S,N,K,H[,causal]' with positive ints, "
+            "got '1,1,64,4,2'",
+        ),
+    ],
+)
+def test_tune_paged_argument_errors_come_before_any_work(argv, message, capsys, monkeypatch):
+    from ejk_attention import _tuned
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a paged case was built before the arguments were checked")
+
+    monkeypatch.setattr(_tuned, "paged_request", refuse)
+    assert main(["tune", *argv, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ejk tune ")
+    assert err.splitlines()[-1] == f"ejk tune: error: {message}"
+
+
+def test_tune_paged_on_cpu_tunes_nothing_without_kernels_and_says_so(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    assert main([*PAGED, "--cache-dir", str(cache_dir)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        "ejk tune: error: nothing tuned: on cpu paged_attention runs xla, which has no config "
+        "(the Triton paged kernel runs here only in Triton's interpreter; --kernels tunes it "
+        "there anyway, for implementation='triton')"
+    )
+    assert captured.out == ""
+    assert not cache_dir.exists()
+
+
+def test_tune_paged_stores_nothing_for_a_shape_the_kernel_refuses(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    shape = ["--shape", "1,1,16,2,1,512", "--page-size", "16"]  # head_dim 512 > 256
+    assert main([*PAGED, *shape, "--kernels", "--cache-dir", str(cache_dir)]) == 1
+    captured = capsys.readouterr()
+    assert "B1 T1 S16 N2 K1 H512 float32 pages 1x16 (1/seq): nothing stored (triton: " in (
+        captured.out
+    )
+    assert "head_dim <= 256" in captured.out
+    assert captured.err.strip() == (
+        f"ejk tune: error: nothing stored in {cache_dir / 'configs-v1.json'}: "
+        "the Triton paged kernel served no case"
+    )
+    assert not (cache_dir / "configs-v1.json").exists()
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
+def test_tune_paged_stores_the_config_the_facade_then_runs_with(ragged, capsys, monkeypatch):
+    """A user's jitted decode step over a `PagedKVCache` of the tuned layout runs the
+    Triton paged kernel with the stored config: the CLI's key is the facade's."""
+    import ejk_kernels_gpu
+    from ejk_attention import PagedKVCache, paged_attention, ragged_paged_attention
+    from ejk_attention._tuned import open_cache
+
+    form = ["--ragged"] if ragged else []
+    layout = ["--shape", "2,1,100,4,2,16", "--page-size", "16", "--num-pages", "20"]
+    args = [*PAGED, *layout, *form, "--kernels", "--max-candidates", "2"]  # the default cache
+    before = set(open_cache(fresh=True).keys())
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "B2 T1 S100 N4 K2 H16 float32 pages 20x16 (7/seq)" in out
+    assert "triton paged config PagedConfig(" in out and "stored 1 entries" in out
+    (key,) = set(open_cache(fresh=True).keys()) - before
+    assert key.startswith("ejk_kernels_gpu.paged_attention/")
+    stored = open_cache(fresh=True).get(key)
+    assert type(stored).__name__ == "PagedConfig"
+    # The tuned config is not the heuristic's, so a facade that missed the key would differ.
+    heuristic = out.split("(heuristic: ")[1].split(")")[0] + ")"
+    assert f"triton paged config {stored} (heuristic: " in out and heuristic != str(stored)
+    assert main(["cache", "show", key]) == 0  # the cache commands decode it
+    assert '"block_m":' in capsys.readouterr().out
+
+    # The user's side: a cache created with the same layout, a decode step under jit.
+    cache = PagedKVCache.create(
+        num_pages=20, page_size=16, kv_heads=2, head_dim=16, max_seqs=2, pages_per_seq=7
+    )
+    table = jnp.arange(14, dtype=jnp.int32).reshape(2, 7)
+    kv_lens = jnp.array([100, 37], jnp.int32)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    used = []
+    real = ejk_kernels_gpu.paged_attention_request
+
+    def recording(request, config=None):
+        used.append(config)
+        return real(request, config=config)
+
+    monkeypatch.setattr(ejk_kernels_gpu, "paged_attention_request", recording)
+    if ragged:
+        step = jax.jit(
+            lambda q, k, v, t, lens: ragged_paged_attention(
+                q.reshape(2, 4, 16),
+                k,
+                v,
+                t,
+                lens,
+                jnp.arange(3, dtype=jnp.int32),
+                implementation="triton",
+            )
+        )
+    else:
+        step = jax.jit(
+            lambda q, k, v, t, lens: paged_attention(q, k, v, t, lens, implementation="triton")
+        )
+    step(q, cache.k_pages, cache.v_pages, table, kv_lens)
+    assert used == [stored]
+
+
+def test_tune_help_describes_the_paged_op(capsys):
+    assert main(["tune", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--op {flash,paged}" in help_text
+    assert "--op paged: the PagedKVCache's layout" in help_text
+    for option in ("--page-size", "--pages-per-seq", "--num-pages", "--ragged"):
+        assert option in help_text

@@ -24,6 +24,11 @@ from ._bench import BASELINE, BENCH_IMPLEMENTATIONS, parse_case
 __all__ = ["main"]
 
 DEFAULT_SHAPES = ("1,1024,1024,8,2,64,causal", "4,256,256,8,8,64")
+# `ejk tune --op paged`: decode steps (T = 1) of one long and of many shorter sequences.
+DEFAULT_PAGED_SHAPES = ("1,1,8192,32,8,128", "32,1,4096,32,8,128")
+DEFAULT_PAGE_SIZE = 64
+# The options of `ejk tune --op paged` only (the cache's layout).
+PAGED_OPTIONS = ("page_size", "pages_per_seq", "num_pages", "ragged")
 PACKAGES = (
     "jax",
     "jaxlib",
@@ -505,6 +510,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    if args.op == "paged":
+        return _tune_paged(args)
     import jax
 
     from ejk_config import device_fingerprint
@@ -550,10 +557,16 @@ def _tune(args: argparse.Namespace) -> int:
         args.kernels is None and jax.default_backend() == "gpu" and "triton" in impls
     ):
         keys += _tune_kernel_configs(args, cases, cache, console)
+    return _stored(args, cache, keys, console, "no implementation passed on any case")
+
+
+def _stored(args: argparse.Namespace, cache: Any, keys: list[str], console: Any, why: str) -> int:
+    """The end of ``ejk tune``: exit 1 with ``why`` when nothing was stored, or when an
+    entry is not in the cache file; else say how many entries were stored, exit 0."""
+    from ._tuned import open_cache
+
     if not keys:
-        return _fail(
-            "tune", f"nothing stored in {cache.path}: no implementation passed on any case"
-        )
+        return _fail("tune", f"nothing stored in {cache.path}: {why}")
     # The cache turns memory-only when it cannot write: believe the file, not the object.
     missing = set(keys) - set(open_cache(args.cache_dir, fresh=True).keys())
     if missing:
@@ -570,11 +583,26 @@ def _tune_kernel_configs(
     The invocations are the facade's own (`TritonBackend.invocations`), so the keys
     stored are the ones `flash_attention` looks up. Returns those keys.
     """
-    from ejk_executor import AutotunePolicy, ConfigSelectorChain
     from ejk_sequtils import validate_attention
 
     from ._backends import BACKENDS
     from ._bench import inputs_for
+
+    chooser = _autotuner(args, cache)
+    keys = []
+    for case in _progress(args, "tune triton configs")(cases):
+        request = validate_attention(*inputs_for(case), causal=case.causal)
+        for part, inv in BACKENDS["triton"].invocations(request).items():
+            cfg = chooser.tune(inv)
+            keys.append(inv.call_key)
+            console.print(f"{case.label}: triton {part} config {cfg}")
+    return keys
+
+
+def _autotuner(args: argparse.Namespace, cache: Any) -> Any:
+    """An `ejk_executor.ConfigSelectorChain` that times ``--max-candidates`` configs
+    (``--warmup``, ``--iters``) and stores the fastest in ``cache``."""
+    from ejk_executor import AutotunePolicy, ConfigSelectorChain
 
     policy = AutotunePolicy(
         on_miss="autotune",
@@ -582,15 +610,51 @@ def _tune_kernel_configs(
         num_iters=args.iters,
         max_candidates=args.max_candidates,
     )
-    chooser = ConfigSelectorChain(persistent=cache, policy=policy)
+    return ConfigSelectorChain(persistent=cache, policy=policy)
+
+
+def _tune_paged(args: argparse.Namespace) -> int:
+    """``ejk tune --op paged``: autotune the Triton paged kernel's config per case.
+
+    `paged_attention` reads no backend choice, so only the config is stored, under the
+    key of the invocation the facade's triton backend builds (`PagedTritonBackend`).
+    Off GPU the facade runs xla (no config) unless asked for triton, whose kernel runs
+    there in Triton's interpreter: tuned only with ``--kernels``, as flash's configs are.
+    """
+    import jax
+
+    from ._backends import platform_of
+    from ._paged import PAGED_BACKENDS
+    from ._tuned import open_cache, paged_request
+
+    platform = jax.default_backend()
+    if not args.kernels and platform != "gpu":
+        return _fail(
+            "tune",
+            f"nothing tuned: on {platform} paged_attention runs xla, which has no config "
+            "(the Triton paged kernel runs here only in Triton's interpreter; --kernels "
+            "tunes it there anyway, for implementation='triton')",
+        )
+    cache = open_cache(args.cache_dir, fresh=True)
+    chooser = _autotuner(args, cache)
+    backend = PAGED_BACKENDS["triton"]
+    console = _console()
     keys = []
-    for case in _progress(args, "tune triton configs")(cases):
-        request = validate_attention(*inputs_for(case), causal=case.causal)
-        for part, inv in BACKENDS["triton"].invocations(request).items():
-            cfg = chooser.tune(inv, policy)
-            keys.append(inv.call_key)
-            console.print(f"{case.label}: triton {part} config {cfg}")
-    return keys
+    for case in _progress(args, "tune triton paged configs")(args.paged_cases):
+        request = paged_request(case)
+        reason = backend.supported(request, platform_of(request))
+        inv = None if reason else backend.invocations(request).get("forward")
+        if inv is None:
+            reason = reason or "this ejk_kernels_gpu has no executor kernel PagedAttention"
+            console.print(f"{case.label}: nothing stored (triton: {reason})", soft_wrap=True)
+            continue
+        cfg = chooser.tune(inv)
+        keys.append(inv.call_key)
+        console.print(
+            f"{case.label}: triton paged config {cfg} (heuristic: {inv.kernel.heuristic_cfg(inv)})",
+            soft_wrap=True,
+        )
+    return _stored(args, cache, keys, console, "the Triton paged kernel served no case")
 
 
 # ejk cache
@@ -712,11 +776,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.command == "bench":
         problem = problem or _not_a_file(args.out, "--out")
         if args.compare:
-            given = [
-                f"--{name.replace('_', '-')}"
-                for name in ("shape", "impl", "dtype", "iters", "warmup", "forward_only")
-                if getattr(args, name) not in (None, False)
-            ]
+            given = _given(args, ("shape", "impl", "dtype", "iters", "warmup", "forward_only"))
             if given:
                 problem = (
                     f"--compare draws two existing runs; {', '.join(given)} do not apply to it"
@@ -726,11 +786,60 @@ def _check(args: argparse.Namespace) -> None:
                     _compare_runs(args.compare)
                 except ValueError as err:
                     problem = str(err)
+    if args.command == "tune":
+        problem = problem or _tune_problem(args)
     if problem:
         error(problem)
     for name, default in (("dtype", "float32"), ("iters", 5), ("warmup", 1)):
         if getattr(args, name, default) is None:
             setattr(args, name, default)
+
+
+def _given(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The options among ``names`` given on the command line, as ``--option``."""
+    return [
+        f"--{name.replace('_', '-')}" for name in names if getattr(args, name) not in (None, False)
+    ]
+
+
+def _tune_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``ejk tune`` options do not fit together, or None."""
+    if args.op == "flash":
+        given = _given(args, PAGED_OPTIONS)
+        return f"{', '.join(given)} apply to --op paged only" if given else None
+    if args.impl:
+        return (
+            "--impl does not apply to --op paged: paged_attention reads no tuned backend, "
+            "so 'ejk tune' tunes only the Triton paged kernel's config"
+        )
+    if args.kernels is False:
+        return "--op paged tunes only the Triton paged kernel's config: --no-kernels leaves nothing"
+    try:
+        args.paged_cases = _paged_cases(args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _paged_cases(args: argparse.Namespace) -> list[Any]:
+    """``--op paged``'s `PagedCase` per ``--shape``; ValueError naming a shape no cache holds."""
+    from ._tuned import paged_case
+
+    cases = []
+    for text in args.shape or DEFAULT_PAGED_SHAPES:
+        try:
+            cases.append(
+                paged_case(
+                    parse_case(text, args.dtype or "float32"),
+                    page_size=args.page_size or DEFAULT_PAGE_SIZE,
+                    pages_per_seq=args.pages_per_seq,
+                    num_pages=args.num_pages,
+                    ragged=args.ragged,
+                )
+            )
+        except ValueError as err:
+            raise ValueError(f"--shape {text}: {err}") from None
+    return cases
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -759,15 +868,22 @@ def _parser() -> argparse.ArgumentParser:
             "tune",
             _tune,
             IMPLEMENTATIONS,
-            "time the backends per shape and store the fastest in the persistent cache",
+            "time the backends per shape and store the fastest in the persistent cache "
+            "(--op paged: the Triton paged kernel's autotuned config)",
         ),
     ):
         p = sub.add_parser(name, help=help_text)
+        paged_shapes = (
+            "; --op paged: B,T,S,N,K,H, S each sequence's keys with its T new ones, "
+            "default: " + " ".join(DEFAULT_PAGED_SHAPES)
+        )
         p.add_argument(
             "--shape",
             action="append",
             type=_shape,
-            help="B,T,S,N,K,H[,causal] (repeatable); default: " + " ".join(DEFAULT_SHAPES),
+            help="B,T,S,N,K,H[,causal] (repeatable); default: "
+            + " ".join(DEFAULT_SHAPES)
+            + (paged_shapes if name == "tune" else ""),
         )
         p.add_argument(
             "--dtype",
@@ -818,17 +934,39 @@ def _parser() -> argparse.ArgumentParser:
                 "--cache-dir", default=None, help="config cache location (default: ejk_executor's)"
             )
             p.add_argument(
+                "--op",
+                choices=("flash", "paged"),
+                default="flash",
+                help="flash: flash_attention's backend and Triton configs; paged: the "
+                "Triton paged kernel's config for paged_attention (or ragged_paged_attention "
+                "with --ragged) on a cache of the shape given (default: flash)",
+            )
+            p.add_argument(
                 "--kernels",
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help="also autotune the Triton forward and backward configs per shape "
-                "(default: on GPU)",
+                help="also autotune the Triton forward and backward configs per shape; "
+                "--op paged tunes only the paged kernel's config (default: on GPU)",
             )
             p.add_argument(
                 "--max-candidates",
                 type=_at_least(1),
                 default=None,
                 help="configs tried per shape (default: all)",
+            )
+            paged = p.add_argument_group(
+                "--op paged: the PagedKVCache's layout (the config is stored for this layout)"
+            )
+            for option, text in (
+                ("--page-size", f"tokens per page (default {DEFAULT_PAGE_SIZE})"),
+                ("--pages-per-seq", "pages of a page-table row (default: the fewest for S keys)"),
+                ("--num-pages", "pages in the pool (default: B x pages per sequence)"),
+            ):
+                paged.add_argument(option, type=_at_least(1), default=None, help=text)
+            paged.add_argument(
+                "--ragged",
+                action="store_true",
+                help="ragged_paged_attention's call: the B x T queries packed, with cu_q_lens",
             )
 
     cache = sub.add_parser("cache", help="inspect and move the persistent config cache")

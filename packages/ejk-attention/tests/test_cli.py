@@ -61,17 +61,17 @@ def test_info(capsys):
 
 
 def test_info_warns_about_a_version_outside_the_supported_range(capsys, monkeypatch):
-    from ejk_attention import cli
+    from ejk_attention import _cli_info
 
-    real = cli._version
-    monkeypatch.setattr(cli, "_version", lambda d: "0.1.0" if d == "jax" else real(d))
+    real = _cli_info.package_version
+    monkeypatch.setattr(_cli_info, "package_version", lambda d: "0.1.0" if d == "jax" else real(d))
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "warning: jax 0.1.0 is outside ejk-sequtils's supported jax>=" in out
 
 
 def test_supported_ranges_read_every_ejk_package_and_its_extras(monkeypatch):
-    from ejk_attention import cli
+    from ejk_attention import _cli_info as cli
 
     fake = [
         ("ejk-a", ["jax>=0.6,<0.7", "numpy>=1"], []),

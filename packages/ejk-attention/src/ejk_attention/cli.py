@@ -9,10 +9,7 @@ raised before any work starts).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +17,7 @@ from typing import Any
 
 from ._backends import IMPLEMENTATIONS
 from ._bench import BASELINE, BENCH_IMPLEMENTATIONS, parse_case
+from ._cli_info import PACKAGES, info, package_version
 
 __all__ = ["main"]
 
@@ -29,23 +27,6 @@ DEFAULT_PAGED_SHAPES = ("1,1,8192,32,8,128", "32,1,4096,32,8,128")
 DEFAULT_PAGE_SIZE = 64
 # The options of `ejk tune --op paged` only (the cache's layout).
 PAGED_OPTIONS = ("page_size", "pages_per_seq", "num_pages", "ragged")
-PACKAGES = (
-    "jax",
-    "jaxlib",
-    "triton",
-    "jax-triton",
-    "ejk-attention",
-    "ejk-config",
-    "ejk-executor",
-    "ejk-kernels-gpu",
-    "ejk-kernels-tpu",
-    "ejk-sequtils",
-)
-# The dependencies whose supported range `ejk info` checks (bounds read from the
-# installed ejk packages' metadata, never written here).
-RANGED = ("jax", "jaxlib", "triton", "jax-triton")
-# What a GPU run of the triton backend imports.
-GPU_STACK = ("triton", "jax-triton")
 
 
 def _console() -> Any:
@@ -54,210 +35,8 @@ def _console() -> Any:
     return Console(file=sys.stdout, width=140, highlight=False)
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-# ejk info
-
-
-def _ejk_distributions() -> list[tuple[str, list[str], list[str]]]:
-    """``(name, Requires-Dist lines, Provides-Extra names)`` of every installed ejk package."""
-    found: dict[str, tuple[str, list[str], list[str]]] = {}
-    for dist in importlib.metadata.distributions():
-        name = _canonical(dist.metadata["Name"] or "")
-        if name.startswith("ejk-") and name not in found:  # the first on sys.path wins
-            extras = dist.metadata.get_all("Provides-Extra") or []
-            found[name] = (name, list(dist.requires or []), extras)
-    return [found[k] for k in sorted(found)]
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def supported_ranges() -> dict[str, list[tuple[str, str]]]:
-    """Each of `RANGED` with the ``(ejk package, specifier)`` bounds installed ejk packages declare.
-
-    A requirement behind a marker counts when the marker holds here for the package
-    itself or one of its extras (``triton ... ; extra == "cuda"`` bounds triton).
-    """
-    from packaging.requirements import Requirement
-
-    ranges: dict[str, list[tuple[str, str]]] = {dep: [] for dep in RANGED}
-    for name, requires, extras in _ejk_distributions():
-        for text in requires:
-            req = Requirement(text)
-            dep = _canonical(req.name)
-            if dep not in ranges or not str(req.specifier):
-                continue
-            if req.marker is not None and not any(
-                req.marker.evaluate({"extra": extra}) for extra in ("", *extras)
-            ):
-                continue
-            ranges[dep].append((name, str(req.specifier)))
-    return ranges
-
-
-def version_warnings(
-    versions: dict[str, str], ranges: dict[str, list[tuple[str, str]]]
-) -> list[str]:
-    """One line per installed dependency outside a bound an ejk package declares for it."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    lines = []
-    for dep, bounds in ranges.items():
-        installed = versions.get(dep, "not installed")
-        if installed == "not installed":
-            continue
-        for owner, spec in bounds:
-            try:
-                inside = SpecifierSet(spec).contains(Version(installed), prereleases=True)
-            except InvalidVersion:
-                inside = False
-            if not inside:
-                lines.append(f"{dep} {installed} is outside {owner}'s supported {dep}{spec}")
-    return lines
-
-
-def _accelerator() -> dict[str, Any]:
-    """The platform, device kind and count jax found, and its accelerator plugins' versions."""
-    import jax
-
-    devices = jax.devices()
-    plugins = {}
-    for dist in importlib.metadata.distributions():
-        name = _canonical(dist.metadata["Name"] or "")
-        if re.fullmatch(r"jax-(cuda\d+|rocm\d*)-(plugin|pjrt)|libtpu(-nightly)?", name):
-            plugins[name] = dist.version
-    return {
-        "platform": jax.default_backend(),
-        "device_kind": devices[0].device_kind if devices else None,
-        "device_count": len(devices),
-        "plugins": dict(sorted(plugins.items())),
-    }
-
-
-def _gpu_stack(versions: dict[str, str]) -> tuple[bool, str]:
-    missing = [d for d in GPU_STACK if versions.get(d, "not installed") == "not installed"]
-    if not missing:
-        return True, "present (" + ", ".join(f"{d} {versions[d]}" for d in GPU_STACK) + ")"
-    return False, (
-        f"missing {', '.join(missing)}: a GPU run of the triton backend needs "
-        f"{' and '.join(GPU_STACK)} (ejk-attention's GPU extra installs them)"
-    )
-
-
 def _info(args: argparse.Namespace) -> int:
-    import jax
-    from rich.table import Table
-
-    from ._backends import default_order
-    from ._tuned import open_cache
-
-    console = _console()
-    accel = _accelerator()
-    plugins = ", ".join(f"{k} {v}" for k, v in accel["plugins"].items()) or "none"
-    console.print(
-        f"accelerator: {accel['platform']}, {accel['device_count']} x {accel['device_kind']}"
-        f" (plugins: {plugins})"
-    )
-    versions = {d: _version(d) for d in PACKAGES}
-    ranges = supported_ranges()
-    table = Table(title="packages")
-    for col in ("package", "version", "supported (declared by the ejk packages)"):
-        table.add_column(col)
-    for dist in PACKAGES:
-        bounds = ranges.get(dist)
-        declared = (
-            "; ".join(f"{spec} ({owner})" for owner, spec in bounds)
-            if bounds
-            else "no bound declared"
-            if bounds is not None
-            else ""
-        )
-        table.add_row(dist, versions[dist], declared)
-    console.print(table)
-    warnings = version_warnings(versions, ranges)
-    stack_ok, stack = _gpu_stack(versions)
-    console.print(f"GPU kernel stack ({', '.join(GPU_STACK)}): {stack}")
-    if not stack_ok and accel["platform"] == "gpu":
-        warnings.append(f"this machine has a GPU but the GPU kernel stack is {stack}")
-    for line in warnings:
-        console.print(f"[yellow]warning:[/yellow] {line}", soft_wrap=True)
-
-    devices = Table(title=f"devices (default backend: {jax.default_backend()})")
-    for col in ("id", "platform", "kind"):
-        devices.add_column(col)
-    for d in jax.devices():
-        devices.add_row(str(d.id), d.platform, d.device_kind)
-    console.print(devices)
-    try:
-        from ejk_config import device_fingerprint
-
-        console.print(f"fingerprint: {device_fingerprint()}")
-    except ImportError as err:  # pragma: no cover - ejk-config is a dependency
-        console.print(f"fingerprint: unavailable ({err})")
-    order = default_order(jax.default_backend())
-    backends = Table(title="backends")
-    for col in ("implementation", "here"):
-        backends.add_column(col)
-    for name, where in _backends_here(jax.default_backend()).items():
-        backends.add_row(name, where)
-    console.print(backends)
-    console.print(f"implementation=None tries: {', '.join(order)}")
-    console.print(f"config cache: {open_cache(args.cache_dir, fresh=True).path}")
-    if args.json:
-        payload = {
-            "accelerator": accel,
-            "packages": versions,
-            "supported": {dep: [list(b) for b in bounds] for dep, bounds in ranges.items()},
-            "warnings": warnings,
-            "gpu_stack": {"present": stack_ok, "detail": stack},
-            "backend": jax.default_backend(),
-            "devices": [
-                {"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()
-            ],
-            "default_order": list(order),
-            "backends": _backends_here(jax.default_backend()),
-        }
-        console.print_json(json.dumps(payload))
-    return 0
-
-
-def _backends_here(platform: str) -> dict[str, str]:
-    """Each backend and how it runs on ``platform`` (or why it does not)."""
-
-    def importable(module: str) -> bool:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            return False
-        return True
-
-    gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
-    return {
-        "xla": "reference_attention (dense, float32)",
-        "triton": (
-            "not installed (ejk-kernels-gpu)"
-            if not importable("ejk_kernels_gpu")
-            else "compiled kernels"
-            if gpu
-            else "Triton interpreter (slow; tests only)"
-        ),
-        "cudnn": "jax.nn cuDNN flash attention" if gpu else "needs an NVIDIA GPU",
-        "pallas": (
-            "not installed (ejk-kernels-tpu)"
-            if not importable("ejk_kernels_tpu")
-            else "compiled kernels"
-            if tpu
-            else "Pallas TPU interpreter (slow; tests only)"
-        ),
-    }
+    return info(args, _console())
 
 
 # ejk bench / ejk tune
@@ -371,7 +150,7 @@ def _machine() -> dict[str, Any]:
         "device_kind": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
         "fingerprint": fingerprint,
-        "packages": {d: _version(d) for d in PACKAGES},
+        "packages": {d: package_version(d) for d in PACKAGES},
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,13 +20,13 @@ def seconds_per_call(fn: Callable[..., Any], *args: Any, reps: int = 10) -> floa
     return (time.perf_counter() - start) / reps
 
 
-def contender(
-    row: dict, fn: Callable[..., Any], args: tuple, with_bwd: bool, side: tuple = ()
-) -> tuple:
-    """``(row, timed, times)`` of one contender: its jitted forward (and forward+backward,
-    the cotangent being ``args[-1]``), compiled and warmed; a contender that fails to
-    compile or run gets ``row["error"]`` and is not timed. ``side``: further arguments of
-    ``fn`` (segment ids, offsets) passed as jit arguments, not differentiated."""
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _compiled(fn: Callable[..., Any], args: tuple, with_bwd: bool, side: tuple) -> list:
+    """``[(key, jitted, arguments)]`` of ``fn``'s forward (and forward+backward, the
+    cotangent being ``args[-1]``), not yet compiled."""
     *inputs, d_out = args
     count = len(inputs)
     timed = [("fwd", jax.jit(fn), (*inputs, *side))]
@@ -39,14 +39,64 @@ def contender(
             return out, vjp(cot)
 
         timed.append(("fwdbwd", fwd_bwd, (*inputs, *side, d_out)))
-    try:
-        for _, f, a in timed:
+    return timed
+
+
+def _warm(row: dict, timed: list) -> list:
+    """Compile and warm each of ``timed``; keep those that run. A failing forward fails the
+    whole contender (``row["error"]``); a failing forward+backward alone is noted as
+    ``row["fwdbwd_error"]`` and its forward is still timed."""
+    kept = []
+    for key, f, a in timed:
+        try:
             jax.block_until_ready(f(*a))
             jax.block_until_ready(f(*a))
-    except Exception as exc:  # a baseline may not support a shape (or run out of memory)
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        timed = []
-    return row, timed, {key: [] for key, _, _ in timed}
+        except Exception as exc:  # a baseline may not support a shape (or run out of memory)
+            if key == "fwd":
+                row["error"] = _error(exc)
+                return []
+            row[f"{key}_error"] = _error(exc)
+            continue
+        kept.append((key, f, a))
+    return kept
+
+
+def contender(
+    row: dict,
+    fn: Callable[..., Any] | Mapping[str, Callable[..., Any]] | None,
+    args: tuple,
+    with_bwd: bool,
+    side: tuple = (),
+) -> tuple:
+    """``(row, timed, times)`` of one contender: its jitted forward (and forward+backward,
+    the cotangent being ``args[-1]``), compiled and warmed; a contender that fails to
+    compile or run gets ``row["error"]`` and is not timed. ``side``: further arguments of
+    ``fn`` (segment ids, offsets) passed as jit arguments, not differentiated.
+
+    ``fn`` may also be ``{name: function}``, implementations of one library tried in order:
+    the first whose forward runs is timed and named in ``row["ran"]``, the ones before it
+    in ``row["refused"]`` with their errors. ``None`` or ``{}``: nothing to time (the row
+    says why, e.g. ``row["skipped"]``)."""
+    if not fn:
+        if "error" not in row:
+            row.setdefault("skipped", "no implementation to time")
+        return row, [], {}
+    if callable(fn):
+        timed = _warm(row, _compiled(fn, args, with_bwd, side))
+        return row, timed, {key: [] for key, _, _ in timed}
+    refused = {}
+    for name, candidate in fn.items():
+        trial = dict(row)
+        timed = _warm(trial, _compiled(candidate, args, with_bwd, side))
+        if timed:
+            row.clear()
+            row.update(trial, ran=name)
+            if refused:
+                row["refused"] = refused
+            return row, timed, {key: [] for key, _, _ in timed}
+        refused[name] = trial["error"]
+    row["error"] = "; ".join(f"{name}: {error}" for name, error in refused.items())
+    return row, [], {}
 
 
 def time_rounds(cases: list[tuple], rounds: int, flops: float | Callable[[dict], float]) -> list:

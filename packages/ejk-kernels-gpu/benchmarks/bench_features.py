@@ -1,18 +1,24 @@
-"""The training features of issue 20 beside cuDNN (``jax.nn``), in one process.
+"""The training features of issue 20 beside cuDNN (``jax.nn``) and tokamax, in one process.
 
 Rows (bf16; TFLOP/s counted on the (query, key) pairs the mask lets through, 4·H FLOPs a
 pair and head forward, 3.5x that forward+backward):
 
 - ``documents``: B1 T16384 N16 H128 causal, 8 documents of 2048 tokens, as segment ids,
-  as ``cu_seqlens``, and as a padded batch B8 T2048 (ejk); cuDNN with a dense mask.
-- ``window``: B4 T4096 N32 K8 H128 causal, ``sliding_window=(1024, 0)``; cuDNN's
-  ``local_window_size``.
-- ``softcap``: the same shape causal with ``logits_soft_cap=50``, and ejk without it.
+  as ``cu_seqlens``, and as a padded batch B8 T2048 (ejk); cuDNN with a dense mask;
+  tokamax with per-query key ranges (its kernels' ``Mask(k_start=...)``).
+- ``window``: B4 T4096 N32 K8 H128 causal, ``sliding_window=(1024, 0)``; cuDNN's and
+  tokamax's ``local_window_size``.
+- ``softcap``: the same shape causal with ``logits_soft_cap=50`` (ejk, tokamax; cuDNN has
+  no soft cap: its row says so), and ejk without it.
 - ``head256``: B2 T4096 N16 K8 H256 causal. ``head64``: B8 T2048 N16 H64 causal.
+
+tokamax's rows (`_tokamax`) try its GPU implementations in the ``--tokamax`` order and
+name the one that ran; where tokamax is missing or refuses, the row says so.
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/bench_features.py [--rows documents,window]
-        [--rounds 7] [--json out.json --commit SHA]
+        [--rounds 7] [--json out.json --commit SHA] [--tokamax mosaic,triton] [--tokamax-each]
+    (--tiny: the same rows on tiny shapes, to check the script on a CPU.)
 """
 
 from __future__ import annotations
@@ -21,21 +27,16 @@ import argparse
 import json
 import sys
 
+import _tokamax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _inputs import attention_inputs
 from _timing import contender, time_rounds
 
 from ejk_kernels_gpu import flash_attention
 
-
-def _inputs(b, t, n, k, h, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
-    kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
-    d_out = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
-    return q, kk, v, d_out
+DEFAULT_GROUPS = (_tokamax.GPU_IMPLEMENTATIONS,)
 
 
 def _causal_pairs(t: int, left: int | None = None) -> int:
@@ -58,66 +59,89 @@ def _by_ids(name: str):
     return lambda q, k, v, ids: flash_attention(q, k, v, causal=True, **{name: ids})
 
 
-def documents(docs: int = 8, length: int = 2048, n: int = 16, h: int = 128):
+def documents(docs=8, length=2048, n=16, h=128, groups=DEFAULT_GROUPS):
     t = docs * length
-    q, k, v, d_out = _inputs(1, t, n, n, h)
+    q, k, v, d_out = attention_inputs(1, t, n, n, h)
     ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), length)[None]
     cu = jnp.arange(docs + 1, dtype=jnp.int32) * length
     dense = (ids[0][:, None] == ids[0][None, :]) & jnp.tril(jnp.ones((t, t), bool))
     batch = [x.reshape(docs, length, *x.shape[2:]) for x in (q, k, v, d_out)]
     flops = 4 * n * h * docs * _causal_pairs(length)
     shape = dict(B=1, T=t, N=n, K=n, H=h, docs=docs)
+    ranges = {**shape, "as": "k_start ranges"}
+    padded = {**shape, "as": "padded batch"}
     return flops, [
         ({**shape, "impl": "ejk", "as": "segment_ids"}, _by_ids("segment_ids"), (q, k, v, d_out), (ids,)),
         ({**shape, "impl": "ejk", "as": "cu_seqlens"}, _by_ids("cu_seqlens_q"), (q, k, v, d_out), (cu,)),
         ({**shape, "impl": "ejk", "as": "padded batch"}, _ejk(causal=True), tuple(batch)),
         ({**shape, "impl": "cudnn", "as": "dense mask"}, _cudnn(mask=dense[None, None]), (q, k, v, d_out)),
         ({**shape, "impl": "cudnn", "as": "padded batch"}, _cudnn(is_causal=True), tuple(batch)),
+        *_tokamax.entries(ranges, (q, k, v, d_out), groups, documents=ids, causal=True),
+        *_tokamax.entries(padded, tuple(batch), groups, causal=True),
     ]  # fmt: skip
 
 
-def window(left: int = 1024):
-    b, t, n, kh, h = 4, 4096, 32, 8, 128
-    args = _inputs(b, t, n, kh, h)
-    shape = dict(B=b, T=t, N=n, K=kh, H=h, window=(left, 0))
+def window(shape=(4, 4096, 32, 8, 128), left=1024, groups=DEFAULT_GROUPS):
+    b, t, n, kh, h = shape
+    args = attention_inputs(*shape)
+    row = dict(B=b, T=t, N=n, K=kh, H=h, window=(left, 0))
     return 4 * b * n * h * _causal_pairs(t, left), [
-        ({**shape, "impl": "ejk"}, _ejk(causal=True, sliding_window=(left, 0)), args),
-        ({**shape, "impl": "cudnn"}, _cudnn(is_causal=True, local_window_size=(left, 0)), args),
+        ({**row, "impl": "ejk"}, _ejk(causal=True, sliding_window=(left, 0)), args),
+        ({**row, "impl": "cudnn"}, _cudnn(is_causal=True, local_window_size=(left, 0)), args),
+        *_tokamax.entries(row, args, groups, causal=True, sliding_window=(left, 0)),
     ]
 
 
-def softcap(cap: float = 50.0):
-    b, t, n, kh, h = 4, 4096, 32, 8, 128
-    args = _inputs(b, t, n, kh, h)
-    shape = dict(B=b, T=t, N=n, K=kh, H=h)
+def softcap(shape=(4, 4096, 32, 8, 128), cap=50.0, groups=DEFAULT_GROUPS):
+    b, t, n, kh, h = shape
+    args = attention_inputs(*shape)
+    row = dict(B=b, T=t, N=n, K=kh, H=h)
+    capped = {**row, "soft_cap": cap}
+    no_cap = "not served: jax.nn.dot_product_attention has no logits soft cap"
     return 4 * b * n * h * _causal_pairs(t), [
-        ({**shape, "impl": "ejk", "soft_cap": cap}, _ejk(causal=True, logits_soft_cap=cap), args),
-        ({**shape, "impl": "ejk", "soft_cap": None}, _ejk(causal=True), args),
+        ({**capped, "impl": "ejk"}, _ejk(causal=True, logits_soft_cap=cap), args),
+        ({**row, "impl": "ejk", "soft_cap": None}, _ejk(causal=True), args),
+        ({**capped, "impl": "cudnn", "skipped": no_cap}, None, args),
+        *_tokamax.entries(capped, args, groups, causal=True, logits_soft_cap=cap),
     ]
 
 
-def _plain_causal(b, t, n, kh, h):
-    args = _inputs(b, t, n, kh, h)
-    shape = dict(B=b, T=t, N=n, K=kh, H=h)
+def plain_causal(shape, groups=DEFAULT_GROUPS):
+    b, t, n, kh, h = shape
+    args = attention_inputs(*shape)
+    row = dict(B=b, T=t, N=n, K=kh, H=h)
     return 4 * b * n * h * _causal_pairs(t), [
-        ({**shape, "impl": "ejk"}, _ejk(causal=True), args),
-        ({**shape, "impl": "cudnn"}, _cudnn(is_causal=True), args),
+        ({**row, "impl": "ejk"}, _ejk(causal=True), args),
+        ({**row, "impl": "cudnn"}, _cudnn(is_causal=True), args),
+        *_tokamax.entries(row, args, groups, causal=True),
     ]
 
 
+# name: (builder, its arguments at full size, on tiny shapes for a CPU check)
 ROWS = {
-    "documents": documents,
-    "window": window,
-    "softcap": softcap,
-    "head256": lambda: _plain_causal(2, 4096, 16, 8, 256),
-    "head64": lambda: _plain_causal(8, 2048, 16, 16, 64),
+    "documents": (documents, {}, dict(docs=2, length=16, n=2, h=16)),
+    "window": (window, {}, dict(shape=(1, 64, 4, 2, 16), left=16)),
+    "softcap": (softcap, {}, dict(shape=(1, 32, 4, 2, 16))),
+    "head256": (plain_causal, dict(shape=(2, 4096, 16, 8, 256)), dict(shape=(1, 32, 2, 1, 32))),
+    "head64": (plain_causal, dict(shape=(8, 2048, 16, 16, 64)), dict(shape=(1, 32, 2, 2, 16))),
 }
 
 
-def run(names: list[str], rounds: int, with_bwd: bool = True) -> list[dict]:
+def run(
+    names: list[str],
+    rounds: int,
+    with_bwd: bool = True,
+    *,
+    tiny: bool = False,
+    groups: tuple[tuple[str, ...], ...] = DEFAULT_GROUPS,
+) -> list[dict]:
+    """Time the rows ``names`` (keys of `ROWS`) in ``rounds`` interleaved rounds, printing
+    each as JSON; ``tiny``: their tiny shapes; ``groups``: tokamax's rows, each a tuple of
+    its implementations tried in order (none: no tokamax rows)."""
     rows = []
     for name in names:
-        flops, entries = ROWS[name]()
+        build, full, small = ROWS[name]
+        flops, entries = build(**(small if tiny else full), groups=groups)
         cases = [
             contender({"row": name, **row}, fn, args, with_bwd, *side)
             for row, fn, args, *side in entries
@@ -128,6 +152,27 @@ def run(names: list[str], rounds: int, with_bwd: bool = True) -> list[dict]:
     return rows
 
 
+def _table(rows: list[dict]) -> None:
+    print(
+        f"\n{'row':<10}{'impl':<16}{'as':<16}{'fwd TF/s':>9}{'f+b TF/s':>9}{'fwd ms':>9}"
+        f"{'f+b ms':>9}"
+    )
+    for r in rows:
+        impl = f"{r['impl']}/{r['ran']}" if "ran" in r else r["impl"]
+        label = r.get("as", r.get("soft_cap", ""))
+        head = f"{r['row']:<10}{impl:<16}{label!s:<16}"
+        if "error" in r or "skipped" in r:
+            print(
+                f"{head}{'error' if 'error' in r else 'skipped'}: {r.get('error', r.get('skipped'))[:90]}"
+            )
+            continue
+        print(
+            f"{head}{r['fwd_tflops']:>9.1f}{r.get('fwdbwd_tflops', float('nan')):>9.1f}"
+            f"{r['fwd_ms']:>9.3f}{r.get('fwdbwd_ms', float('nan')):>9.3f}"
+            + (f"  f+b error: {r['fwdbwd_error'][:60]}" if "fwdbwd_error" in r else "")
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {list(ROWS)}")
@@ -135,26 +180,17 @@ def main() -> int:
     parser.add_argument("--no-bwd", action="store_true")
     parser.add_argument("--json", default="")
     parser.add_argument("--commit", default="")
+    _tokamax.add_arguments(parser)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check)")
     args = parser.parse_args()
     names = [n for n in args.rows.split(",") if n]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
     print("#", jax.devices(), jax.__version__)
-    rows = run(names, args.rounds, with_bwd=not args.no_bwd)
-    print(
-        f"\n{'row':<10}{'impl':<7}{'as':<14}{'fwd TF/s':>9}{'f+b TF/s':>9}{'fwd ms':>9}{'f+b ms':>9}"
-    )
-    for r in rows:
-        if "error" in r:
-            print(f"{r['row']:<10}{r['impl']:<7}{r.get('as', ''):<14} error: {r['error'][:70]}")
-            continue
-        label = r.get("as", r.get("soft_cap", ""))
-        print(
-            f"{r['row']:<10}{r['impl']:<7}{label!s:<14}{r['fwd_tflops']:>9.1f}"
-            f"{r.get('fwdbwd_tflops', float('nan')):>9.1f}{r['fwd_ms']:>9.3f}"
-            f"{r.get('fwdbwd_ms', float('nan')):>9.3f}"
-        )
+    groups = _tokamax.groups_of(args)
+    rows = run(names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny, groups=groups)
+    _table(rows)
     if args.json:
         from gpu_conformance import run_info
 

@@ -1,13 +1,17 @@
 """Forward and forward+backward TFLOP/s of ejk's Triton flash attention against JAX baselines.
 
 In one process, on the same bf16 inputs: ejk_kernels_gpu.flash_attention,
-``jax.nn.dot_product_attention`` (implementation 'cudnn' and 'xla') and JAX's
+``jax.nn.dot_product_attention`` (implementation 'cudnn' and 'xla'), JAX's
 Pallas GPU attention (``jax.experimental.pallas.ops.gpu.attention.mha``) where it
-imports and supports the shape. FLOPs: 4·B·N·T·S·H, halved when causal; the
-backward counts 2.5x the forward, so forward+backward is 3.5x.
+imports and supports the shape, and ``tokamax.dot_product_attention`` (its GPU
+implementations tried in the ``--tokamax`` order, the row naming the one that ran; a row
+saying so where tokamax is missing or refuses, see `_tokamax`).
+FLOPs: 4·B·N·T·S·H, halved when causal; the backward counts 2.5x the forward, so
+forward+backward is 3.5x.
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/bench_flash.py [--only ejk] [--sweep]
+        [--tokamax mosaic,triton] [--tokamax-each]
 
 Every variant of a shape is compiled first, then timed in interleaved rounds (see
 `bench_shape`); the table's spread column is how far its rounds differed.
@@ -19,8 +23,9 @@ import argparse
 import json
 import sys
 
+import _tokamax
 import jax
-import jax.numpy as jnp
+from _inputs import attention_inputs
 from _timing import contender, time_rounds
 
 from ejk_kernels_gpu import FlashConfig, flash_attention
@@ -58,8 +63,11 @@ def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
     return impls
 
 
-def bench_shape(shape, variants, with_bwd=True, rounds=7):
-    """Rows for ``variants`` = [(impl, fwd_cfg, bwd_cfg, label)] on one shape.
+def bench_shape(
+    shape, variants, with_bwd=True, rounds=7, tokamax_groups=(_tokamax.GPU_IMPLEMENTATIONS,)
+):
+    """Rows for ``variants`` = [(impl, fwd_cfg, bwd_cfg, label)] on one shape; the impl
+    ``"tokamax"`` gives a row for each of ``tokamax_groups`` (`_tokamax.entries`).
 
     Every variant is compiled and warmed first; then each round times every variant in
     turn (interleaved), so a drift of the card's clocks over the run falls on all of them
@@ -67,49 +75,54 @@ def bench_shape(shape, variants, with_bwd=True, rounds=7):
     (max/min - 1) of its rounds.
     """
     B, T, N, K, H, causal = shape
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
-    d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+    args = attention_inputs(B, T, N, K, H)
     flops = 4 * B * N * T * T * H / (2 if causal else 1)
     cases = []
     for name, fwd_cfg, bwd_cfg, label in variants:
+        row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
+        if name == "tokamax":
+            for entry in _tokamax.entries(row, args, tokamax_groups, causal=causal):
+                cases.append(contender(*entry[:3], with_bwd))
+            continue
         fn = _impls(causal, N, K, fwd_cfg, bwd_cfg).get(name)
         if fn is None:  # JAX's Pallas attention: not importable here, or GQA
             continue
-        row = dict(impl=name, B=B, T=T, N=N, K=K, H=H, causal=causal)
         if label:
             row["cfg"] = label
-        cases.append(contender(row, fn, (q, k, v, d_out), with_bwd))
+        cases.append(contender(row, fn, args, with_bwd))
     rows = time_rounds(cases, rounds, flops)
     for row in rows:
-        print(json.dumps(row), flush=True)
+        print(json.dumps(row, default=str), flush=True)
     return rows
 
 
 def _table(rows):
     print(
-        f"{'shape':<34}{'impl':<8}{'fwd TF/s':>10}{'f+b TF/s':>10}{'fwd ms':>9}{'f+b ms':>9}"
+        f"{'shape':<34}{'impl':<16}{'fwd TF/s':>10}{'f+b TF/s':>10}{'fwd ms':>9}{'f+b ms':>9}"
         f"{'spread':>8}"
     )
     for r in rows:
         shape = f"({r['B']},{r['T']},{r['N']},{r['K']},{r['H']}){' causal' if r['causal'] else ''}"
-        if "error" in r:
-            print(f"{shape:<34}{r['impl']:<8}  error: {r['error'][:60]}")
+        impl = f"{r['impl']}/{r['ran']}" if "ran" in r else r["impl"]
+        if "error" in r or "skipped" in r:
+            why = "error" if "error" in r else "skipped"
+            print(f"{shape:<34}{impl:<16}  {why}: {r[why][:80]}")
             continue
         fb = r.get("fwdbwd_tflops", float("nan"))
         fbm = r.get("fwdbwd_ms", float("nan"))
         spread = max(r["fwd_spread"], r.get("fwdbwd_spread", 0.0))
         print(
-            f"{shape:<34}{r['impl']:<8}{r['fwd_tflops']:>10.1f}{fb:>10.1f}{r['fwd_ms']:>9.3f}{fbm:>9.3f}"
-            f"{spread:>7.1%}  {r.get('cfg', '')}"
+            f"{shape:<34}{impl:<16}{r['fwd_tflops']:>10.1f}{fb:>10.1f}{r['fwd_ms']:>9.3f}"
+            f"{fbm:>9.3f}{spread:>7.1%}  {r.get('cfg', '')}"
+            + (f"  f+b error: {r['fwdbwd_error'][:60]}" if "fwdbwd_error" in r else "")
         )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="", help="comma-separated impls (ejk,cudnn,xla,pallas)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated impls (ejk,cudnn,xla,pallas,tokamax)"
+    )
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
     parser.add_argument("--no-bwd", action="store_true")
@@ -128,6 +141,7 @@ def main() -> int:
         help="ejk backward config bq,bk,warps,stages; several separated by ';' "
         "(an empty one: the heuristic)",
     )
+    _tokamax.add_arguments(parser)
     args = parser.parse_args()
 
     def cfg(text):
@@ -164,14 +178,17 @@ def main() -> int:
         return 0
     fwd_cfgs = [cfg(text) for text in args.fwd_cfg.split(";")]
     bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
-    names = [n for n in ("ejk", "cudnn", "xla", "pallas") if not only or n in only]
+    names = [n for n in ("ejk", "cudnn", "xla", "pallas", "tokamax") if not only or n in only]
+    groups = _tokamax.groups_of(args)
     for shape in shapes:
         variants = [(n, fwd_cfgs[0], bwd_cfgs[0], None) for n in names]
         # Further configs (ejk only): each forward one with the first backward one, and
         # each further backward one with the first forward one.
         variants += [("ejk", c, bwd_cfgs[0], str(c or "heuristic")) for c in fwd_cfgs[1:]]
         variants += [("ejk", fwd_cfgs[0], c, f"bwd {c or 'heuristic'}") for c in bwd_cfgs[1:]]
-        rows += bench_shape(shape, variants, with_bwd=not args.no_bwd, rounds=args.rounds)
+        rows += bench_shape(
+            shape, variants, with_bwd=not args.no_bwd, rounds=args.rounds, tokamax_groups=groups
+        )
     _table(rows)
     if args.json:
         from gpu_conformance import run_info

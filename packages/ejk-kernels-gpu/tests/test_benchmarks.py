@@ -82,3 +82,219 @@ def test_feature_rows_run_and_count_visible_pairs(bench_path):
     ]
     np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)  # segment ids == cu_seqlens
     np.testing.assert_allclose(outs[0].reshape(outs[2].shape), outs[2], atol=1e-5)  # == batch
+
+
+@pytest.fixture(name="no_tokamax")
+def no_tokamax_fixture(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokamax", None)  # `import tokamax` raises
+
+
+@pytest.fixture(name="one_rep")
+def one_rep_fixture(bench_path, monkeypatch):
+    """Time each call once (the CPU interpreter is slow)."""
+    timing = importlib.import_module("_timing")
+    once = timing.seconds_per_call
+    monkeypatch.setattr(timing, "seconds_per_call", lambda f, *a, reps=10: once(f, *a, reps=1))
+
+
+def test_feature_bench_runs_tiny_rows_and_says_tokamax_is_unavailable(
+    bench_path, one_rep, no_tokamax, monkeypatch, tmp_path
+):
+    import json
+
+    features = importlib.import_module("bench_features")
+    out = tmp_path / "rows.json"
+    argv = ["bench_features.py", "--tiny", "--rounds", "1", "--no-bwd", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert features.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["row"] for r in rows} == set(features.ROWS)
+    for r in rows:
+        if r["impl"] == "ejk":
+            assert r["fwd_ms"] > 0 and "error" not in r, r
+        if r["impl"] == "tokamax":
+            assert r["skipped"].startswith("tokamax unavailable") and "fwd_ms" not in r, r
+    tokamax_rows = [(r["row"], r.get("as")) for r in rows if r["impl"] == "tokamax"]
+    assert tokamax_rows == [
+        ("documents", "k_start ranges"),
+        ("documents", "padded batch"),
+        ("window", None),
+        ("softcap", None),
+        ("head256", None),
+        ("head64", None),
+    ]
+    (softcap_cudnn,) = [r for r in rows if r["row"] == "softcap" and r["impl"] == "cudnn"]
+    assert "no logits soft cap" in softcap_cudnn["skipped"]
+
+
+def test_flash_bench_row_says_tokamax_is_unavailable(bench_path, one_rep, no_tokamax):
+    bench_flash = importlib.import_module("bench_flash")
+    variants = [("ejk", None, None, None), ("tokamax", None, None, None)]
+    rows = bench_flash.bench_shape((1, 32, 2, 1, 16, True), variants, with_bwd=False, rounds=1)
+    assert [r["impl"] for r in rows] == ["ejk", "tokamax"]
+    assert rows[0]["fwd_ms"] > 0
+    assert rows[1]["skipped"].startswith("tokamax unavailable") and "fwd_ms" not in rows[1]
+    assert rows[1]["tokamax_call"] == {"is_causal": True}
+    none = bench_flash.bench_shape((1, 32, 2, 1, 16, True), variants[1:], False, 1, ())
+    assert none == []  # --tokamax none
+
+
+def _fake_tokamax(refused: str):
+    """A stand-in for tokamax whose ``refused`` implementation raises NotImplementedError
+    and the others compute ejk's reference attention with the converted arguments."""
+    from types import SimpleNamespace
+
+    from ejk_sequtils import reference_attention
+
+    def dot_product_attention(q, k, v, *, implementation, is_causal, **kw):
+        if implementation == refused:
+            raise NotImplementedError(f"{implementation} refuses")
+        window = kw.get("local_window_size")
+        return reference_attention(q, k, v, causal=is_causal, sliding_window=window,
+                                   logits_soft_cap=kw.get("logits_soft_cap"))  # fmt: skip
+
+    return SimpleNamespace(dot_product_attention=dot_product_attention)
+
+
+def test_tokamax_row_times_the_first_implementation_that_runs(bench_path, one_rep, monkeypatch):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ejk_sequtils import reference_attention
+
+    tokamax = importlib.import_module("_tokamax")
+    monkeypatch.setattr(tokamax, "load", lambda: (_fake_tokamax("mosaic"), ""))
+    features = importlib.import_module("bench_features")
+    flops, entries = features.window(shape=(1, 32, 2, 1, 16), left=4)
+    (entry,) = [e for e in entries if e[0]["impl"] == "tokamax"]
+    assert entry[0]["tokamax_call"] == {"is_causal": True, "local_window_size": (4, 0)}
+    assert list(entry[1]) == ["mosaic", "triton"]
+    q, k, v = (x.astype(jnp.float32) for x in entry[2][:3])
+    np.testing.assert_allclose(
+        entry[1]["triton"](q, k, v),
+        reference_attention(q, k, v, causal=True, sliding_window=(4, 0)),
+        atol=1e-6,
+    )
+    timing = importlib.import_module("_timing")
+    (row,) = timing.time_rounds([timing.contender(*entry[:3], False)], 1, flops)
+    assert row["ran"] == "triton" and "mosaic refuses" in row["refused"]["mosaic"]
+    assert row["fwd_ms"] > 0 and "error" not in row
+    # --tokamax-each: a row per implementation; the refusing one is an error row.
+    each = features.window(shape=(1, 32, 2, 1, 16), left=4, groups=(("mosaic",), ("triton",)))[1]
+    cases = [timing.contender(*e[:3], False) for e in each if e[0]["impl"] == "tokamax"]
+    mosaic, triton = timing.time_rounds(cases, 1, flops)
+    assert "mosaic refuses" in mosaic["error"] and "fwd_ms" not in mosaic
+    assert triton["ran"] == "triton" and triton["fwd_ms"] > 0
+
+
+def test_contender_keeps_the_forward_when_only_the_backward_fails(bench_path, one_rep):
+    import jax
+    import jax.numpy as jnp
+
+    timing = importlib.import_module("_timing")
+
+    @jax.custom_vjp
+    def no_backward(q, k, v):
+        return q * 2.0
+
+    def refuse(res, g):
+        raise NotImplementedError("no backward here")
+
+    no_backward.defvjp(lambda q, k, v: (q * 2.0, None), refuse)
+    args = tuple(jnp.ones((1, 8, 1, 4)) for _ in range(4))
+    (row,) = timing.time_rounds([timing.contender({}, no_backward, args, True)], 1, 1.0)
+    assert row["fwd_ms"] > 0 and "fwdbwd_ms" not in row
+    assert "no backward here" in row["fwdbwd_error"] and "error" not in row
+
+
+def _tokamax_visible(t, *, is_causal, local_window_size=None, k_start=None, **_):
+    """Which keys tokamax shows each query, transcribed from its documentation: ``is_causal``
+    keys ``j <= i``; ``local_window_size=(pre, post)`` becomes ``CausalMask(offset=post,
+    window_size=pre + post + 1)``: ``j <= i + post`` and ``j > i + post - window_size``;
+    ``Mask(k_start=s)``: ``j >= s[i]``."""
+    import numpy as np
+
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    visible = np.ones((t, t), bool)
+    if is_causal:
+        visible &= j <= i
+    if local_window_size is not None:
+        pre, post = local_window_size
+        visible &= (j <= i + post) & (j > i + post - (pre + post + 1))
+    if k_start is not None:
+        visible &= j >= np.asarray(k_start)[:, None]
+    return visible
+
+
+@pytest.mark.parametrize(
+    "ejk",
+    [
+        dict(causal=True),
+        dict(causal=True, sliding_window=(5, 0)),
+        dict(sliding_window=(3, 7)),
+        dict(sliding_window=4),
+        dict(causal=True, sliding_window=(2, 2), logits_soft_cap=50),
+    ],
+)
+def test_tokamax_arguments_select_the_keys_ejk_does(bench_path, ejk):
+    import numpy as np
+
+    from ejk_sequtils import visibility_mask
+
+    tokamax = importlib.import_module("_tokamax")
+    call = tokamax.tokamax_arguments(**ejk)
+    assert call.get("logits_soft_cap") == ejk.get("logits_soft_cap")  # same cap·tanh(x/cap)
+    np.testing.assert_array_equal(
+        _tokamax_visible(24, **call),
+        np.asarray(visibility_mask(24, 24, **{k: v for k, v in ejk.items() if k != "logits_soft_cap"}))[0, 0],
+    )  # fmt: skip
+
+
+def test_document_starts_give_the_causal_keys_of_each_document(bench_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ejk_sequtils import visibility_mask
+
+    tokamax = importlib.import_module("_tokamax")
+    ids = jnp.asarray([[0, 0, 0, 3, 3, 1, 1, 1, 1, 7], [2, 2, 2, 2, 2, 2, 0, 0, 5, 5]], jnp.int32)
+    tokamax.check_runs(ids)
+    starts = jax.jit(tokamax.document_starts)(ids)  # traceable: the ids are a jit argument
+    np.testing.assert_array_equal(starts[0], [0, 0, 0, 3, 3, 5, 5, 5, 5, 9])
+    expected = np.asarray(visibility_mask(10, 10, causal=True, segment_ids=ids))[:, 0]
+    for b in range(2):
+        got = _tokamax_visible(10, is_causal=True, k_start=starts[b])
+        np.testing.assert_array_equal(got, expected[b])
+    for bad in ([[0, 0, 1, 1, 0, 0]], [[0, 0, -1, -1, 1, 1]]):  # a repeated run, padding
+        with pytest.raises(NotImplementedError, match="tokamax key ranges"):
+            tokamax.check_runs(np.asarray(bad))
+
+
+def test_tokamax_matches_ejk_reference_where_it_is_installed(bench_path):
+    """With tokamax importable (jax >= 0.11.1), its XLA implementation under the converted
+    arguments gives ejk's reference outputs, documents included."""
+    pytest.importorskip("tokamax")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ejk_sequtils import reference_attention
+
+    tokamax = importlib.import_module("_tokamax")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 48, 4, 16)) * 3
+    k, v = (jax.random.normal(x, (2, 48, 2, 16)) for x in keys[1:])
+    for ejk in (dict(causal=True, sliding_window=(9, 0)), dict(sliding_window=(5, 3)),
+                dict(causal=True, logits_soft_cap=2.0)):  # fmt: skip
+        fns, _ = tokamax.candidates(("xla",), **ejk)
+        np.testing.assert_allclose(
+            fns["xla"](q, k, v), reference_attention(q, k, v, **ejk), atol=1e-5
+        )
+    ids = jnp.repeat(jnp.asarray([[0, 1, 2], [4, 0, 9]], jnp.int32), 16, axis=1)
+    fns, _ = tokamax.candidates(("xla",), documents=True, causal=True)
+    np.testing.assert_allclose(
+        jax.jit(fns["xla"])(q, k, v, ids),
+        reference_attention(q, k, v, causal=True, segment_ids=ids),
+        atol=1e-5,
+    )

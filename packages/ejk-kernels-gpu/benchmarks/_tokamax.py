@@ -153,8 +153,8 @@ def entries(
 ) -> list[tuple]:
     """Benchmark entries ``(row, {name: fn}, args[, (segment_ids,)])`` of tokamax, one per
     group of implementations (tried in order, see `_timing.contender`), on the call ejk
-    makes with ``ejk_kwargs``. Each row records tokamax's arguments (``tokamax_call``);
-    where tokamax is missing or cannot express the case, ``row["skipped"]`` says why.
+    makes with ``ejk_kwargs``. Each row records tokamax's arguments (``tokamax_call``) and
+    version (``tokamax_version``); where tokamax is missing or cannot express the case, ``row["skipped"]`` says why.
 
     Args:
         row: the shape's fields; ``impl`` becomes ``"tokamax"``.
@@ -167,9 +167,11 @@ def entries(
     if documents is not None:
         call = {**call, "mask": "Mask(k_start=document_starts(segment_ids), is_causal=True)"}
     side = () if documents is None else ((documents,),)
+    module, _ = load()
+    version = {} if module is None else {"tokamax_version": getattr(module, "__version__", "?")}
     out = []
     for group in groups:
-        fields = {**row, "impl": "tokamax", "tokamax_call": call}
+        fields = {**row, "impl": "tokamax", "tokamax_call": call, **version}
         try:
             if documents is not None:
                 check_runs(documents)

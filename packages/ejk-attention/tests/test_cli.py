@@ -383,13 +383,12 @@ SEVEN_PAGES = ["--op", "paged", "--shape", "2,1,100,4,2,16", "--page-size", "16"
         (["--page-size", "16"], "--page-size apply to --op paged only"),
         (["--ragged", "--num-pages", "4"], "--num-pages, --ragged apply to --op paged only"),
         (
-            ["--op", "paged", "--impl", "triton"],
-            "--impl does not apply to --op paged: paged_attention reads no tuned backend, "
-            "so 'ejk tune' tunes only the Triton paged kernel's config",
+            ["--op", "paged", "--impl", "xla"],
+            "--impl xla: paged_attention's xla backend has no config to tune",
         ),
         (
             ["--op", "paged", "--no-kernels"],
-            "--op paged tunes only the Triton paged kernel's config: --no-kernels leaves nothing",
+            "--no-kernels applies to --op flash only: --op paged tunes the --impl backends' configs",
         ),
         (["--op", "paged", "--page-size", "0"], "argument --page-size: must be >= 1, got 0"),
         (
@@ -431,14 +430,26 @@ def test_tune_paged_argument_errors_come_before_any_work(argv, message, capsys, 
     assert err.splitlines()[-1] == f"ejk tune: error: {message}"
 
 
-def test_tune_paged_on_cpu_tunes_nothing_without_kernels_and_says_so(tmp_path, capsys):
+@pytest.mark.usefixtures("no_work")
+def test_tune_paged_names_the_paged_backends_for_an_impl_paged_attention_lacks(capsys):
+    from ejk_attention._paged import PAGED_BACKENDS
+
+    assert "cudnn" not in PAGED_BACKENDS
+    assert main(["tune", "--op", "paged", "--impl", "cudnn", "--quiet"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "ejk tune: error: --impl cudnn: paged_attention has no cudnn backend "
+        f"(it has {', '.join(PAGED_BACKENDS)})"
+    )
+
+
+def test_tune_paged_on_cpu_tunes_nothing_by_default_and_says_so(tmp_path, capsys):
     cache_dir = tmp_path / "cache"
     assert main([*PAGED, "--cache-dir", str(cache_dir)]) == 1
     captured = capsys.readouterr()
     assert captured.err.strip() == (
         "ejk tune: error: nothing tuned: on cpu paged_attention runs xla, which has no config "
-        "(the Triton paged kernel runs here only in Triton's interpreter; --kernels tunes it "
-        "there anyway, for implementation='triton')"
+        "(--impl triton times the Triton paged kernel in Triton's interpreter, for "
+        "implementation='triton')"
     )
     assert captured.out == ""
     assert not cache_dir.exists()
@@ -447,15 +458,14 @@ def test_tune_paged_on_cpu_tunes_nothing_without_kernels_and_says_so(tmp_path, c
 def test_tune_paged_stores_nothing_for_a_shape_the_kernel_refuses(tmp_path, capsys):
     cache_dir = tmp_path / "cache"
     shape = ["--shape", "1,1,16,2,1,512", "--page-size", "16"]  # head_dim 512 > 256
-    assert main([*PAGED, *shape, "--kernels", "--cache-dir", str(cache_dir)]) == 1
+    assert main([*PAGED, *shape, "--impl", "triton", "--cache-dir", str(cache_dir)]) == 1
     captured = capsys.readouterr()
-    assert "B1 T1 S16 N2 K1 H512 float32 pages 1x16 (1/seq): nothing stored (triton: " in (
+    assert "B1 T1 S16 N2 K1 H512 float32 pages 1x16 (1/seq): triton: nothing stored (the " in (
         captured.out
     )
     assert "head_dim <= 256" in captured.out
     assert captured.err.strip() == (
-        f"ejk tune: error: nothing stored in {cache_dir / 'configs-v1.json'}: "
-        "the Triton paged kernel served no case"
+        f"ejk tune: error: nothing stored in {cache_dir / 'configs-v1.json'}: triton served no case"
     )
     assert not (cache_dir / "configs-v1.json").exists()
 
@@ -470,19 +480,19 @@ def test_tune_paged_stores_the_config_the_facade_then_runs_with(ragged, capsys, 
 
     form = ["--ragged"] if ragged else []
     layout = ["--shape", "2,1,100,4,2,16", "--page-size", "16", "--num-pages", "20"]
-    args = [*PAGED, *layout, *form, "--kernels", "--max-candidates", "2"]  # the default cache
+    args = [*PAGED, *layout, *form, "--impl", "triton", "--max-candidates", "2"]  # default cache
     before = set(open_cache(fresh=True).keys())
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "B2 T1 S100 N4 K2 H16 float32 pages 20x16 (7/seq)" in out
-    assert "triton paged config PagedConfig(" in out and "stored 1 entries" in out
+    label = "B2 T1 S100 N4 K2 H16 float32 pages 20x16 (7/seq)" + (" ragged" if ragged else "")
+    assert f"{label}: triton forward config PagedConfig(" in out and "stored 1 entries" in out
     (key,) = set(open_cache(fresh=True).keys()) - before
     assert key.startswith("ejk_kernels_gpu.paged_attention/")
     stored = open_cache(fresh=True).get(key)
     assert type(stored).__name__ == "PagedConfig"
     # The tuned config is not the heuristic's, so a facade that missed the key would differ.
     heuristic = out.split("(heuristic: ")[1].split(")")[0] + ")"
-    assert f"triton paged config {stored} (heuristic: " in out and heuristic != str(stored)
+    assert f"triton forward config {stored} (heuristic: " in out and heuristic != str(stored)
     assert main(["cache", "show", key]) == 0  # the cache commands decode it
     assert '"block_m":' in capsys.readouterr().out
 
@@ -529,3 +539,16 @@ def test_tune_help_describes_the_paged_op(capsys):
     assert "--op paged: the PagedKVCache's layout" in help_text
     for option in ("--page-size", "--pages-per-seq", "--num-pages", "--ragged"):
         assert option in help_text
+
+
+def test_tune_paged_on_gpu_tunes_the_triton_config_by_default(tmp_path, capsys, monkeypatch):
+    """The default backends are those implementation=None runs with a config: on GPU, triton
+    (the platform is faked; the kernel runs in Triton's interpreter on these CPU arrays)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cache_dir = tmp_path / "cache"
+    args = [*PAGED, "--shape", "1,1,32,2,1,16", "--page-size", "16", "--max-candidates", "1"]
+    assert main([*args, "--cache-dir", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "B1 T1 S32 N2 K1 H16 float32 pages 2x16 (2/seq): triton forward config Paged" in out
+    assert "xla" not in out  # it has no config: nothing to say about it
+    assert f"stored 1 entries in {cache_dir / 'configs-v1.json'}" in out

@@ -8,9 +8,9 @@ this package's version, never an address; the choice holds a backend name only,
 so a stale or foreign entry can change speed, never numerics.
 
 ``ejk tune --op paged`` stores no backend choice (`paged_attention` reads none): it
-autotunes the Triton paged kernel's config for a `PagedCase`, through the invocation
-the facade's own triton backend builds for `paged_request` of the case, so the key
-stored is the one `paged_attention` looks up for a cache of the same shape.
+autotunes the kernel configs of paged attention's backends for a `PagedCase`, through
+the invocations the facade's own backends build for `paged_request` of the case, so the
+keys stored are the ones `paged_attention` looks up for a cache of the same layout.
 """
 
 from __future__ import annotations

@@ -393,47 +393,59 @@ def _autotuner(args: argparse.Namespace, cache: Any) -> Any:
 
 
 def _tune_paged(args: argparse.Namespace) -> int:
-    """``ejk tune --op paged``: autotune the Triton paged kernel's config per case.
+    """``ejk tune --op paged``: autotune the configs of paged attention's backends per case.
 
-    `paged_attention` reads no backend choice, so only the config is stored, under the
-    key of the invocation the facade's triton backend builds (`PagedTritonBackend`).
-    Off GPU the facade runs xla (no config) unless asked for triton, whose kernel runs
-    there in Triton's interpreter: tuned only with ``--kernels``, as flash's configs are.
+    The backends are ``--impl``'s, else those ``implementation=None`` runs on this
+    platform that have a config (triton on GPU). `paged_attention` reads no backend
+    choice, so only configs are stored, under the keys of the invocations the facade's
+    backends build for the case. Off GPU ``--impl triton`` times the Triton paged
+    kernel in Triton's interpreter, as ``--impl triton`` does for flash.
     """
     import jax
 
-    from ._backends import platform_of
+    from ._backends import default_order, platform_of
     from ._paged import PAGED_BACKENDS
     from ._tuned import open_cache, paged_request
 
     platform = jax.default_backend()
-    if not args.kernels and platform != "gpu":
+    runs = [n for n in default_order(platform) if n in PAGED_BACKENDS]
+    names = args.impl or [n for n in runs if _has_configs(PAGED_BACKENDS[n])]
+    if not names:
         return _fail(
             "tune",
-            f"nothing tuned: on {platform} paged_attention runs xla, which has no config "
-            "(the Triton paged kernel runs here only in Triton's interpreter; --kernels "
-            "tunes it there anyway, for implementation='triton')",
+            f"nothing tuned: on {platform} paged_attention runs {', '.join(runs)}, which has "
+            "no config (--impl triton times the Triton paged kernel in Triton's interpreter, "
+            "for implementation='triton')",
         )
     cache = open_cache(args.cache_dir, fresh=True)
     chooser = _autotuner(args, cache)
-    backend = PAGED_BACKENDS["triton"]
     console = _console()
     keys = []
-    for case in _progress(args, "tune triton paged configs")(args.paged_cases):
+    for case in _progress(args, "tune paged configs")(args.paged_cases):
         request = paged_request(case)
-        reason = backend.supported(request, platform_of(request))
-        inv = None if reason else backend.invocations(request).get("forward")
-        if inv is None:
-            reason = reason or "this ejk_kernels_gpu has no executor kernel PagedAttention"
-            console.print(f"{case.label}: nothing stored (triton: {reason})", soft_wrap=True)
-            continue
-        cfg = chooser.tune(inv)
-        keys.append(inv.call_key)
-        console.print(
-            f"{case.label}: triton paged config {cfg} (heuristic: {inv.kernel.heuristic_cfg(inv)})",
-            soft_wrap=True,
-        )
-    return _stored(args, cache, keys, console, "the Triton paged kernel served no case")
+        for name in names:
+            backend = PAGED_BACKENDS[name]
+            reason = backend.supported(request, platform_of(request))
+            invocations = {} if reason else backend.invocations(request)
+            if not invocations:
+                reason = reason or "its kernel package has no executor kernel to tune"
+                console.print(f"{case.label}: {name}: nothing stored ({reason})", soft_wrap=True)
+            for part, inv in invocations.items():
+                cfg = chooser.tune(inv)
+                keys.append(inv.call_key)
+                heuristic = inv.kernel.heuristic_cfg(inv)
+                console.print(
+                    f"{case.label}: {name} {part} config {cfg} (heuristic: {heuristic})",
+                    soft_wrap=True,
+                )
+    return _stored(args, cache, keys, console, f"{', '.join(names)} served no case")
+
+
+def _has_configs(backend: Any) -> bool:
+    """Whether ``backend`` runs with executor configs (it builds invocations)."""
+    from ._backends import Backend
+
+    return type(backend).invocations is not Backend.invocations
 
 
 # ejk cache
@@ -586,13 +598,19 @@ def _tune_problem(args: argparse.Namespace) -> str | None:
     if args.op == "flash":
         given = _given(args, PAGED_OPTIONS)
         return f"{', '.join(given)} apply to --op paged only" if given else None
-    if args.impl:
-        return (
-            "--impl does not apply to --op paged: paged_attention reads no tuned backend, "
-            "so 'ejk tune' tunes only the Triton paged kernel's config"
-        )
-    if args.kernels is False:
-        return "--op paged tunes only the Triton paged kernel's config: --no-kernels leaves nothing"
+    from ._paged import PAGED_BACKENDS
+
+    if args.kernels is not None:
+        given = "--kernels" if args.kernels else "--no-kernels"
+        return f"{given} applies to --op flash only: --op paged tunes the --impl backends' configs"
+    for name in args.impl or ():
+        if name not in PAGED_BACKENDS:
+            return (
+                f"--impl {name}: paged_attention has no {name} backend "
+                f"(it has {', '.join(PAGED_BACKENDS)})"
+            )
+        if not _has_configs(PAGED_BACKENDS[name]):
+            return f"--impl {name}: paged_attention's {name} backend has no config to tune"
     try:
         args.paged_cases = _paged_cases(args)
     except ValueError as err:
@@ -648,7 +666,7 @@ def _parser() -> argparse.ArgumentParser:
             _tune,
             IMPLEMENTATIONS,
             "time the backends per shape and store the fastest in the persistent cache "
-            "(--op paged: the Triton paged kernel's autotuned config)",
+            "(--op paged: paged attention's autotuned kernel configs)",
         ),
     ):
         p = sub.add_parser(name, help=help_text)
@@ -676,7 +694,8 @@ def _parser() -> argparse.ArgumentParser:
             type=_implementation(accepted),
             metavar="IMPL",
             help=f"{', '.join(accepted)} (repeatable); default: the platform's"
-            + (f", then {BASELINE}" if BASELINE in accepted else ""),
+            + (f", then {BASELINE}" if BASELINE in accepted else "")
+            + ("; --op paged: the backends whose configs are tuned" if name == "tune" else ""),
         )
         p.add_argument(
             "--iters",
@@ -717,15 +736,16 @@ def _parser() -> argparse.ArgumentParser:
                 choices=("flash", "paged"),
                 default="flash",
                 help="flash: flash_attention's backend and Triton configs; paged: the "
-                "Triton paged kernel's config for paged_attention (or ragged_paged_attention "
-                "with --ragged) on a cache of the shape given (default: flash)",
+                "configs of paged_attention's backends (--impl; default: the platform's with "
+                "a config, triton on GPU), or ragged_paged_attention's with --ragged, on a "
+                "cache of the layout given (default: flash)",
             )
             p.add_argument(
                 "--kernels",
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help="also autotune the Triton forward and backward configs per shape; "
-                "--op paged tunes only the paged kernel's config (default: on GPU)",
+                help="also autotune the Triton forward and backward configs per shape "
+                "(default: on GPU; --op flash only)",
             )
             p.add_argument(
                 "--max-candidates",

@@ -77,6 +77,24 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
 
 
+def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
+    """The Gluon forward's masked builds (window, soft cap, documents as segment ids, keys
+    off the tile; packed sequences at head_dim 128) at head_dim 64, 128 and 256: three
+    warpgroups, within shared memory, no register spills. (Every mask at once, and packed
+    sequences at head_dim 256, spill a few dozen bytes: not offered here as clean.)"""
+    rows = _compile(
+        "--head-dims", "64,128,256", "--variants", "window,softcap,documents,tail",
+        "--space", "heuristic", "--kernels", "fwd_kernel",
+    )  # fmt: skip
+    rows += _compile(
+        "--head-dims", "128", "--variants", "packed", "--space", "heuristic", "--kernels", "fwd_kernel"
+    )  # fmt: skip
+    gluon = [r for r in rows if r["config"]["gluon"]]
+    built = {(r["variant"], r["head_dim"]) for r in gluon}
+    assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128)}  # fmt: skip
+    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
+
+
 def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():
     """The warp-specialised config compiles for causal calls into three warpgroups (a mask
     Triton could not specialise would fall back silently to one, `.reqntid 128`)."""

@@ -3,12 +3,15 @@ and the jax-triton hook that launches Gluon kernels.
 
 Gluon kernels do not run in Triton's interpreter, so the kernel itself is checked on a
 Hopper GPU (benchmarks/gpu_conformance.py, docs/performance.md) and built for sm_90 here
-(test_aot.py: both configs, unmasked and causal, no spills). The tests below pretend to be
-on Hopper and stand in for the kernel with the reference, to check everything around it.
+(test_aot.py: its configs and masks, no spills). The tests below pretend to be on Hopper and
+stand in for the kernel with a NumPy emulation of its algorithm (`_emulate_gluon`), to check
+everything around it: which calls take it, its constexprs, and that the block tables and
+mask rules it relies on give the reference's values.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -18,11 +21,12 @@ import numpy as np
 import pytest
 
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
-from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
+from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, gluon_fits, ordinary_config
 from ejk_sequtils import reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
+GLUON256 = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
 
 
 @pytest.mark.parametrize(
@@ -31,9 +35,9 @@ GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=
         (dict(gluon=1), TypeError, "gluon must be a bool"),
         (dict(gluon=True, warp_specialize=True), ValueError, "cannot be combined"),
         (dict(gluon=True, atomic_dq=True), ValueError, "cannot be combined"),
-        (dict(gluon=True, block_q=64), ValueError, "128x128 tiles"),
-        (dict(gluon=True, block_k=64), ValueError, "128x128 tiles"),
-        (dict(gluon=True, num_warps=8), ValueError, "128x128 tiles"),
+        (dict(gluon=True, block_q=64), ValueError, "128-row query tiles"),
+        (dict(gluon=True, block_k=32), ValueError, "128-row query tiles"),
+        (dict(gluon=True, num_warps=8), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_stages=4), ValueError, "num_stages 2 or 3"),
     ],
 )  # fmt: skip
@@ -53,10 +57,22 @@ def test_heuristic_and_space_offer_it_only_when_allowed():
     assert fwd_heuristic(128, 2, False, warp_specialize=True) == GLUON
     assert not fwd_heuristic(128, 2, False).gluon
     assert not fwd_heuristic(128, 4, False, warp_specialize=True).gluon  # float32
-    assert not fwd_heuristic(64, 2, False, warp_specialize=True).gluon
+    assert fwd_heuristic(64, 2, False, gluon=True) == GLUON
+    assert fwd_heuristic(256, 2, True, gluon=True) == GLUON256
+    assert not fwd_heuristic(96, 2, False, gluon=True).gluon
+    assert not fwd_heuristic(128, 2, True, warp_specialize=True, gluon=False).gluon
     assert {GLUON, GLUON2} <= set(fwd_search_space(128, 2, False, warp_specialize=True))
+    assert {GLUON, GLUON2} <= set(fwd_search_space(128, 2, True, gluon=True))
     assert not any(c.gluon for c in fwd_search_space(128, 2, False))
-    assert not any(c.gluon for c in fwd_search_space(256, 2, False, warp_specialize=True))
+    assert [c for c in fwd_search_space(256, 2, False, gluon=True) if c.gluon] == [GLUON256]
+
+
+def test_gluon_fits_the_tiles_to_the_head_dim():
+    assert gluon_fits(GLUON, 128) and gluon_fits(GLUON, 64) and gluon_fits(GLUON256, 256)
+    assert not gluon_fits(GLUON, 256)  # 128 keys of 256 columns: too many registers
+    assert not gluon_fits(GLUON256, 96)  # no tiles for 96
+    assert not gluon_fits(FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3,
+                                      gluon=True), 256)  # shared memory  # fmt: skip
 
 
 def test_ordinary_config_keeps_the_tiles():
@@ -65,22 +81,92 @@ def test_ordinary_config_keeps_the_tiles():
     assert ordinary_config(GLUON2, 128, 2, side_inputs=False) == twin
 
 
+def _emulate_gluon(inputs, consts):
+    """The Gluon forward's algorithm in NumPy (float32): per query block, the key blocks of
+    its table row walked as the kernel walks them (the first one masked when ``MASKED``, the
+    full range unmasked, the rest masked, masked loops compiled out without ``MASKED``),
+    each masked block through the kernel's mask rules. A table that sends a block needing a
+    mask down the unmasked path, or misses a visible block, gives a wrong answer here."""
+    q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges = (np.asarray(x) for x in inputs)
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    c = consts
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, bm, bn = k.shape[1], c["BM"], c["BN"]
+    qk, cap = c["QK"], c["SOFT_CAP"]
+    out = np.zeros(q.shape, np.float32)
+    lse = np.full((batch, heads, q_len), -np.inf, np.float32)
+    n_m = -(-q_len // bm)
+    for b, n, pid in itertools.product(range(batch), range(heads), range(n_m)):
+        lo, full_lo, full_hi, hi = ranges[b, pid] if c["HAS_SEG"] else ranges[pid]
+        j_lo, jf_lo, jf_hi, j_hi = lo // bn, full_lo // bn, full_hi // bn, -(-hi // bn)
+        rows = pid * bm + np.arange(bm)
+        q_rows = np.where((rows < q_len)[:, None], q[b, np.minimum(rows, q_len - 1), n], 0.0)
+        sink = float(sinks[n]) * math.log2(math.e) if c["HAS_SINKS"] else None
+        m = np.full(bm, -np.inf if sink is None else sink, np.float32)
+        l_sum = np.zeros(bm, np.float32) if sink is None else np.ones(bm, np.float32)
+        acc = np.zeros((bm, head_dim), np.float32)
+        order = [(j_lo, c["MASKED"])] if j_hi > j_lo else []
+        if j_hi > j_lo:
+            if c["MASKED"]:
+                order += [(j, True) for j in range(j_lo + 1, jf_lo)]
+            order += [(j, False) for j in range(max(jf_lo, j_lo + 1), jf_hi)]
+            if c["MASKED"]:
+                order += [(j, True) for j in range(max(jf_hi, j_lo + 1), j_hi)]
+        for j, masked in order:
+            keys = j * bn + np.arange(bn)
+            kk = np.minimum(keys, kv_len - 1)
+            kh = n // c["G"]
+            k_blk = np.where((keys < kv_len)[:, None], k[b, kk, kh], 0.0)
+            v_blk = np.where((keys < kv_len)[:, None], v[b, kk, kh], 0.0)
+            s = q_rows @ k_blk.T
+            x = np.tanh(s * c["CAP_IN"]) * c["CAP_OUT"] if cap > 0 else s * qk
+            if masked:
+                vis = np.broadcast_to((keys < kv_len)[None, :], x.shape).copy()
+                qr = np.minimum(rows, q_len - 1)
+                pos_q, pos_k = rows, keys
+                if c["VARLEN"]:
+                    vis &= (np.where(rows < q_len, qsid[qr], -1)[:, None] ==
+                            np.where(keys < kv_len, ksid[kk], -2)[None, :])  # fmt: skip
+                    pos_q, pos_k = qpos[qr], kpos[kk]
+                if c["CAUSAL"]:
+                    vis &= pos_k[None, :] <= pos_q[:, None]
+                if c["WINDOW_LEFT"] >= 0:
+                    vis &= pos_k[None, :] >= pos_q[:, None] - c["WINDOW_LEFT"]
+                    vis &= pos_k[None, :] <= pos_q[:, None] + c["WINDOW_RIGHT"]
+                if c["HAS_SEG"]:
+                    qs = np.where(rows < q_len, qseg[b, qr], -1)[:, None]
+                    vis &= (qs == np.where(keys < kv_len, kseg[b, kk], -1)[None, :]) & (qs >= 0)
+                x = np.where(vis, x, -np.inf)
+            m_new = np.maximum(m, x.max(1))
+            m_use = np.where(m_new == -np.inf, 0.0, m_new) if masked else m_new
+            p = np.exp2(x - m_use[:, None])
+            alpha = np.exp2(m - m_use)
+            l_sum = l_sum * alpha + p.sum(1)
+            acc = acc * alpha[:, None] + p @ v_blk
+            m = m_new
+        keep = rows < q_len
+        mass = l_sum > 0
+        o = acc / np.where(mass, l_sum, 1.0)[:, None]
+        out[b, rows[keep], n] = o[keep]
+        lse[b, n, rows[keep]] = np.where(
+            mass, (m + np.log2(np.where(mass, l_sum, 1.0))) * math.log(2), -np.inf
+        )[keep]
+    return out, lse
+
+
 @pytest.fixture(name="gluon_launches")
 def gluon_launches_fixture(on_hopper):
     """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernel's
-    with the reference (out, lse) it must produce and an empty scratch buffer."""
+    with its NumPy emulation (`_emulate_gluon`) and an empty scratch buffer."""
     seen = []
 
     def record(name, grid, inputs, outs, consts, kwargs):
         if name == "gluon_fwd_kernel":
             seen.append((name, grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
-            q, k, v, sinks = inputs
-            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            out, lse = reference_attention(
-                *f32, causal=consts["CAUSAL"], softmax_scale=consts["QK"] / math.log2(math.e),
-                softmax_sinks=sinks if consts["HAS_SINKS"] else None, return_lse=True,
-            )  # fmt: skip
-            return out.astype(q.dtype), lse, jnp.zeros(outs[2].shape, outs[2].dtype)
+            out, lse = _emulate_gluon(inputs, consts)
+            q = inputs[0]
+            scratch = jnp.zeros(outs[2].shape, outs[2].dtype)
+            return jnp.asarray(out, q.dtype), jnp.asarray(lse), scratch
         if name == "fwd_kernel":
             seen.append((name, grid, dict(consts), None, kwargs))
         return None
@@ -109,6 +195,7 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
     assert {k: consts[k] for k in ("T", "S", "N", "G", "H", "CAUSAL", "HAS_SINKS")} == dict(
         T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, HAS_SINKS=sinks
     )
+    assert consts["MASKED"] == causal  # the keys fill their 128-key tiles
     assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
     assert (consts["BM"], consts["BN"], consts["STAGES"], kw["num_warps"]) == (128, 128, 3, 4)
     assert outs[:2] == [(q.shape, q.dtype), ((2, heads, q_len), jnp.float32)]
@@ -126,19 +213,89 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
         assert err < 2e-2
 
 
+def _doc_ids(rng, batch, length, repeat=False):
+    """Documents of 20-90 tokens (across the 128-row tiles), 5 padding tokens (-1) at the
+    end; ``repeat``: the last document reuses id 0 (a second run of the same id)."""
+    ids = np.full((batch, length), -1, np.int32)
+    for row in ids:
+        start = doc = 0
+        while start < length - 5:
+            end = min(start + int(rng.integers(20, 91)), length - 5)
+            row[start:end] = 0 if repeat and end == length - 5 and doc > 0 else doc
+            start, doc = end, doc + 1
+    return jnp.asarray(ids)
+
+
+# Masked calls the Gluon forward takes: (name, head_dim, q_len, kv_len, kwargs).
+MASKED_CALLS = [
+    ("window", 128, 384, 384, dict(causal=True, sliding_window=(100, 0))),
+    ("window two-sided T!=S", 64, 200, 300, dict(sliding_window=(60, 30))),
+    ("soft cap sinks", 128, 256, 256, dict(causal=True, logits_soft_cap=5.0, sinks=True)),
+    ("keys off the tile", 128, 130, 200, {}),
+    ("documents", 128, 384, 384, dict(causal=True, documents=True)),
+    ("documents repeat", 64, 256, 256, dict(documents="repeat")),
+    ("packed", 128, 400, 400, dict(causal=True, packed=True)),
+    ("head_dim 256 window cap", 256, 256, 256, dict(causal=True, sliding_window=(70, 0), logits_soft_cap=8.0)),
+    ("decode row", 128, 1, 300, dict(causal=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MASKED_CALLS, ids=[c[0] for c in MASKED_CALLS])
+def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, case):
+    """Windows, soft caps, documents (repeated ids, padding rows that see nothing), packed
+    sequences, keys off the tile and head_dim 64/256 run the Gluon forward; the emulated
+    kernel, fed the launch's own tables, gives the reference's values, lse and (through the
+    interpreted backward) gradients."""
+    _, head_dim, q_len, kv_len, kwargs = case
+    kwargs = dict(kwargs)
+    heads, kv_heads, batch = 4, 2, 2
+    if kwargs.pop("packed", False):
+        batch = 1
+        cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    documents = kwargs.pop("documents", False)
+    if documents:
+        kwargs["segment_ids"] = _doc_ids(rng, batch, q_len, repeat=documents == "repeat")
+    if kwargs.pop("sinks", False):
+        kwargs["softmax_sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), jnp.float16)
+    kv = (batch, kv_len, kv_heads, head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(kv), jnp.float16) for _ in range(2))
+
+    def loss(fn, q, k, v):
+        out, lse = fn(q, k, v, return_lse=True, **kwargs)
+        live = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(live), (out, lse)
+
+    grads, (out, lse) = jax.grad(lambda *a: loss(flash_attention, *a), (0, 1, 2), has_aux=True)(
+        q, k, v
+    )
+    [(name, _, consts, _, _)] = [launch for launch in gluon_launches if launch[3] is not None]
+    assert name == "gluon_fwd_kernel" and consts["H"] == head_dim
+    assert consts["BN"] == (64 if head_dim == 256 else 128)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref_grads, (ref_out, ref_lse) = jax.grad(
+        lambda *a: loss(reference_attention, *a), (0, 1, 2), has_aux=True
+    )(*f32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-3)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-3)  # -inf where no key
+    for got, ref in zip(grads, ref_grads, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        assert err < 1e-2
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(causal=True, sliding_window=(8, 0)),  # a mask it cannot do
-        dict(logits_soft_cap=5.0),
         dict(bias=True),
         dict(dtype=jnp.float32),
-        dict(head_dim=64),
-        dict(kv_len=200),  # key length off its 128-key tiles
+        dict(dropout_rate=0.2, dropout_seed=1),
+        dict(head_dim=96),
     ],
 )  # fmt: skip
 def test_other_calls_run_the_ordinary_kernel_correctly(gluon_launches, rng, kwargs):
-    """An explicit Gluon config falls back to the ordinary kernel with the same tiles."""
+    """An explicit Gluon config falls back to the ordinary kernel with the same tiles where
+    the Gluon forward cannot run: a bias, float32, dropout, a head_dim it has no tiles for."""
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     head_dim = kwargs.pop("head_dim", 128)

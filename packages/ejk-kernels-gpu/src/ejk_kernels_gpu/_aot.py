@@ -53,10 +53,20 @@ _POINTER_TYPES = {
     "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "seed_ptr": "u32",
 }  # fmt: skip
 
-# Features switched on for the compile: the heaviest variant (every mask branch) and the plain one.
+# Features switched on for the compile: the heaviest variant (every mask branch) and the plain one;
+# "masks": every mask the Gluon forward takes (no bias or dropout), "tail": keys off the tile.
 VARIANTS = {
     "plain": dict(causal=False),
     "causal": dict(causal=True, sinks=True),
+    "masks": dict(
+        causal=True, window=(64, 0), soft_cap=30.0, has_seg=True, varlen=True, sinks=True
+    ),
+    "softcap": dict(causal=True, soft_cap=30.0),
+    "window": dict(causal=True, window=(1024, 0)),
+    "documents": dict(causal=True, has_seg=True),
+    "packed": dict(causal=True, window=(64, 0), varlen=True),
+    "capped-documents": dict(causal=True, soft_cap=30.0, has_seg=True, sinks=True),
+    "tail": dict(causal=False, kv_len=4000),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
         bias=True, sinks=True,
@@ -68,6 +78,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     feats = dict(VARIANTS[variant])
     bias = feats.pop("bias", False)
     sinks = feats.pop("sinks", False)
+    kv_len = feats.pop("kv_len", 4096)
     opts = CallOptions(
         scale=head_dim**-0.5,
         causal=feats.get("causal", False),
@@ -81,8 +92,8 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     )
     batch, seq, heads, kv_heads = 2, 4096, 16, 8
     q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype))
-    k = jax.ShapeDtypeStruct((batch, seq, kv_heads, head_dim), jnp.dtype(dtype))
-    b = jax.ShapeDtypeStruct((batch, heads, seq, seq), jnp.dtype(dtype)) if bias else None
+    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.dtype(dtype))
+    b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None
     if cfg.gluon:  # the Gluon forward (its own arguments)
         return dict(gluon_constexprs(opts, q, k, sinks, cfg), INTERPRET=False)
     consts = kernel_constexprs(opts, q, k, b, sinks)
@@ -221,17 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     itemsize = jnp.dtype(args.dtype).itemsize
     for head_dim in (int(h) for h in args.head_dims.split(",")):
         for variant in args.variants.split(","):
-            side = variant == "all"  # the variant with bias, segments, packing and dropout
+            side = variant in ("all", "masks")  # variants with segments and packing
             ws = variant in ("plain", "causal")  # masks the warp-specialised loop can do
+            gluon = variant != "all"  # the Gluon forward takes no bias or dropout
             for group, names in KERNELS.items():
                 if args.space == "full" and group == "fwd":
-                    space = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
+                    space = fwd_search_space(
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
+                    )
                 elif args.space == "full":
                     space = bwd_search_space(head_dim, itemsize, side)
                 elif group == "fwd":  # the heuristic and every Hopper build the call can take
-                    full = fwd_search_space(head_dim, itemsize, side, warp_specialize=ws)
+                    full = fwd_search_space(
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
+                    )
                     special = (c for c in full if c.warp_specialize or c.gluon)
-                    heuristic = fwd_heuristic(head_dim, itemsize, side, warp_specialize=ws)
+                    heuristic = fwd_heuristic(
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
+                    )
                     space = tuple(dict.fromkeys((heuristic, *special)))
                 else:  # the heuristic and its twin (both ways of computing dq), and the
                     # warp-specialised one where the call could take it

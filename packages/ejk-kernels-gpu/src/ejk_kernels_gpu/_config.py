@@ -19,6 +19,7 @@ __all__ = [
     "fits_shared_memory",
     "fwd_heuristic",
     "fwd_search_space",
+    "gluon_fits",
     "head_block",
     "ordinary_config",
 ]
@@ -53,12 +54,14 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             step 7).
         gluon: forward only, Hopper (sm_90) only: run the forward written in Gluon
             (`_gluon_forward_kernel`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
-            and two consumer warpgroups; 128x128 tiles, ``num_warps`` 4 per warpgroup,
-            ``num_stages`` slots in each of the k and v rings). Taken by calls the
-            warp-specialised loop could take, with head_dim 128, 16-bit inputs and a
-            positive scale (sinks allowed); any other call runs the ordinary kernel with the
-            same tiles (`ordinary_config`). The forward heuristic picks it wherever it can
-            run (H100: 0.95x cuDNN unmasked, docs/performance.md step 10).
+            and two consumer warpgroups; ``block_q`` 128, ``num_warps`` 4 per warpgroup,
+            ``block_k`` 128 or 64, ``num_stages`` slots in each of the k and v rings).
+            Taken by calls with 16-bit inputs, a positive scale, no bias or dropout and
+            tiles that fit (`gluon_fits`: head_dim 64 and 128 with either key tile, 256
+            with 64 keys and two slots); every mask, soft cap and sinks run in it. Any other
+            call runs the ordinary kernel with the same tiles (`ordinary_config`). The
+            forward heuristic picks it wherever it can run (H100: 0.95x cuDNN unmasked at
+            head_dim 128, docs/performance.md step 10).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -83,10 +86,12 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 "FlashConfig.gluon is a forward build of its own: it cannot be combined with "
                 f"warp_specialize or atomic_dq, got {self!r}"
             )
-        if self.gluon and (self.block_q, self.block_k, self.num_warps) != (128, 128, 4):
+        if self.gluon and (
+            (self.block_q, self.num_warps) != (128, 4) or self.block_k not in (64, 128)
+        ):
             raise ValueError(
-                "FlashConfig.gluon runs 128x128 tiles with 4 warps per warpgroup: "
-                f"block_q=128, block_k=128, num_warps=4, got {self!r}"
+                "FlashConfig.gluon runs 128-row query tiles with 4 warps per warpgroup and "
+                f"64 or 128 keys a step: block_q=128, num_warps=4, block_k 64 or 128, got {self!r}"
             )
         if self.gluon and self.num_stages not in (2, 3):
             raise ValueError(
@@ -113,6 +118,17 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     f"FlashConfig.{name} must be >= 16 (tensor-core tile), "
                     f"got {name}={getattr(self, name)}"
                 )
+
+
+def gluon_fits(cfg: FlashConfig, head_dim: int) -> bool:
+    """Whether the Gluon forward runs ``cfg`` at ``head_dim``: 64, 128 or 256, its shared
+    memory (q, and ``num_stages`` slots of k and v, 16-bit) within Hopper's, and at most
+    128·128 scores-by-columns a step (head_dim 256 takes 64-key tiles: its float32
+    accumulator alone is 128 registers a thread)."""
+    if not cfg.gluon or head_dim not in (64, 128, 256) or cfg.block_k * head_dim > 128 * 128:
+        return False
+    shared = (cfg.block_q + 2 * cfg.num_stages * cfg.block_k) * head_dim * 2 + 1024
+    return shared <= SHARED_MEMORY_LIMIT
 
 
 def head_block(head_dim: int) -> int:
@@ -193,11 +209,17 @@ _WS_CONFIGS = {
 }
 # The Gluon forward; three ring slots measured 3-17 % faster than two on the benchmark's
 # head_dim-128 shapes (H100, docs/performance.md step 10), so the heuristic takes them.
+# head_dim 256: 64-key tiles, two slots (`gluon_fits`).
 _GLUON_CONFIGS = {
+    64: (
+        FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True),
+        FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True),
+    ),
     128: (
         FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True),
         FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True),
     ),
+    256: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),),
 }
 
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
@@ -235,16 +257,24 @@ def ordinary_config(
 
 
 def fwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
+    head_dim: int,
+    itemsize: int = 2,
+    side_inputs: bool = True,
+    warp_specialize: bool = False,
+    gluon: bool | None = None,
 ) -> tuple[FlashConfig, ...]:
     """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`.
 
     ``warp_specialize``: the call can take the warp-specialised loop (see `FlashConfig`)
-    on this GPU; its configs join the space.
+    on this GPU; its configs join the space. ``gluon``: the call can take the Gluon
+    forward (`_options.offer_gluon`); None: whenever it can take the warp-specialised loop.
     """
+    gluon = warp_specialize if gluon is None else gluon
     space = _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
     if warp_specialize and itemsize == 2:
-        space += _WS_CONFIGS.get(head_dim, ()) + _GLUON_CONFIGS.get(head_dim, ())
+        space += _WS_CONFIGS.get(head_dim, ())
+    if gluon and itemsize == 2:
+        space += _GLUON_CONFIGS.get(head_dim, ())
     return space
 
 
@@ -260,16 +290,23 @@ def bwd_search_space(
 
 
 def fwd_heuristic(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True, warp_specialize: bool = False
+    head_dim: int,
+    itemsize: int = 2,
+    side_inputs: bool = True,
+    warp_specialize: bool = False,
+    gluon: bool | None = None,
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
-    ``warp_specialize``: the call can take the warp-specialised builds on this GPU: at
-    head_dim 128 the Gluon forward (16-bit; 612 against 494 TFLOP/s for the Triton
-    warp-specialised one unmasked, H100, docs/performance.md step 10), elsewhere the
-    warp-specialised loop (causal calls +10-20 % over the ordinary kernel, step 7).
+    ``gluon``: the call can take the Gluon forward on this GPU (`_options.offer_gluon`;
+    None: whenever it can take the warp-specialised loop): at head_dim 64, 128 and 256 it
+    runs it (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
+    at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
+    warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
+    ordinary kernel, step 7).
     """
-    if warp_specialize and itemsize == 2 and head_dim in _GLUON_CONFIGS:
+    gluon = warp_specialize if gluon is None else gluon
+    if gluon and itemsize == 2 and head_dim in _GLUON_CONFIGS:
         return _GLUON_CONFIGS[head_dim][0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:
         return _WS_CONFIGS[head_dim][0]

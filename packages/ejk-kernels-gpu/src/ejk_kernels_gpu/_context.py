@@ -40,7 +40,7 @@ from ._backward_launch import backward
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
 from ._forward_launch import forward
 from ._masks import Tables, dummy, range_tables
-from ._options import CallOptions, call_options
+from ._options import CallOptions, call_options, offer_gluon
 
 __all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
 
@@ -92,7 +92,9 @@ def block_options(
     opts = dataclasses.replace(opts, varlen=True)
     head_dim, itemsize = q.shape[3], q.dtype.itemsize
     if config is None:  # the packed path reads side inputs: the heuristics leave room
-        opts = dataclasses.replace(opts, fwd_cfg=fwd_heuristic(head_dim, itemsize, True))
+        gluon = offer_gluon(opts, None, itemsize)
+        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon)
+        opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:
         group = q.shape[2] // k.shape[2]
         opts = dataclasses.replace(opts, bwd_cfg=bwd_heuristic(head_dim, itemsize, True, group))

@@ -19,7 +19,7 @@ from ejk_executor import Invocation, Kernel
 
 from ._api import flash_attention
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._options import offer_warp_specialize
+from ._options import CallOptions, offer_gluon, offer_warp_specialize
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
@@ -48,21 +48,40 @@ def _warp_specialize(inv: Invocation[Any, Any], bias_index: int) -> bool:
     return offer_warp_specialize(plain, None, int(k.shape[1]), head_dim)
 
 
+def _gluon(inv: Invocation[Any, Any]) -> bool:
+    """Whether the heuristics offer the call the Gluon forward on this GPU (`offer_gluon`)."""
+    _, itemsize, _ = _shape_info(inv, 3)
+    bias = inv.args[3] if len(inv.args) > 3 else inv.kwargs.get("bias")
+    q = inv.args[0] if inv.args else inv.kwargs["q"]
+    scale = inv.kwargs.get("softmax_scale")
+    opts = CallOptions(
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        causal=False, window=None, soft_cap=0.0,
+        dropout_rate=float(inv.kwargs.get("dropout_rate") or 0.0),
+        has_seg=False, varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+    )  # fmt: skip
+    return offer_gluon(opts, bias, itemsize)
+
+
 class FlashAttentionForward(Kernel[FlashConfig, Any]):
     """`flash_attention` with its forward config chosen by the executor."""
 
     name = "ejk_kernels_gpu.flash_attention_fwd"
-    version = "2"  # 2: the Gluon forward joined the space
+    version = "3"  # 2: the Gluon forward joined the space; 3: masked calls and head_dim 64/256 too
     config_type = FlashConfig
 
     def run(self, *args: Any, cfg: FlashConfig, **kwargs: Any) -> Any:
         return flash_attention(*args, config=cfg, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return fwd_heuristic(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3))
+        return fwd_heuristic(
+            *_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3), gluon=_gluon(inv)
+        )
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return fwd_search_space(*_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3))
+        return fwd_search_space(
+            *_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3), gluon=_gluon(inv)
+        )
 
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):

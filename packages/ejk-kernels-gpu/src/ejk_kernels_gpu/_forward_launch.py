@@ -20,14 +20,23 @@ from ._triton import kernels, launch
 __all__ = ["forward"]
 
 
-def _gluon_forward(opts: CallOptions, q, k, v, sinks, cfg: FlashConfig) -> tuple[Array, Array]:
+def _gluon_forward(
+    opts: CallOptions, q, k, v, sinks, tables: Tables, cfg: FlashConfig
+) -> tuple[Array, Array]:
     """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
     batch, q_len, heads, _ = q.shape
     grid = (-(-q_len // cfg.block_q), batch * heads)
     out, lse, _ = launch(
         kernels().gluon_fwd_kernel,
         grid,
-        (q, k, v, dummy(jnp.float32) if sinks is None else sinks),
+        (
+            q,
+            k,
+            v,
+            dummy(jnp.float32) if sinks is None else sinks,
+            *tables.masking(),
+            tables.fwd_ranges,
+        ),
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
@@ -51,7 +60,7 @@ def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Ar
     fwd = opts.fwd_cfg
     cfg, ws = runnable_config(opts, fwd, bias, q, k.shape[1], fwd.block_k, ("fwd",))
     if cfg.gluon:
-        out, lse = _gluon_forward(opts, q, k, v, sinks, cfg)
+        out, lse = _gluon_forward(opts, q, k, v, sinks, tables, cfg)
         return out, lse, lse
     consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)

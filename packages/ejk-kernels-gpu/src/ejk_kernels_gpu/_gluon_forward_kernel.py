@@ -4,24 +4,35 @@ Triton 3.6's automatic warp specialisation cannot overlap a warpgroup's softmax 
 matmuls (docs/performance.md, ejk-kernels-gpu step 9); here the schedule is written out.
 One program owns ``BM`` = 128 query rows of one (batch, query head):
 
-- a producer warp copies k and v of every key block into two rings of ``STAGES`` slots
-  by TMA, each slot with a ``ready`` barrier (the copy landed) and an ``empty`` one (both
-  consumers are done with it), k and v apart, so k of block j is freed before v is;
+- a producer warp copies k and v of every key block it visits into two rings of
+  ``STAGES`` slots by TMA, each slot with a ``ready`` barrier (the copy landed) and an
+  ``empty`` one (both consumers are done with it), k and v apart, so k of block j is
+  freed before v is;
 - two consumer warpgroups own 64 rows each. Per key block j they issue ``q·kⱼᵀ`` and
   ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first, run block j's online softmax while the
   second runs, then wait for it (FlashAttention-3's intra-warpgroup pipeline). Nothing
-  is in flight across the loop's back edge: ptxas spills and serialises wgmma
+  is in flight across a loop's back edge: ptxas spills and serialises wgmma
   accumulators that are (C7513).
 
-Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 128, no mask or causal
-alone, no bias, dropout or soft cap, softmax sinks allowed, a positive scale, key length a
-multiple of ``BN`` (> 0); any query length (TMA zero-fills the rows past T on load and
-clips them on store). Causal programs visit key blocks up to their diagonal only, the
-heaviest query blocks first, and mask only the blocks that cross the diagonal.
+The key blocks a program visits come from the same per-query-block table as the ordinary
+kernel's (`_masks.block_table`: ``(lo, full_lo, full_hi, hi)``): blocks outside
+``[lo, hi)`` are never loaded (causal, window, packed sequences, documents given as segment
+ids), blocks inside ``[full_lo, full_hi)`` run without a mask, the others evaluate the
+call's masks per score (`_visible`: causal and window on positions, packed-sequence ids,
+segment ids, keys past the end). A soft cap is one ``tanh.approx`` per score (one MUFU op,
+as FlashAttention-3 does), in log2 units like the rest of the softmax.
+
+Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
+(256 with 64-key tiles), a positive scale, no bias or dropout; any masks, soft cap,
+sinks, grouped heads, key and query lengths (TMA zero-fills rows past the ends on load
+and clips them on store). Causal programs start with the heaviest query blocks.
+Rows that see no key (and no sink) give 0 with lse -inf, as the ordinary kernel's.
 
 Gluon kernels do not run in Triton's interpreter: on CPU the ordinary kernels run
 instead, and the tests build this one for sm_90 ahead of time (`_aot`).
 """
+
+from typing import NamedTuple
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -29,6 +40,25 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+
+
+class GluonOptions(NamedTuple):
+    """The compile-time options of one launch (built in the kernel, passed as a constexpr)."""
+
+    T: int  # query rows
+    S: int  # key rows
+    BN: int  # key tile
+    STAGES: int  # slots of each of the k and v rings
+    QK: float  # scale · log2(e): logits in log2 units, no soft cap
+    SOFT_CAP: float  # 0.0: none
+    CAP_IN: float  # scale / soft cap: tanh's argument per q·kᵀ
+    CAP_OUT: float  # soft cap · log2(e): capped logits in log2 units
+    CAUSAL: bool
+    WINDOW_LEFT: int  # -1: no window
+    WINDOW_RIGHT: int
+    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    HAS_SEG: bool  # segment ids per (batch, token)
+    MASKED: bool  # some key block needs a mask (any of the above, or S off the key tile)
 
 
 @gluon.jit
@@ -41,42 +71,110 @@ def _barriers(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _slot(j, STAGES: gl.constexpr):
-    """(slot, phase of its ready barrier) of key block j in a ring of STAGES slots."""
-    return j % STAGES, (j // STAGES) & 1
+def _slot(i, STAGES: gl.constexpr):
+    """(slot, phase of its ready barrier) of the i-th key block visited, in a ring of STAGES."""
+    return i % STAGES, (i // STAGES) & 1
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, bars, n_blocks, BN: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
-    """Copy k and v of key blocks ``0 .. n_blocks - 1`` into their rings."""
+def _producer(k_desc, v_desc, k_smem, v_smem, bars, j_lo, j_hi, F: gl.constexpr):
+    """Copy k and v of key blocks ``j_lo .. j_hi - 1`` into their rings."""
     k_ready, k_empty, v_ready, v_empty = bars
-    for j in range(n_blocks):
-        s, phase = _slot(j, STAGES)
+    for j in range(j_lo, j_hi):
+        s, phase = _slot(j - j_lo, F.STAGES)
         phase = phase ^ 1  # a slot's first use waits for nothing
         mbarrier.wait(k_empty.index(s), phase)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BN, 0], k_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(k_desc, [j * F.BN, 0], k_ready.index(s), k_smem.index(s))
         mbarrier.wait(v_empty.index(s), phase)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BN, 0], v_ready.index(s), v_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [j * F.BN, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, row_c, QK: gl.constexpr, BN: gl.constexpr, MASK: gl.constexpr):
+def _tanh(x):
+    """tanh by the MUFU instruction (relative error about 2^-11; FlashAttention-3's soft cap)."""
+    return gl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _row_info(rows, b, row_tabs, F: gl.constexpr):
+    """What the masks read per query row, loaded once: (sequence id, position, segment id)
+    (``rows`` themselves where the call has no such table)."""
+    qsid_ptr, qpos_ptr, qseg_ptr = row_tabs
+    ok = rows < F.T
+    sid = rows
+    pos = rows
+    seg = rows
+    if F.VARLEN:
+        sid = gl.load(qsid_ptr + rows, mask=ok, other=-1)
+        pos = gl.load(qpos_ptr + rows, mask=ok, other=0)
+    if F.HAS_SEG:
+        seg = gl.load(qseg_ptr + b * F.T + rows, mask=ok, other=-1)
+    return sid, pos, seg
+
+
+@gluon.jit
+def _visible(x, j, row_info, b, key_tabs, F: gl.constexpr):
+    """``x`` (a [rows, BN] tile of key block j) with -inf where the key is hidden: past the
+    keys' end, another packed sequence or segment, outside causal or the window (on the
+    tokens' positions), as `_kernel_common.visibility` decides for the ordinary kernel."""
+    ksid_ptr, kpos_ptr, kseg_ptr = key_tabs
+    sid, pos_q, seg = row_info
+    keys = j * F.BN + gl.arange(0, F.BN, layout=gl.SliceLayout(0, x.type.layout))
+    ok = keys < F.S
+    visible = gl.expand_dims(ok, 0)  # [1, BN], broadcast over the rows
+    pos_k = keys
+    if F.VARLEN:
+        ksid = gl.load(ksid_ptr + keys, mask=ok, other=-2)
+        pos_k = gl.load(kpos_ptr + keys, mask=ok, other=0)
+        visible = visible & (gl.expand_dims(sid, 1) == gl.expand_dims(ksid, 0))
+    pk = gl.expand_dims(pos_k, 0)
+    pq = gl.expand_dims(pos_q, 1)
+    if F.CAUSAL:
+        visible = visible & (pk <= pq)
+    if F.WINDOW_LEFT >= 0:
+        visible = visible & (pk >= pq - F.WINDOW_LEFT) & (pk <= pq + F.WINDOW_RIGHT)
+    if F.HAS_SEG:
+        # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
+        kseg = gl.load(kseg_ptr + b * F.S + keys, mask=ok, other=-1)
+        qs = gl.expand_dims(seg, 1)
+        visible = visible & (qs == gl.expand_dims(kseg, 0)) & (qs >= 0)
+    return gl.where(visible, x, float("-inf"))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
+             DTYPE: gl.constexpr):  # fmt: skip
     """Online-softmax update for the S tile of key block j: (p, alpha, m, l), in log2 units.
 
-    MASK: the block crosses the causal diagonal (key index > row index is masked). Every
-    row sees key 0, so the running max is finite after block 0 (or starts at a sink).
+    MASK: the block needs the call's masks (`_visible`); a row may then have seen no key
+    yet (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
     """
+    row_info, b, key_tabs = masks
+    if F.SOFT_CAP > 0.0:
+        x = _tanh(s * F.CAP_IN) * F.CAP_OUT
+        if MASK:
+            x = _visible(x, j, row_info, b, key_tabs, F)
+        m_new = gl.maximum(m_i, gl.max(x, axis=1))
+    else:
+        x = s
+        if MASK:
+            x = _visible(x, j, row_info, b, key_tabs, F)
+        m_new = gl.maximum(m_i, gl.max(x, axis=1) * F.QK)
+    m_use = m_new
     if MASK:
-        rows = row_c + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
-        keys = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * QK)
-    p = gl.exp2(s * QK - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if F.SOFT_CAP > 0.0:
+        p = gl.exp2(x - gl.expand_dims(m_use, 1))
+    else:
+        p = gl.exp2(x * F.QK - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    # p leaves in the inputs' 16-bit type (FlashAttention-3's order): it waits for its
+    # p·v matmul across the next block's q·kᵀ, and 16-bit halves the registers it holds.
+    return p.to(DTYPE), alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
 @gluon.jit
@@ -87,46 +185,47 @@ def _issue_qk(q, k_smem, zero_s):
 
 @gluon.jit
 def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
-    """Issue acc·alpha + p·v (asynchronous); ``acc`` must be complete."""
+    """Issue acc·alpha + p·v (asynchronous; p 16-bit); ``acc`` must be complete."""
     orow_layout, p_layout = layouts
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-    p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    p16 = gl.convert_layout(p, p_layout)
     return hopper.warpgroup_mma(p16, v_smem, acc, is_async=True)
 
 
 @gluon.jit
-def _step(j, state, q, zero_s, bufs, row_c, QK: gl.constexpr, BN: gl.constexpr,
-          STAGES: gl.constexpr, layouts: gl.constexpr, MASK: gl.constexpr):  # fmt: skip
+def _step(j, j_lo, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
+          MASK: gl.constexpr):  # fmt: skip
     """Key block j: issue q·kⱼᵀ and p·v of block j-1, softmax of block j meanwhile."""
     p, alpha, m_i, l_i, acc = state
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = bufs
-    ks, kph = _slot(j, STAGES)
-    vs, vph = _slot(j - 1, STAGES)
+    ks, kph = _slot(j - j_lo, F.STAGES)
+    vs, vph = _slot(j - 1 - j_lo, F.STAGES)
     mbarrier.wait(k_ready.index(ks), kph)
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
     o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, row_c, QK, BN, MASK)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, masks, F, MASK, k_smem.dtype)
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)
     return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, row0, n_blocks, sink, QK: gl.constexpr, HALF: gl.constexpr,
-              BN: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
+def _consumer(smem, bars, dest, row0, blocks, sink, b, tabs, F: gl.constexpr,
+              HALF: gl.constexpr, H: gl.constexpr, HAS_SINKS: gl.constexpr,
+              C: gl.constexpr):  # fmt: skip
     """Rows ``row0 + C·HALF ..`` of the program's query block (consumer C of two)."""
     q_all, k_smem, v_smem = smem
     q_bars, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
-    o_desc, lse_ptr, T = dest
+    o_desc, lse_ptr = dest
+    j_lo, jf_lo, jf_hi, j_hi = blocks
     q = q_all.index(C)
     row_c = row0 + C * HALF
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BN, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
@@ -137,6 +236,9 @@ def _consumer(smem, bars, dest, row0, n_blocks, sink, QK: gl.constexpr, HALF: gl
         orow_layout,
         gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2),
     )
+    rows = row_c + gl.arange(0, HALF, layout=row_layout)
+    row_tabs, key_tabs = tabs
+    masks = (_row_info(rows, b, row_tabs, F), b, key_tabs)
     if HAS_SINKS:  # the sink is a key of logit `sink` and no value (mass 1 at m = sink)
         m_i = gl.full([HALF], 0.0, gl.float32, row_layout) + sink
         l_i = gl.full([HALF], 1.0, gl.float32, row_layout)
@@ -144,47 +246,65 @@ def _consumer(smem, bars, dest, row0, n_blocks, sink, QK: gl.constexpr, HALF: gl
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
         l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
     acc = gl.zeros([HALF, H], gl.float32, o_layout)
-    zero_s = gl.zeros([HALF, BN], gl.float32, s_layout)
-    # Causal: blocks below n_full lie wholly left of every row's diagonal.
-    n_full = gl.minimum((row_c + 1) // BN, n_blocks) if CAUSAL else n_blocks
+    zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
     mbarrier.wait(q_bars.index(C), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(0), zero_s)])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, row_c, QK, BN, CAUSAL)
-    state = (p, alpha, m_i, l_i, acc)
-    ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
-    for j in range(1, n_full):
-        state = _step(j, state, q, zero_s, ring, row_c, QK, BN, STAGES, layouts, False)
-    if CAUSAL:
-        for j in range(gl.maximum(n_full, 1), n_blocks):
-            state = _step(j, state, q, zero_s, ring, row_c, QK, BN, STAGES, layouts, True)
-    p, alpha, m_i, l_i, acc = state
-    last, lph = _slot(n_blocks - 1, STAGES)
-    mbarrier.wait(v_ready.index(last), lph)
-    acc = hopper.warpgroup_mma_wait(0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)])
-    mbarrier.arrive(v_empty.index(last), count=1)
-    out = acc / gl.expand_dims(gl.convert_layout(l_i, orow_layout), 1)
+    if j_hi > j_lo:
+        mbarrier.wait(k_ready.index(0), 0)
+        s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(0), zero_s)])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j_lo, masks, F, F.MASKED, q.dtype)
+        state = (p, alpha, m_i, l_i, acc)
+        ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
+        if F.MASKED:
+            for j in range(j_lo + 1, jf_lo):
+                state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, True)
+        for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
+            state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, False)
+        if F.MASKED:
+            for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
+                state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, True)
+        p, alpha, m_i, l_i, acc = state
+        last, lph = _slot(j_hi - 1 - j_lo, F.STAGES)
+        mbarrier.wait(v_ready.index(last), lph)
+        acc = hopper.warpgroup_mma_wait(
+            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
+        )
+        mbarrier.arrive(v_empty.index(last), count=1)
+    # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
+    has_mass = l_i > 0.0
+    l_safe = gl.where(has_mass, l_i, 1.0)
+    out = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
     q.store(out.to(q.dtype))  # q's buffer is free now: o leaves through it
     hopper.fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [row_c, 0], q)
-    rows = row_c + gl.arange(0, HALF, layout=row_layout)
-    gl.store(lse_ptr + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < T)
+    lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + rows, lse, mask=rows < F.T)
     tma.store_wait(0)
 
 
 @gluon.jit
 def gluon_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, sinks_ptr, o_ptr, lse_ptr, scratch_ptr,
+    q_ptr, k_ptr, v_ptr, sinks_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
+    o_ptr, lse_ptr, scratch_ptr,
     T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr, H: gl.constexpr,
-    QK: gl.constexpr, CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr,
+    QK: gl.constexpr, SOFT_CAP: gl.constexpr, CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr,
+    CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr, HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
-    ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
+    ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
+    segment ids); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
+    INTERPRET is unused."""
+    F: gl.constexpr = GluonOptions(
+        T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
+        CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
+        HAS_SEG=HAS_SEG, MASKED=MASKED,
+    )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
-    n_m = gl.cdiv(T, BM)
+    n_m = gl.num_programs(0)
     pid_m = n_m - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)  # heaviest first
     bn = gl.program_id(1)
     b = (bn // N).to(gl.int64)
@@ -213,23 +333,28 @@ def gluon_fwd_kernel(
         tma.async_copy_global_to_shared(
             q_desc, [row0 + i * HALF, 0], q_bars.index(i), q_smem.index(i)
         )
-    n_blocks = S // BN
-    if CAUSAL:  # keys up to the block's last row (top-left aligned)
-        n_blocks = gl.minimum(gl.cdiv(row0 + BM, BN), n_blocks)
+    # This query block's key range (`_masks.block_table`), in key blocks.
+    table = ranges_ptr + ((b * n_m + pid_m) * 4 if HAS_SEG else pid_m * 4)
+    j_lo = gl.load(table) // BN
+    jf_lo = gl.load(table + 1) // BN
+    jf_hi = gl.load(table + 2) // BN
+    j_hi = gl.cdiv(gl.load(table + 3), BN)
     sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E if HAS_SINKS else 0.0
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bars, kv_bars)
-    dest = (o_desc, lse_ptr + bn.to(gl.int64) * T, T)  # where o and lse go
+    dest = (o_desc, lse_ptr + bn.to(gl.int64) * T)  # where o and lse go
+    blocks = (j_lo, jf_lo, jf_hi, j_hi)
+    tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr))  # rows', keys' tables
     # Consumers get 240 registers a thread (the default partition gets what is left: 240),
     # the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, dest, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
-                         CAUSAL, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, dest, row0, n_blocks, sink, QK, HALF, BN, H, STAGES,
-                         CAUSAL, HAS_SINKS, 1)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, kv_bars, n_blocks, BN, STAGES)),
+            (_consumer, (smem, bars, dest, row0, blocks, sink, b, tabs, F, HALF, H, HAS_SINKS,
+                         0)),
+            (_consumer, (smem, bars, dest, row0, blocks, sink, b, tabs, F, HALF, H, HAS_SINKS,
+                         1)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, kv_bars, j_lo, j_hi, F)),
         ],
         [4, 1],
         [240, 24],

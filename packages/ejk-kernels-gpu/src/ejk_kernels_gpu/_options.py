@@ -13,7 +13,14 @@ from typing import Any
 
 from ejk_sequtils import AttentionRequest, dropout_threshold
 
-from ._config import FlashConfig, bwd_heuristic, fwd_heuristic, head_block, ordinary_config
+from ._config import (
+    FlashConfig,
+    bwd_heuristic,
+    fwd_heuristic,
+    gluon_fits,
+    head_block,
+    ordinary_config,
+)
 from ._triton import hopper_gpu
 
 __all__ = [
@@ -24,6 +31,7 @@ __all__ = [
     "dq_by_tma",
     "gluon_constexprs",
     "kernel_constexprs",
+    "offer_gluon",
     "offer_warp_specialize",
     "runnable_config",
 ]
@@ -81,9 +89,10 @@ def call_options(
         bwd_cfg=bwd_config or FlashConfig(),
     )
     ws = offer_warp_specialize(opts.ws_masks(), request.bias, kv_len, head_dim)
+    gluon = offer_gluon(opts, request.bias, itemsize)
     side_inputs = opts.side_inputs(request.bias)
     if config is None:
-        fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws)
+        fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:
         group = heads // kv_heads
@@ -118,17 +127,28 @@ def offer_warp_specialize(masks_ok: bool, bias: Any, kv_len: int, head_dim: int)
     return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
 
 
-def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int) -> bool:
-    """Whether a call may run the Gluon forward (`_gluon_forward_kernel`): what the
-    warp-specialised loop takes, with head_dim 128, 16-bit inputs, a positive scale and
-    at least one query. No bias and no soft cap: the Gluon forward has only the plain
-    logits path (see `_kernel_common`)."""
+def offer_gluon(opts: CallOptions, bias: Any, itemsize: int) -> bool:
+    """Whether the heuristics and the tuning space offer a call the Gluon forward (on
+    Hopper): 16-bit inputs, a positive scale, no bias and no dropout. Every mask, the soft
+    cap and sinks run in it; `can_run_gluon` checks the rest per config."""
     return (
-        q.shape[3] == 128
-        and q.dtype.itemsize == 2
-        and q.shape[1] > 0
+        itemsize == 2
+        and bias is None
+        and opts.dropout_rate == 0.0
         and opts.scale > 0.0
-        and can_warp_specialize(opts.ws_masks(), bias, kv_len, 128, 128)
+        and hopper_gpu()
+    )
+
+
+def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
+    """Whether a call may run the Gluon forward (`_gluon_forward_kernel`) with ``cfg``:
+    what `offer_gluon` asks, tiles that fit the head_dim (`gluon_fits`), and at least one
+    query and one key (TMA descriptors of empty tensors are refused)."""
+    return (
+        offer_gluon(opts, bias, q.dtype.itemsize)
+        and gluon_fits(cfg, q.shape[3])
+        and q.shape[1] > 0
+        and kv_len > 0
     )
 
 
@@ -146,7 +166,7 @@ def runnable_config(
     ``block``: the streamed key tile (forward) or the resident one (backward)."""
     head_dim = q.shape[3]
     if cfg.gluon:
-        special = can_run_gluon(opts, bias, q, kv_len)
+        special = can_run_gluon(opts, bias, q, kv_len, cfg)
     else:
         masks = opts.ws_masks()
         special = cfg.warp_specialize and can_warp_specialize(masks, bias, kv_len, head_dim, block)
@@ -203,8 +223,18 @@ def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: b
 def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig):
     """The constexpr arguments of `_gluon_forward_kernel.gluon_fwd_kernel`."""
     _, q_len, heads, head_dim = q.shape
+    kv_len = k.shape[1]
+    left, right = opts.window if opts.window is not None else (-1, -1)
+    cap = opts.soft_cap
+    masked = (
+        opts.causal or opts.window is not None or opts.has_seg or opts.varlen
+        or kv_len % cfg.block_k != 0
+    )  # fmt: skip
     return dict(
-        T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
-        QK=float(opts.scale * LOG2E), CAUSAL=opts.causal, HAS_SINKS=has_sinks,
+        T=q_len, S=kv_len, N=heads, G=heads // k.shape[2], H=head_dim,
+        QK=float(opts.scale * LOG2E), SOFT_CAP=float(cap),
+        CAP_IN=float(opts.scale / cap) if cap > 0.0 else 0.0,
+        CAP_OUT=float(cap * LOG2E), CAUSAL=opts.causal, WINDOW_LEFT=left, WINDOW_RIGHT=right,
+        VARLEN=opts.varlen, HAS_SEG=opts.has_seg, MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
     )  # fmt: skip

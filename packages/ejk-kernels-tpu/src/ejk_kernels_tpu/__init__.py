@@ -1,4 +1,5 @@
-"""Pallas TPU block-sparse (splash-style) attention kernels and their masks."""
+"""Pallas TPU block-sparse (splash-style) attention kernels and their masks, and the ragged
+paged attention kernel for serving."""
 
 from ._config import BlockSparseConfig as BlockSparseConfig
 from ._config import block_sparse_heuristic as block_sparse_heuristic
@@ -31,6 +32,16 @@ from ._ops import blocksparse_attention as blocksparse_attention
 from ._ops import blocksparse_attention_request as blocksparse_attention_request
 from ._ops import default_interpret as default_interpret
 from ._ops import unsupported_reason as unsupported_reason
+from ._paged_api import default_paged_config as default_paged_config
+from ._paged_api import paged_attention as paged_attention
+from ._paged_api import paged_attention_request as paged_attention_request
+from ._paged_api import unsupported_paged_reason as unsupported_paged_reason
+from ._paged_config import RaggedPagedConfig as RaggedPagedConfig
+from ._paged_config import fits_paged_vmem as fits_paged_vmem
+from ._paged_config import paged_vmem_bytes as paged_vmem_bytes
+from ._paged_config import ragged_paged_heuristic as ragged_paged_heuristic
+from ._paged_config import ragged_paged_search_space as ragged_paged_search_space
+from ._paged_executor import RaggedPagedAttention as RaggedPagedAttention
 
 __all__ = [
     "BlockSparseAttention",
@@ -46,6 +57,8 @@ __all__ = [
     "MaskTruthValueError",
     "MultiHeadMask",
     "NumpyMask",
+    "RaggedPagedAttention",
+    "RaggedPagedConfig",
     "attention_mask",
     "block_sparse_heuristic",
     "block_sparse_search_space",
@@ -53,15 +66,23 @@ __all__ = [
     "blocksparse_attention_request",
     "check_mask",
     "default_interpret",
+    "default_paged_config",
+    "fits_paged_vmem",
     "fits_vmem",
     "make_causal_mask",
     "make_chunk_attention_mask",
     "make_local_attention_mask",
     "make_random_mask",
+    "paged_attention",
+    "paged_attention_request",
+    "paged_vmem_bytes",
     "process_dynamic_mask",
     "process_dynamic_mask_dkv",
     "process_mask",
     "process_mask_dkv",
+    "ragged_paged_heuristic",
+    "ragged_paged_search_space",
+    "unsupported_paged_reason",
     "unsupported_reason",
     "vmem_bytes",
 ]

@@ -1,0 +1,242 @@
+"""The ragged paged attention kernel in Pallas' TPU interpreter, against the float32 paged
+reference (`ejk_sequtils.paged_reference_attention`).
+
+Page tables are random (pages shared between sequences and listed out of order); their
+entries past each sequence's last page hold pages outside the pool, and every pool slot no
+sequence uses holds NaN, so a kernel that reads either fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_executor import ConfigCache, ConfigSelectorChain, Executor
+from ejk_kernels_tpu import (
+    RaggedPagedAttention,
+    RaggedPagedConfig,
+    fits_paged_vmem,
+    paged_attention,
+    paged_attention_request,
+    ragged_paged_heuristic,
+    ragged_paged_search_space,
+    unsupported_paged_reason,
+)
+from ejk_sequtils import (
+    assert_allclose,
+    attention_tolerance,
+    paged_reference_attention,
+    validate_paged_attention,
+)
+
+POOL, PAGE, H = 11, 8, 32
+
+
+def _pool_and_table(rng, kv_lens, *, cols, kv_heads, dtype):
+    """k and v pools (NaN in every slot no sequence uses) and a random table."""
+    table = rng.integers(0, POOL, size=(len(kv_lens), cols)).astype(np.int32)
+    for b, n in enumerate(kv_lens):
+        table[b, -(-n // PAGE) :] = rng.choice([-5, POOL + 3])  # never read
+    used = np.zeros((POOL, PAGE), bool)
+    for b, n in enumerate(kv_lens):
+        for j in range(n):
+            used[table[b, j // PAGE], j % PAGE] = True
+    pools = []
+    for _ in range(2):
+        pool = rng.standard_normal((POOL, PAGE, kv_heads, H)).astype(np.float32)
+        pool[~used] = np.nan
+        pools.append(jnp.asarray(pool, dtype))
+    return pools, jnp.asarray(table), jnp.asarray(np.asarray(kv_lens, np.int32))
+
+
+def _inputs(seed, kv_lens, *, cols, heads, kv_heads, dtype, q_shape):
+    rng = np.random.default_rng(seed)
+    (k, v), table, lens = _pool_and_table(rng, kv_lens, cols=cols, kv_heads=kv_heads, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((*q_shape, heads, H)), dtype)
+    return q, k, v, table, lens
+
+
+def _features(features, heads):
+    kwargs = dict(features)
+    if kwargs.pop("softmax_sinks", False):
+        sinks = np.random.default_rng(3).standard_normal((heads, 2))
+        kwargs["softmax_sinks"] = jnp.asarray(sinks, jnp.float32)
+    return kwargs
+
+
+def _check(args, kwargs, dtype, **call):
+    out = paged_attention(*args, **kwargs, **call)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    f32 = [x.astype(jnp.float32) for x in args[:3]]
+    expected = paged_reference_attention(validate_paged_attention(*f32, *args[3:], **kwargs))
+    tol = attention_tolerance(dtype, "out")
+    assert_allclose(out, expected, rtol=tol, atol=tol)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    return out
+
+
+CASES = [
+    # (dtype, T, heads, kv_heads, features, config)
+    (jnp.float32, 1, 6, 2, {}, None),
+    (jnp.float32, 1, 4, 1, {"sliding_window": (9, 0)}, RaggedPagedConfig(pages_per_block=3)),
+    (jnp.float32, 5, 6, 3, {"logits_soft_cap": 3.0, "softmax_sinks": True}, None),
+    (
+        jnp.bfloat16,
+        19,
+        4,
+        2,
+        {"sliding_window": 12, "logits_soft_cap": 5.0, "softmax_sinks": True},
+        RaggedPagedConfig(block_q=16, pages_per_block=2),
+    ),
+]
+
+
+@pytest.mark.parametrize(("dtype", "q_len", "heads", "kv_heads", "features", "config"), CASES)
+def test_matches_reference(dtype, q_len, heads, kv_heads, features, config):
+    cols = 6
+    # idle, shorter than T (negative positions), a page edge, random, full.
+    kv_lens = [0, max(q_len - 3, 1), PAGE, 29, cols * PAGE]
+    args = _inputs(q_len, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
+                   q_shape=(len(kv_lens), q_len))  # fmt: skip
+    out = _check(args, _features(features, heads), dtype, config=config)
+    assert np.all(np.asarray(out[0], np.float32) == 0)  # the idle slot
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_batch_mixes_prefill_and_decode(dtype):
+    """Query blocks span several sequences (8 rows: decode rows share a block with a
+    prefill chunk's tail) and a chunk spans several blocks."""
+    kv_lens = [40, 3, 0, 48, 9, 2, 17]
+    q_lens = [13, 1, 0, 1, 9, 4, 1]  # prefill chunks, decode steps, an idle slot, T_b > kv_len
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = _inputs(7, kv_lens, cols=6, heads=4, kv_heads=2, dtype=dtype, q_shape=(int(cu[-1]),))
+    kwargs = {"sliding_window": (20, 0), "logits_soft_cap": 6.0, "cu_q_lens": cu}
+    _check(args, _features({**kwargs, "softmax_sinks": True}, 4), dtype,
+           config=RaggedPagedConfig(block_q=8, pages_per_block=2))  # fmt: skip
+
+
+def test_configs_agree_and_rows_past_cu_are_zero_under_jit():
+    """Traced lengths: one compiled step serves new lengths; rows past ``cu_q_lens[-1]``
+    (possible only when traced) give zeros; every block size gives the same values."""
+    args = _inputs(4, [30, 4, 12], cols=5, heads=4, kv_heads=1, dtype=jnp.float32, q_shape=(20,))
+    q, k, v, table, lens = args
+    cu = jnp.asarray([0, 9, 10, 16], jnp.int32)
+    step = jax.jit(lambda *a, cu, cfg: paged_attention(*a, cu_q_lens=cu, config=cfg),
+                   static_argnames="cfg")  # fmt: skip
+    cfg = RaggedPagedConfig(block_q=8, pages_per_block=1)
+    out = step(*args, cu=cu, cfg=cfg)
+    expected = paged_reference_attention(validate_paged_attention(q[:16], k, v, table, lens,
+                                                                  cu_q_lens=cu))  # fmt: skip
+    assert_allclose(out[:16], expected, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out[16:]) == 0)
+    other = step(q, k, v, table, jnp.asarray([25, 1, 7], jnp.int32), cu=cu, cfg=cfg)
+    expected = paged_reference_attention(
+        validate_paged_attention(q[:16], k, v, table, jnp.asarray([25, 1, 7], jnp.int32),
+                                 cu_q_lens=cu))  # fmt: skip
+    assert_allclose(other[:16], expected, rtol=1e-5, atol=1e-5)
+    wide = step(*args, cu=cu, cfg=RaggedPagedConfig(block_q=32, pages_per_block=4))
+    assert_allclose(wide, out, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_calls_give_zeros():
+    args = _inputs(1, [0, 0], cols=2, heads=2, kv_heads=1, dtype=jnp.float32, q_shape=(2, 3))
+    assert np.all(np.asarray(paged_attention(*args)) == 0)
+    q, k, v, table, lens = args
+    out = paged_attention(q[:, :0], k, v, table, lens)
+    assert out.shape == (2, 0, 2, H)
+
+
+def test_refusals_and_config_checks():
+    q, k, v, table, lens = _inputs(2, [3, 9], cols=2, heads=2, kv_heads=1,
+                                   dtype=jnp.float16, q_shape=(2, 1))  # fmt: skip
+    request = validate_paged_attention(q, k, v, table, lens)
+    reason = unsupported_paged_reason(request, interpret=False)
+    assert reason is not None and "float16" in reason
+    with pytest.raises(NotImplementedError, match="float16"):
+        paged_attention_request(request, interpret=False)
+    assert unsupported_paged_reason(request) is None  # the interpreter takes float16
+    # Heads whose smallest blocks overflow VMEM are refused when compiling, not in the interpreter.
+    huge = validate_paged_attention(
+        jnp.zeros((1, 1, 512, 256)), jnp.zeros((2, 64, 1, 256)), jnp.zeros((2, 64, 1, 256)),
+        jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))  # fmt: skip
+    assert "VMEM" in unsupported_paged_reason(huge, interpret=False)
+    assert unsupported_paged_reason(huge) is None
+    with pytest.raises(TypeError, match="config"):  # beartype in tests, else the check
+        paged_attention_request(request, config={"block_q": 8})
+    with pytest.raises(ValueError, match="block_q must be a power of two >= 8"):
+        RaggedPagedConfig(block_q=12)
+    with pytest.raises(ValueError, match="pages_per_block must be positive"):
+        RaggedPagedConfig(pages_per_block=0)
+    with pytest.raises(TypeError, match="pages_per_block must be an int"):
+        RaggedPagedConfig(pages_per_block=2.0)
+
+
+def test_heuristic_and_search_space():
+    sizes = dict(heads=32, kv_heads=8, head_dim=128, page_size=64, itemsize=2)
+    decode = ragged_paged_heuristic(batch=32, q_rows=1, ragged=False, pages_per_seq=128, **sizes)
+    assert decode == RaggedPagedConfig(block_q=8, pages_per_block=8)
+    prefill = ragged_paged_heuristic(batch=8, q_rows=4096, ragged=True, pages_per_seq=64, **sizes)
+    assert prefill.block_q >= 32 and fits_paged_vmem(prefill, **sizes)
+    assert prefill.pages_per_block * 64 >= 256
+    space = ragged_paged_search_space(q_rows=512, pages_per_seq=128, **sizes)
+    assert decode in space and len(space) > 10
+    assert all(fits_paged_vmem(c, **sizes) for c in space)
+    # A huge group shrinks the blocks until they fit.
+    big = dict(sizes, heads=64, kv_heads=1, head_dim=256, itemsize=4)
+    cfg = ragged_paged_heuristic(batch=1, q_rows=512, ragged=False, pages_per_seq=64, **big)
+    assert fits_paged_vmem(cfg, **big) and cfg.block_q < 64
+
+
+def test_executor_kernel():
+    args = _inputs(5, [3, 20], cols=3, heads=4, kv_heads=2, dtype=jnp.float32, q_shape=(2, 2))
+    executor = Executor(ConfigSelectorChain(cache=ConfigCache()))
+    kernel = RaggedPagedAttention()
+    inv = executor.invocation(kernel, *args, sliding_window=(5, 0))
+    heuristic = kernel.heuristic_cfg(inv)
+    assert heuristic == ragged_paged_heuristic(
+        batch=2, q_rows=2, ragged=False, heads=4, kv_heads=2, head_dim=H, page_size=PAGE,
+        pages_per_seq=3, itemsize=4)  # fmt: skip
+    assert executor.choose(kernel, *args, sliding_window=(5, 0)).cfg == heuristic
+    assert list(kernel.config_space(inv)) == [heuristic]  # off TPU: the heuristic only
+    on_tpu = list(kernel.config_space(dataclasses.replace(inv, platform="pallas")))
+    assert heuristic in on_tpu and len(on_tpu) > 1
+    out = executor(kernel, *args, sliding_window=(5, 0))
+    assert_allclose(out, paged_attention(*args, sliding_window=(5, 0)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24))
+def test_sampled_grid(seed):
+    """Random batch, lengths, table width, heads (GQA, MQA), T up to 40, features, dtype,
+    config; and the same rows as one ragged call."""
+    rng = np.random.default_rng(200 + seed)
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    cols = int(rng.integers(1, 7))
+    q_len = int(rng.choice([1, 2, 7, 23, 40]))
+    batch = int(rng.integers(1, 5))
+    kv_lens = rng.integers(0, cols * PAGE + 1, size=batch)
+    kv_lens[0] = int(rng.choice([0, cols * PAGE]))
+    dtype = [jnp.float32, jnp.bfloat16][seed % 2]
+    config = RaggedPagedConfig(block_q=int(rng.choice([8, 16, 32])),
+                               pages_per_block=int(rng.integers(1, cols + 1)))  # fmt: skip
+    args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
+                   q_shape=(batch, q_len))  # fmt: skip
+    features = {}
+    if rng.random() < 0.5:
+        features["sliding_window"] = (int(rng.integers(0, 30)), int(rng.integers(0, 3)))
+    if rng.random() < 0.4:
+        features["logits_soft_cap"] = float(rng.uniform(1, 20))
+    if rng.random() < 0.4:
+        features["softmax_sinks"] = True
+    kwargs = _features(features, heads)
+    _check(args, kwargs, dtype, config=config)
+    q_lens = rng.integers(0, q_len + 1, size=batch)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    rows = [(b, t) for b, n in enumerate(q_lens) for t in range(n)]
+    q = args[0].reshape(-1, heads, H)[[b * q_len + t for b, t in rows]]
+    _check((q, *args[1:]), {**kwargs, "cu_q_lens": cu}, dtype, config=config)

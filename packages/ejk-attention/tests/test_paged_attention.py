@@ -180,10 +180,66 @@ def test_implementation_names():
     args = _inputs(6, [4, 9], cols=2, heads=2, kv_heads=1, dtype=jnp.float32, q_rows=(2, 1))
     with pytest.raises(ValueError, match=r"implementation must be one of \('xla', 'triton'"):
         paged_attention(*args, implementation="cuda")
-    with pytest.raises(NotImplementedError, match=r"implementation='pallas' cannot serve"):
-        paged_attention(*args, implementation="pallas")
-    out = paged_attention(*args, implementation=("pallas", "xla"))
+    with pytest.raises(NotImplementedError, match=r"implementation='cudnn' cannot serve"):
+        paged_attention(*args, implementation="cudnn")
+    out = paged_attention(*args, implementation=("cudnn", "xla"))
     assert_allclose(out, _expected(*args), rtol=1e-4, atol=1e-4)
+
+
+def _has_pallas_paged() -> bool:
+    try:
+        import ejk_kernels_tpu
+    except ImportError:
+        return False
+    return hasattr(ejk_kernels_tpu, "paged_attention_request")
+
+
+needs_pallas = pytest.mark.skipif(not _has_pallas_paged(), reason="no ejk_kernels_tpu paged kernel")
+
+
+@needs_pallas
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_matches_reference(dtype):
+    """The Pallas kernel through the facade (Pallas' TPU interpreter on CPU): both forms."""
+    args = _inputs(5, [0, 3, 21, 72], cols=9, heads=4, kv_heads=2, dtype=dtype, q_rows=(4, 2))
+    kwargs = {"sliding_window": (10, 0), "softmax_sinks": _sinks(4), "logits_soft_cap": 4.0}
+    tol = attention_tolerance(dtype, "out")
+    out = paged_attention(*args, implementation="pallas", **kwargs)
+    assert_allclose(out, _expected(*args, **kwargs), rtol=tol, atol=tol)
+    kv_lens = [40, 3, 0, 9]
+    q_lens = [13, 1, 0, 4]  # a prefill chunk, a decode step, an idle slot, T_b > kv_len
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = _inputs(7, kv_lens, cols=9, heads=4, kv_heads=1, dtype=dtype, q_rows=(int(cu[-1]),))
+    out = ragged_paged_attention(*args, cu, implementation="pallas", **kwargs)
+    assert_allclose(out, _expected(*args, cu_q_lens=cu, **kwargs), rtol=tol, atol=tol)
+
+
+@needs_pallas
+def test_pallas_is_the_default_on_tpu_with_the_executors_config(monkeypatch):
+    """On TPU ``implementation=None`` runs pallas, with the executor's config (here the
+    kernel's heuristic) or the one given; a request it refuses falls through to xla."""
+    import ejk_kernels_tpu
+
+    seen = []
+    monkeypatch.setattr(_paged, "platform_of", lambda request: "tpu")
+    monkeypatch.setattr(
+        ejk_kernels_tpu, "paged_attention_request", lambda r, config: seen.append(config) or r.q
+    )
+    args = _inputs(5, [3, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1))
+    paged_attention(*args)
+    backend = _paged.PAGED_BACKENDS["pallas"]
+    inv = backend.invocations(validate_paged_attention(*args))["forward"]
+    assert seen == [inv.kernel.heuristic_cfg(inv)]
+    assert isinstance(seen[0], ejk_kernels_tpu.RaggedPagedConfig)
+    config = ejk_kernels_tpu.RaggedPagedConfig(block_q=32, pages_per_block=1)
+    paged_attention(*args, config=config)
+    assert seen[1] is config
+    monkeypatch.setattr(ejk_kernels_tpu, "unsupported_paged_reason", lambda r: "no, because")
+    out = paged_attention(*args)
+    assert len(seen) == 2  # pallas refused: xla served it
+    assert_allclose(out, _expected(*args), rtol=1e-4, atol=1e-4)
+    with pytest.raises(NotImplementedError, match=r"'pallas' cannot serve .*: no, because"):
+        paged_attention(*args, implementation="pallas")
 
 
 def _valid():

@@ -2,12 +2,15 @@
 
 Both validate the call once (`ejk_sequtils.validate_paged_attention`, where the
 conventions are defined) and run the first backend that serves it: ``triton`` (the
-split-KV decode kernel of `ejk_kernels_gpu`, when that package has it) on GPU, else
-``xla`` (`_paged_xla`), which runs everywhere.
+split-KV decode kernel of `ejk_kernels_gpu`, when that package has it) on GPU, ``pallas``
+(the ragged paged kernel of `ejk_kernels_tpu`) on TPU, else ``xla`` (`_paged_xla`), which
+runs everywhere. Named explicitly, ``triton`` and ``pallas`` also run off their device,
+in their interpreters (slowly: for tests).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +20,14 @@ from jaxtyping import Float, Int
 
 from ejk_sequtils import PagedAttentionRequest, validate_paged_attention
 
-from ._backends import Backend, kernel_executor, platform_of, resolve_implementation, run_first
+from ._backends import (
+    Backend,
+    default_order,
+    kernel_executor,
+    platform_of,
+    resolve_implementation,
+    run_first,
+)
 from ._paged_xla import xla_paged_attention
 
 __all__ = ["PAGED_BACKENDS", "paged_attention", "ragged_paged_attention"]
@@ -45,33 +55,38 @@ class PagedXlaBackend(Backend):
         return xla_paged_attention(request)
 
 
-class PagedTritonBackend(Backend):
-    """``ejk_kernels_gpu.paged_attention_request`` (on CPU it runs in Triton's interpreter).
+class _PagedKernelBackend(Backend):
+    """A kernel package's paged attention: ``paged_attention_request(request, config=)``,
+    ``unsupported_paged_reason(request)`` and the `ejk_executor` kernel ``kernel_class``.
 
-    Looked up when called, so the facade works with an ``ejk_kernels_gpu`` without it.
-    Its config comes from the executor (explicit ``config=``, else its caches, where a
-    tuned config is stored, else the kernel's heuristic) when the package has the
-    `ejk_executor` kernel ``PagedAttention``; otherwise the kernel's own heuristic.
+    The package is looked up when called, so the facade works without it (or with a
+    version that has no paged kernel). The config comes from the executor (explicit
+    ``config=``, else its caches, where a tuned config is stored, else the kernel's
+    heuristic) when the package has the executor kernel; otherwise the kernel's own
+    heuristic. Forward only.
     """
 
-    name = "triton"
+    package = ""
+    kernel_class = ""
+
+    def _module(self) -> Any:
+        return importlib.import_module(self.package)
 
     def supported(self, request: PagedAttentionRequest, platform: str) -> str | None:
-        del platform  # off GPU the kernel runs in Triton's interpreter
+        del platform  # off their device the kernels run in an interpreter
         try:
-            import ejk_kernels_gpu
+            module = self._module()
         except ImportError as err:
-            return f"ejk_kernels_gpu is not available: {err}"
-        if not hasattr(ejk_kernels_gpu, "paged_attention_request"):
-            return "this ejk_kernels_gpu has no paged attention kernel"
-        reason = getattr(ejk_kernels_gpu, "unsupported_paged_reason", None)
+            return f"{self.package} is not available: {err}"
+        if not hasattr(module, "paged_attention_request"):
+            return f"this {self.package} has no paged attention kernel"
+        reason = getattr(module, "unsupported_paged_reason", None)
         return None if reason is None else reason(request)
 
     def invocations(self, request: PagedAttentionRequest) -> dict[str, Any]:
-        import ejk_kernels_gpu
         from ejk_executor import Invocation
 
-        kernel = getattr(ejk_kernels_gpu, "PagedAttention", None)
+        kernel = getattr(self._module(), self.kernel_class, None)
         if kernel is None:
             return {}
         args = (request.q, request.k_pages, request.v_pages, request.page_table, request.kv_lens)
@@ -94,20 +109,39 @@ class PagedTritonBackend(Backend):
         return config, None
 
     def run(self, request: PagedAttentionRequest, config: Any, bwd_config: Any) -> Any:
-        import ejk_kernels_gpu
-
         del bwd_config
-        return ejk_kernels_gpu.paged_attention_request(request, config=config)
+        return self._module().paged_attention_request(request, config=config)
 
 
-PAGED_BACKENDS: dict[str, Backend] = {"triton": PagedTritonBackend(), "xla": PagedXlaBackend()}
+class PagedTritonBackend(_PagedKernelBackend):
+    """``ejk_kernels_gpu.paged_attention_request``, the split-KV kernel (on CPU it runs in
+    Triton's interpreter); executor kernel ``PagedAttention``."""
+
+    name = "triton"
+    package = "ejk_kernels_gpu"
+    kernel_class = "PagedAttention"
+
+
+class PagedPallasBackend(_PagedKernelBackend):
+    """``ejk_kernels_tpu.paged_attention_request``, the ragged paged Pallas kernel (on TPU;
+    elsewhere it runs in Pallas' TPU interpreter); executor kernel ``RaggedPagedAttention``."""
+
+    name = "pallas"
+    package = "ejk_kernels_tpu"
+    kernel_class = "RaggedPagedAttention"
+
+
+PAGED_BACKENDS: dict[str, Backend] = {
+    "triton": PagedTritonBackend(),
+    "pallas": PagedPallasBackend(),
+    "xla": PagedXlaBackend(),
+}
 
 
 def _run(request: PagedAttentionRequest, implementation: Any, config: Any) -> Array:
     names = resolve_implementation(implementation)
     if names is None:
-        gpu = platform_of(request) in ("gpu", "cuda", "rocm")
-        names = ("triton", "xla") if gpu else ("xla",)
+        names = tuple(n for n in default_order(platform_of(request)) if n in PAGED_BACKENDS)
     return run_first(request, names, config, backends=PAGED_BACKENDS)[1]
 
 
@@ -132,7 +166,7 @@ def paged_attention(
     window. Sequences with ``kv_lens[b] == 0`` (idle slots) and queries at negative
     positions (``kv_lens[b] < T``) output zeros. Page-table entries past a sequence's last
     page, and page slots past ``kv_lens[b]``, are never read. Forward only: serving takes
-    no gradients (the Triton kernel has none; train with `flash_attention`).
+    no gradients (the Triton and Pallas kernels have none; train with `flash_attention`).
 
     Args:
         q: ``[B, T, N, H]``, the last ``T`` tokens of each sequence (T = 1: decoding).
@@ -148,10 +182,12 @@ def paged_attention(
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` or ``[N, num_sinks]`` logits in the softmax denominator only.
         implementation: None (``"triton"`` on GPU when ``ejk_kernels_gpu`` has its paged
-            kernel, then ``"xla"``; ``"xla"`` elsewhere), one of ``"xla"``, ``"triton"``
-            (others are valid names of the facade without a paged backend), or a
-            sequence of them tried in order.
-        config: the Triton kernel's config; default its heuristic. xla has none.
+            kernel, ``"pallas"`` on TPU, then ``"xla"``; ``"xla"`` elsewhere), one of
+            ``"xla"``, ``"triton"``, ``"pallas"`` (``"cudnn"`` is a valid name of the
+            facade without a paged backend), or a sequence of them tried in order.
+        config: the kernel's config (`ejk_kernels_gpu.PagedConfig` for triton,
+            `ejk_kernels_tpu.RaggedPagedConfig` for pallas); default the executor's choice
+            (a tuned config, else the kernel's heuristic). xla has none.
 
     Returns:
         ``out [B, T, N, H]`` in q's dtype.

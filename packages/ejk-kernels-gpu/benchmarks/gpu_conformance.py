@@ -43,6 +43,7 @@ WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_sp
 # The Gluon forward (on Hopper the heuristic's pick at H=128, 16-bit, unmasked or causal),
 # with the ring depth the heuristic does not take.
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
+GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
 ORDINARY = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
 ORDINARY_BWD = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
 
@@ -162,6 +163,8 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         kw["config"] = WS
     if kw.pop("gluon2", False):
         kw["config"] = GLUON2
+    if kw.pop("gluon", False):  # asked for where the heuristic does not take it (head_dim 64)
+        kw["config"] = GLUON
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
     if kw.pop("ordinary", False):
@@ -281,7 +284,7 @@ ORD = {}
 CASES = [
     ("plain h128", 2, 1024, 1024, 16, 16, 128, GW, {}),
     ("causal gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True)),
-    ("causal h64 odd len", 2, 1000, 1000, 8, 8, 64, GW, dict(causal=True)),
+    ("causal h64 odd len", 2, 1000, 1000, 8, 8, 64, ORD, dict(causal=True)),
     ("cross h256 T!=S", 1, 777, 1500, 8, 2, 256, GW, {}),
     ("window+cap+sinks h80", 2, 1024, 1024, 8, 2, 80, ORD, dict(sliding_window=(128, 32), logits_soft_cap=20.0, sinks=True)),
     ("bias h96", 1, 512, 640, 8, 8, 96, ORD, dict(bias=True)),
@@ -289,7 +292,7 @@ CASES = [
     # Documents as segment ids: blocks of other documents skipped, blocks inside one run
     # unmasked; an id that comes back in a later run keeps its span masked.
     ("documents causal gqa h128", 2, 2048, 2048, 8, 2, 128, GW, dict(documents=True, causal=True)),
-    ("documents repeat fp16 h64", 2, 1024, 1024, 8, 8, 64, GW, dict(documents="repeat", dtype=jnp.float16)),
+    ("documents repeat fp16 h64", 2, 1024, 1024, 8, 8, 64, GW, dict(documents="repeat", dtype=jnp.float16, gluon=True)),
     ("packed causal h128", 1, 4096, 4096, 8, 2, 128, GW, dict(packed=True, causal=True)),
     ("dropout h64", 2, 1024, 1024, 8, 8, 64, ORD, dict(dropout_rate=0.1, dropout_seed=3)),
     # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward;
@@ -324,12 +327,12 @@ CASES = [
     # The Gluon forward's masks (block tables, masks per score in the edge blocks), soft cap
     # (tanh.approx) and its head_dim 64 / 256 tiles.
     ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, sliding_window=(256, 0))),
-    ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50))),
+    ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50), gluon=True)),
     ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
     ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GW, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
-    ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0))),
+    ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
     ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GW, dict(documents=True, causal=True, logits_soft_cap=30.0)),
 ]  # fmt: skip
 

@@ -221,6 +221,10 @@ _GLUON_CONFIGS = {
     ),
     256: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),),
 }
+# Where the forward heuristic takes it: at head_dim 64 its 128x128 step has half the
+# matmul work for the same softmax, and it measured 0.70x the ordinary kernel's speed
+# (200 against 263 TFLOP/s, B8 T2048 N16 causal, H100, docs/performance.md): tuning only.
+_GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
 # dk/dv, queries in dq, 64 per consumer warpgroup; 64 streamed): its dk/dv kernel has a
@@ -299,14 +303,14 @@ def fwd_heuristic(
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
     ``gluon``: the call can take the Gluon forward on this GPU (`_options.offer_gluon`;
-    None: whenever it can take the warp-specialised loop): at head_dim 64, 128 and 256 it
-    runs it (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
+    None: whenever it can take the warp-specialised loop): at head_dim 128 and 256 it
+    runs it (64: tuning space only, see ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
     at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
     ordinary kernel, step 7).
     """
     gluon = warp_specialize if gluon is None else gluon
-    if gluon and itemsize == 2 and head_dim in _GLUON_CONFIGS:
+    if gluon and itemsize == 2 and head_dim in _GLUON_HEURISTIC_HEAD_DIMS:
         return _GLUON_CONFIGS[head_dim][0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:
         return _WS_CONFIGS[head_dim][0]

@@ -17,6 +17,7 @@ import pytest
 
 from ejk_executor import ConfigCache, ConfigSelectorChain, Executor
 from ejk_kernels_tpu import (
+    PagedShape,
     RaggedPagedAttention,
     RaggedPagedConfig,
     fits_paged_vmem,
@@ -175,20 +176,26 @@ def test_refusals_and_config_checks():
         RaggedPagedConfig(pages_per_block=2.0)
 
 
+def _shape(**sizes):
+    base = dict(batch=32, q_rows=1, ragged=False, heads=32, kv_heads=8, head_dim=128,
+                page_size=64, pages_per_seq=128, itemsize=2)  # fmt: skip
+    return PagedShape(**{**base, **sizes})
+
+
 def test_heuristic_and_search_space():
-    sizes = dict(heads=32, kv_heads=8, head_dim=128, page_size=64, itemsize=2)
-    decode = ragged_paged_heuristic(batch=32, q_rows=1, ragged=False, pages_per_seq=128, **sizes)
-    assert decode == RaggedPagedConfig(block_q=8, pages_per_block=8)
-    prefill = ragged_paged_heuristic(batch=8, q_rows=4096, ragged=True, pages_per_seq=64, **sizes)
-    assert prefill.block_q >= 32 and fits_paged_vmem(prefill, **sizes)
-    assert prefill.pages_per_block * 64 >= 256
-    space = ragged_paged_search_space(q_rows=512, pages_per_seq=128, **sizes)
-    assert decode in space and len(space) > 10
-    assert all(fits_paged_vmem(c, **sizes) for c in space)
-    # A huge group shrinks the blocks until they fit.
-    big = dict(sizes, heads=64, kv_heads=1, head_dim=256, itemsize=4)
-    cfg = ragged_paged_heuristic(batch=1, q_rows=512, ragged=False, pages_per_seq=64, **big)
-    assert fits_paged_vmem(cfg, **big) and cfg.block_q < 64
+    decode = _shape()
+    assert ragged_paged_heuristic(decode) == RaggedPagedConfig(block_q=8, pages_per_block=8)
+    prefill = _shape(batch=8, q_rows=4096, ragged=True, pages_per_seq=64)
+    cfg = ragged_paged_heuristic(prefill)
+    assert cfg.block_q >= 32 and cfg.pages_per_block * 64 >= 256
+    assert fits_paged_vmem(cfg, prefill)
+    space = ragged_paged_search_space(_shape(q_rows=16))
+    assert ragged_paged_heuristic(decode) in space and len(space) > 10
+    assert all(fits_paged_vmem(c, decode) for c in space)
+    # A large group shrinks the blocks until they fit.
+    big = _shape(batch=1, q_rows=512, heads=64, kv_heads=1, head_dim=256, itemsize=4)
+    cfg = ragged_paged_heuristic(big)
+    assert fits_paged_vmem(cfg, big) and cfg.block_q < 64
 
 
 def test_executor_kernel():
@@ -197,9 +204,9 @@ def test_executor_kernel():
     kernel = RaggedPagedAttention()
     inv = executor.invocation(kernel, *args, sliding_window=(5, 0))
     heuristic = kernel.heuristic_cfg(inv)
-    assert heuristic == ragged_paged_heuristic(
-        batch=2, q_rows=2, ragged=False, heads=4, kv_heads=2, head_dim=H, page_size=PAGE,
-        pages_per_seq=3, itemsize=4)  # fmt: skip
+    shape = _shape(batch=2, q_rows=2, heads=4, kv_heads=2, head_dim=H, page_size=PAGE,
+                   pages_per_seq=3, itemsize=4)  # fmt: skip
+    assert heuristic == ragged_paged_heuristic(shape)
     assert executor.choose(kernel, *args, sliding_window=(5, 0)).cfg == heuristic
     assert list(kernel.config_space(inv)) == [heuristic]  # off TPU: the heuristic only
     on_tpu = list(kernel.config_space(dataclasses.replace(inv, platform="pallas")))
@@ -226,17 +233,38 @@ def test_sampled_grid(seed):
                                pages_per_block=int(rng.integers(1, cols + 1)))  # fmt: skip
     args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
                    q_shape=(batch, q_len))  # fmt: skip
-    features = {}
-    if rng.random() < 0.5:
-        features["sliding_window"] = (int(rng.integers(0, 30)), int(rng.integers(0, 3)))
-    if rng.random() < 0.4:
-        features["logits_soft_cap"] = float(rng.uniform(1, 20))
-    if rng.random() < 0.4:
-        features["softmax_sinks"] = True
-    kwargs = _features(features, heads)
+    offered = {
+        "sliding_window": (int(rng.integers(0, 30)), int(rng.integers(0, 3))),
+        "logits_soft_cap": float(rng.uniform(1, 20)),
+        "softmax_sinks": True,
+    }
+    chosen = dict(zip(offered, rng.random(len(offered)) < 0.45, strict=True))
+    kwargs = _features({k: v for k, v in offered.items() if chosen[k]}, heads)
     _check(args, kwargs, dtype, config=config)
     q_lens = rng.integers(0, q_len + 1, size=batch)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     rows = [(b, t) for b, n in enumerate(q_lens) for t in range(n)]
-    q = args[0].reshape(-1, heads, H)[[b * q_len + t for b, t in rows]]
+    q = args[0].reshape(-1, heads, H)[np.asarray([b * q_len + t for b, t in rows], int)]
     _check((q, *args[1:]), {**kwargs, "cu_q_lens": cu}, dtype, config=config)
+
+
+def test_no_races_between_the_copies_and_the_compute():
+    """The interpreter's race detector on two simulated cores (the q-block axis is
+    parallel): no slot is read while a copy into it is in flight, no two cores write one
+    block. Uninitialised VMEM is NaN (the interpreter's default): uncopied slots stay hidden."""
+    ipc = pytest.importorskip("jax._src.pallas.mosaic.interpret.interpret_pallas_call")
+    from jax.experimental.pallas import tpu as pltpu
+
+    kv_lens, q_lens = [40, 3, 0, 30], [13, 1, 0, 4]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = _inputs(8, kv_lens, cols=6, heads=4, kv_heads=2, dtype=jnp.float32, q_shape=(18,))
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    pltpu.reset_tpu_interpret_mode_state()
+    try:
+        out = _check(args, {"cu_q_lens": cu, "sliding_window": (17, 0)}, jnp.float32,
+                     config=RaggedPagedConfig(block_q=8, pages_per_block=1), interpret=params)  # fmt: skip
+        jax.block_until_ready(out)
+        assert ipc.races is not None, "the race detector did not run"
+        assert not ipc.races.races_found
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()

@@ -14,7 +14,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ejk_kernels_tpu import RaggedPagedConfig, paged_attention, ragged_paged_search_space
+from ejk_kernels_tpu import (
+    PagedShape,
+    RaggedPagedConfig,
+    paged_attention,
+    ragged_paged_search_space,
+)
 
 BATCH, PAGES_PER_SEQ, POOL = 4, 16, 48
 
@@ -90,7 +95,8 @@ def test_largest_search_space_configs_compile(topology, head_dim):
     """The configs of the search space with the most query rows and the most keys per block
     really fit VMEM (the `fits_paged_vmem` estimate is generous enough)."""
     sizes = dict(heads=32, kv_heads=8, head_dim=head_dim, page_size=16, itemsize=2)
-    space = ragged_paged_search_space(q_rows=512, pages_per_seq=PAGES_PER_SEQ, **sizes)
+    shape = PagedShape(batch=BATCH, q_rows=512, ragged=False, pages_per_seq=PAGES_PER_SEQ, **sizes)
+    space = ragged_paged_search_space(shape)
     for key in (lambda c: (c.block_q, c.pages_per_block), lambda c: (c.pages_per_block, c.block_q)):
         config = max(space, key=key)
         _build(topology, dtype=jnp.bfloat16, q_len=config.block_q, ragged=False, config=config,

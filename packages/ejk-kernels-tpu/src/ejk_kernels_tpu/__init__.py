@@ -35,9 +35,12 @@ from ._ops import unsupported_reason as unsupported_reason
 from ._paged_api import default_paged_config as default_paged_config
 from ._paged_api import paged_attention as paged_attention
 from ._paged_api import paged_attention_request as paged_attention_request
+from ._paged_api import request_shape as request_shape
 from ._paged_api import unsupported_paged_reason as unsupported_paged_reason
+from ._paged_config import PagedShape as PagedShape
 from ._paged_config import RaggedPagedConfig as RaggedPagedConfig
 from ._paged_config import fits_paged_vmem as fits_paged_vmem
+from ._paged_config import paged_shape as paged_shape
 from ._paged_config import paged_vmem_bytes as paged_vmem_bytes
 from ._paged_config import ragged_paged_heuristic as ragged_paged_heuristic
 from ._paged_config import ragged_paged_search_space as ragged_paged_search_space
@@ -57,6 +60,7 @@ __all__ = [
     "MaskTruthValueError",
     "MultiHeadMask",
     "NumpyMask",
+    "PagedShape",
     "RaggedPagedAttention",
     "RaggedPagedConfig",
     "attention_mask",
@@ -75,6 +79,7 @@ __all__ = [
     "make_random_mask",
     "paged_attention",
     "paged_attention_request",
+    "paged_shape",
     "paged_vmem_bytes",
     "process_dynamic_mask",
     "process_dynamic_mask_dkv",
@@ -82,6 +87,7 @@ __all__ = [
     "process_mask_dkv",
     "ragged_paged_heuristic",
     "ragged_paged_search_space",
+    "request_shape",
     "unsupported_paged_reason",
     "unsupported_reason",
     "vmem_bytes",

@@ -4,7 +4,6 @@ serving takes no gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -16,9 +15,11 @@ from ejk_sequtils import PagedAttentionRequest, validate_paged_attention
 from ._config import VMEM_BUDGET
 from ._ops import default_interpret
 from ._paged_config import (
+    PagedShape,
     RaggedPagedConfig,
     effective_block_q,
     fits_paged_vmem,
+    paged_shape,
     paged_vmem_bytes,
     ragged_paged_heuristic,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "default_paged_config",
     "paged_attention",
     "paged_attention_request",
+    "request_shape",
     "unsupported_paged_reason",
 ]
 
@@ -59,36 +61,24 @@ def unsupported_paged_reason(
         # Mosaic has no float16 matmul path (as for the block-sparse kernels).
         return "the ragged paged kernel on TPU takes float32 or bfloat16, got q.dtype=float16"
     smallest = RaggedPagedConfig(block_q=8, pages_per_block=1)
-    sizes = _vmem_sizes(request)
-    if interpret is False and not fits_paged_vmem(smallest, **sizes):
+    shape = request_shape(request)
+    if interpret is False and not fits_paged_vmem(smallest, shape):
         return (
-            f"the ragged paged kernel's smallest blocks need {paged_vmem_bytes(smallest, **sizes)} "
+            f"the ragged paged kernel's smallest blocks need {paged_vmem_bytes(smallest, shape)} "
             f"bytes of VMEM, over its budget of {VMEM_BUDGET} (heads={request.heads}, "
             f"head_dim={request.head_dim}, page_size={request.page_size})"
         )
     return None
 
 
-def _vmem_sizes(request: PagedAttentionRequest) -> dict[str, int]:
-    """`paged_vmem_bytes`' keyword arguments for a request."""
-    return dict(
-        heads=request.heads,
-        kv_heads=request.kv_heads,
-        head_dim=request.head_dim,
-        page_size=request.page_size,
-        itemsize=jnp.dtype(request.q.dtype).itemsize,
-    )
+def request_shape(request: PagedAttentionRequest) -> PagedShape:
+    """The `PagedShape` of a request."""
+    return paged_shape(request.q, request.k_pages, request.page_table, ragged=request.is_ragged)
 
 
 def default_paged_config(request: PagedAttentionRequest) -> RaggedPagedConfig:
     """`ragged_paged_heuristic` for a request."""
-    return ragged_paged_heuristic(
-        batch=request.batch,
-        q_rows=request.num_q_rows,
-        ragged=request.is_ragged,
-        pages_per_seq=request.pages_per_seq,
-        **_vmem_sizes(request),
-    )
+    return ragged_paged_heuristic(request_shape(request))
 
 
 def _row_offsets(request: PagedAttentionRequest) -> Any:
@@ -192,34 +182,24 @@ def paged_attention(
     page_table: Int[AnyArray, "B pages_per_seq"],
     kv_lens: Int[AnyArray, " B"],
     *,
-    cu_q_lens: Int[AnyArray, " B1"] | None = None,
-    softmax_scale: float | None = None,
-    sliding_window: int | Sequence[int] | None = None,
-    logits_soft_cap: float | None = None,
-    softmax_sinks: Float[AnyArray, " N"] | Float[AnyArray, "N num_sinks"] | None = None,
     config: RaggedPagedConfig | None = None,
     interpret: Any = None,
+    **options: Any,
 ) -> Float[Array, "B T N H"] | Float[Array, "total_q N H"]:
     """Ragged paged attention for serving on TPU (Pallas), forward only.
 
-    Validates through `ejk_sequtils.validate_paged_attention`, then
-    `paged_attention_request`. The queries are each sequence's last tokens; causal is
-    bottom-right (token ``t`` of ``T_b`` sits at ``kv_lens[b] - T_b + t``); idle slots and
-    negative positions give zeros; table entries past a sequence's last page are never read.
+    The arguments are `ejk_sequtils.validate_paged_attention`'s, which checks them and
+    defines the conventions; then `paged_attention_request` runs the call.
 
     Args:
-        q: ``[B, T, N, H]``, or ``[total_q, N, H]`` with ``cu_q_lens`` (ragged form: sequence
-            ``b`` owns rows ``cu_q_lens[b]:cu_q_lens[b + 1]``).
-        k_pages, v_pages: ``[P, page_size, K, H]``, ``N % K == 0``.
-        page_table: int32 ``[B, pages_per_seq]``.
-        kv_lens: int32 ``[B]``, each sequence's length including its new tokens.
-        cu_q_lens: int32 ``[B + 1]`` query-row offsets (ragged form).
-        softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
-        sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``.
-        logits_soft_cap: ``cap * tanh(logits / cap)``.
-        softmax_sinks: ``[N]`` or ``[N, num_sinks]`` logits in the denominator only.
+        q: ``[B, T, N, H]``, the last ``T`` tokens of each sequence; or ``[total_q, N, H]``
+            with ``cu_q_lens`` (sequence ``b`` owns rows ``cu_q_lens[b]:cu_q_lens[b + 1]``).
+        k_pages, v_pages, page_table, kv_lens: the paged cache and each sequence's length
+            (its new tokens included).
         config: a `RaggedPagedConfig`; default `ragged_paged_heuristic`.
         interpret: as in `paged_attention_request`.
+        **options: ``cu_q_lens``, ``softmax_scale``, ``sliding_window``,
+            ``logits_soft_cap``, ``softmax_sinks``, as `validate_paged_attention` takes them.
 
     Returns:
         ``out`` shaped like ``q``, in ``q.dtype``.
@@ -228,16 +208,5 @@ def paged_attention(
         ValueError, TypeError: a bad argument (the message names it).
         NotImplementedError: what `unsupported_paged_reason` names.
     """
-    request = validate_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        kv_lens,
-        cu_q_lens=cu_q_lens,
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        softmax_sinks=softmax_sinks,
-    )
+    request = validate_paged_attention(q, k_pages, v_pages, page_table, kv_lens, **options)
     return paged_attention_request(request, config=config, interpret=interpret)

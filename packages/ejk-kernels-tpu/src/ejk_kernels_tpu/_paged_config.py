@@ -8,6 +8,7 @@ sinks) is an argument, so a config changes nothing but the float summation order
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -15,9 +16,11 @@ import numpy as np
 from ._config import VMEM_BUDGET
 
 __all__ = [
+    "PagedShape",
     "RaggedPagedConfig",
     "effective_block_q",
     "fits_paged_vmem",
+    "paged_shape",
     "paged_vmem_bytes",
     "ragged_paged_heuristic",
     "ragged_paged_search_space",
@@ -66,59 +69,90 @@ def effective_block_q(block_q: int, itemsize: int) -> int:
     return max(block_q, 8 * max(1, 4 // itemsize))
 
 
+class PagedShape(msgspec.Struct, frozen=True, kw_only=True):
+    """The sizes of a paged attention call that its config depends on.
+
+    Attributes:
+        batch: B, sequences (rows of the page table).
+        q_rows: T, or total_q in the ragged form.
+        ragged: whether the call is in the ragged form (``cu_q_lens``).
+        heads, kv_heads, head_dim: N, K, H.
+        page_size: tokens per page; pages_per_seq: columns of the page table.
+        itemsize: bytes per element of q.
+    """
+
+    batch: int
+    q_rows: int
+    ragged: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    itemsize: int
+
+    @property
+    def rows(self) -> int:
+        """Query rows of the whole call (``B * T``, or total_q)."""
+        return self.q_rows if self.ragged else self.batch * self.q_rows
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // max(self.kv_heads, 1)
+
+
+def paged_shape(q: Any, k_pages: Any, page_table: Any, *, ragged: bool) -> PagedShape:
+    """The `PagedShape` of a call from its arrays (or their abstract shapes): q ``[B, T, N, H]``
+    (``[total_q, N, H]`` when ``ragged``), k_pages ``[P, page_size, K, H]``, page_table
+    ``[B, pages_per_seq]``."""
+    _, page_size, kv_heads, head_dim = k_pages.shape
+    return PagedShape(
+        batch=int(page_table.shape[0]),
+        q_rows=int(q.shape[0] if ragged else q.shape[1]),
+        ragged=ragged,
+        heads=int(q.shape[-2]),
+        kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        page_size=int(page_size),
+        pages_per_seq=int(page_table.shape[1]),
+        itemsize=int(np.dtype(q.dtype).itemsize),
+    )
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def paged_vmem_bytes(
-    config: RaggedPagedConfig,
-    *,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    itemsize: int,
-) -> int:
-    """A generous estimate of the kernel's VMEM use for ``config``.
+def paged_vmem_bytes(config: RaggedPagedConfig, shape: PagedShape) -> int:
+    """A generous estimate of the kernel's VMEM use for ``config`` on a call of ``shape``.
 
     Double-buffered query and output blocks (every head), two slots of k and v pages
     (kv heads padded to the sublane tile), the f32 accumulators, and the f32 score
     temporaries of one kv head.
     """
-    bq = effective_block_q(config.block_q, itemsize)
-    lanes = _round_up(head_dim, 128)
-    sublane = 8 * max(1, 4 // itemsize)
-    q_block = heads * bq * lanes * itemsize
-    keys = config.pages_per_block * page_size
-    kv_slots = 2 * 2 * keys * _round_up(kv_heads, sublane) * lanes * itemsize
-    rows = heads * bq
+    bq = effective_block_q(config.block_q, shape.itemsize)
+    lanes = _round_up(shape.head_dim, 128)
+    sublane = 8 * max(1, 4 // shape.itemsize)
+    q_block = shape.heads * bq * lanes * shape.itemsize
+    keys = config.pages_per_block * shape.page_size
+    kv_slots = 2 * 2 * keys * _round_up(shape.kv_heads, sublane) * lanes * shape.itemsize
+    rows = shape.heads * bq
     scratch = rows * lanes * 4 + 2 * rows * 128 * 4  # acc, and m, l padded to 128 lanes
-    group_rows = (heads // max(kv_heads, 1)) * bq
-    temps = 3 * group_rows * _round_up(keys, 128) * 4 + 2 * keys * lanes * 4
+    temps = 3 * shape.group * bq * _round_up(keys, 128) * 4 + 2 * keys * lanes * 4
     return 2 * 2 * q_block + kv_slots + scratch + temps
 
 
-def fits_paged_vmem(config: RaggedPagedConfig, **sizes: int) -> bool:
-    """Whether ``config`` fits the VMEM budget (`paged_vmem_bytes`, same keyword arguments)."""
-    return paged_vmem_bytes(config, **sizes) <= VMEM_BUDGET
+def fits_paged_vmem(config: RaggedPagedConfig, shape: PagedShape) -> bool:
+    """Whether ``config`` fits the VMEM budget on a call of ``shape`` (`paged_vmem_bytes`)."""
+    return paged_vmem_bytes(config, shape) <= VMEM_BUDGET
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def ragged_paged_heuristic(
-    *,
-    batch: int,
-    q_rows: int,
-    ragged: bool,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    pages_per_seq: int,
-    itemsize: int,
-) -> RaggedPagedConfig:
+def ragged_paged_heuristic(shape: PagedShape) -> RaggedPagedConfig:
     """A config that fits VMEM, chosen without timing (no TPU timing has been possible).
 
     Query block: the tokens per sequence (T, or the mean ``total_q / B`` in the ragged form,
@@ -127,59 +161,35 @@ def ragged_paged_heuristic(
     `_MAX_ROWS` rows of a kv group. Pages per block: about `_TARGET_KEYS` keys, at most the
     table's width. Until the estimate fits the budget: fewer pages down to `_MIN_KEYS` keys,
     then smaller query blocks, then fewer pages.
-
-    Args:
-        batch: B, sequences.
-        q_rows: T, or total_q in the ragged form.
-        ragged: whether the call is in the ragged form.
-        heads, kv_heads, head_dim: N, K, H.
-        page_size: tokens per page; pages_per_seq: columns of the page table.
-        itemsize: bytes per element of q.
     """
-    tokens = -(-q_rows // max(batch, 1)) if ragged else q_rows
-    group = heads // max(kv_heads, 1)
-    most = max(8, _MAX_ROWS // max(group, 1))
+    tokens = -(-shape.q_rows // max(shape.batch, 1)) if shape.ragged else shape.q_rows
+    most = max(8, _MAX_ROWS // max(shape.group, 1))
     block_q = min(128, max(8, _pow2_at_least(tokens)), 1 << (most.bit_length() - 1))
-    pages = max(1, min(pages_per_seq, _TARGET_KEYS // max(page_size, 1)))
-    pages = 1 << (pages.bit_length() - 1)
-    sizes = dict(
-        heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, itemsize=itemsize
-    )
-    config = RaggedPagedConfig(block_q=block_q, pages_per_block=pages)
-    while not fits_paged_vmem(config, **sizes):
-        if config.pages_per_block > 1 and config.pages_per_block * page_size > _MIN_KEYS:
-            config = msgspec.structs.replace(config, pages_per_block=config.pages_per_block // 2)
+    pages = max(1, min(shape.pages_per_seq, _TARGET_KEYS // max(shape.page_size, 1)))
+    config = RaggedPagedConfig(block_q=block_q, pages_per_block=1 << (pages.bit_length() - 1))
+    while not fits_paged_vmem(config, shape):
+        pages = config.pages_per_block
+        if pages > 1 and pages * shape.page_size > _MIN_KEYS:
+            config = msgspec.structs.replace(config, pages_per_block=pages // 2)
         elif config.block_q > 8:
             config = msgspec.structs.replace(config, block_q=config.block_q // 2)
-        elif config.pages_per_block > 1:
-            config = msgspec.structs.replace(config, pages_per_block=config.pages_per_block // 2)
+        elif pages > 1:
+            config = msgspec.structs.replace(config, pages_per_block=pages // 2)
         else:
             break  # the smallest config: the kernel is tried anyway
     return config
 
 
-def ragged_paged_search_space(
-    *,
-    q_rows: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    pages_per_seq: int,
-    itemsize: int,
-) -> list[RaggedPagedConfig]:
-    """Configs worth timing: query blocks up to the (padded) rows, pages per block up to the
-    table's width, pruned by `fits_paged_vmem`."""
-    q_cap = max(8, _pow2_at_least(q_rows))
-    page_cap = max(1, _pow2_at_least(pages_per_seq))
-    sizes = dict(
-        heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, itemsize=itemsize
-    )
+def ragged_paged_search_space(shape: PagedShape) -> list[RaggedPagedConfig]:
+    """Configs worth timing: query blocks up to the call's (padded) rows, pages per block
+    up to the table's width, pruned by `fits_paged_vmem`."""
+    q_cap = max(8, _pow2_at_least(shape.rows))
+    page_cap = max(1, _pow2_at_least(shape.pages_per_seq))
     space = []
     for block_q, pages in itertools.product(_BLOCK_Q, _PAGES_PER_BLOCK):
         if block_q > q_cap or pages > page_cap:
             continue
         config = RaggedPagedConfig(block_q=block_q, pages_per_block=pages)
-        if fits_paged_vmem(config, **sizes):
+        if fits_paged_vmem(config, shape):
             space.append(config)
     return space

@@ -8,11 +8,11 @@ holds every head of ``block_q`` consecutive rows; the rows of one kv head's grou
 one ``[G * block_q, H]`` tile (row ``g * block_q + t``), and k/v are read once per group.
 
 Grid ``(R / block_q,)``: step ``i`` walks the sequences that own rows of its block (from
-the scalar-prefetched ``seq_lo``/``seq_hi``); for each, it walks the kv blocks its rows
-can see (causal bottom-right, the window's left edge) with an online softmax. A kv block
-is ``pages_per_block`` whole pages (all kv heads) copied from the pool in HBM by manual
-async DMA into one of two VMEM slots; the next block's copy starts before the current
-block is computed. Rows of the block owned by another sequence, keys past ``kv_lens[b]``
+the scalar-prefetched ``seq_lo``/``seq_hi``) and, for each, the kv blocks its rows can
+see (causal bottom-right, the window's left edge), with an online softmax. A kv block is
+``pages_per_block`` whole pages (all kv heads) copied from the pool in HBM by manual
+async DMA into one of two VMEM slots; the next block's copy (the same sequence's next
+block, else the next sequence's first) starts before the current block is computed. Rows of the block owned by another sequence, keys past ``kv_lens[b]``
 and keys the rule hides are masked, so each row accumulates its own sequence's keys only.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +109,52 @@ def _head_tile(buf: Any, slot: Any, head: int, st: PagedStatic) -> jax.Array:
     return buf[slot, :, :, head, :].reshape(st.block_kv, buf.shape[-1])
 
 
+class _Walk(NamedTuple):
+    """What grid step ``i`` walks of sequence ``seq``: its kv blocks ``j0 <= j < j1`` (none
+    when ``j1 == j0``) and what places its rows of the block.
+
+    Attributes:
+        seq: the sequence (clamped to a real one when past the last).
+        kv_len: its length; first_pos: the position of its first query row ``q0``.
+        q0: its first row; lo, hi: its rows ``[lo, hi)`` inside the block.
+        j0, j1: the kv blocks its rows of the block can see.
+    """
+
+    seq: Any
+    kv_len: Any
+    first_pos: Any
+    q0: Any
+    lo: Any
+    hi: Any
+    j0: Any
+    j1: Any
+
+    @classmethod
+    def of(cls, r: dict[str, Any], st: PagedStatic, block_first: Any, seq: Any) -> _Walk:
+        seq_ref = jnp.minimum(seq, r["kv_lens"].shape[0] - 1)  # no read past the tables
+        q0, q1 = r["cu"][seq_ref], r["cu"][seq_ref + 1]
+        kv_len = r["kv_lens"][seq_ref]
+        first_pos = kv_len - (q1 - q0)
+        lo, hi = jnp.maximum(q0, block_first), jnp.minimum(q1, block_first + st.block_q)
+        kv_end = jnp.minimum(kv_len, first_pos + hi - q0)  # past the last row's position
+        kv_begin = jnp.int32(0)
+        if st.window_left is not None:
+            kv_begin = jnp.maximum(first_pos + lo - q0 - st.window_left, 0)
+        j0 = jax.lax.div(kv_begin, jnp.int32(st.block_kv))
+        j1 = jnp.where((hi > lo) & (kv_end > kv_begin), _cdiv(kv_end, st.block_kv), j0)
+        return cls(seq, kv_len, first_pos, q0, lo, hi, j0, j1)
+
+    @property
+    def empty(self) -> Any:
+        return self.j1 <= self.j0
+
+    def positions(self, row: jax.Array) -> jax.Array:
+        """The query position of each row (``row``: its index in the flattened batch); a
+        row of another sequence (or of none) gets -1: it sees no key."""
+        inside = (row >= self.lo) & (row < self.hi)
+        return jnp.where(inside, self.first_pos + row - self.q0, -1)
+
+
 def _kernel(*refs: Any, st: PagedStatic, names: list[str]) -> None:
     r = dict(zip(names, refs, strict=True))
     m_scr, l_scr, acc_scr = r["m"], r["l"], r["acc"]
@@ -131,40 +177,40 @@ def _kernel(*refs: Any, st: PagedStatic, names: list[str]) -> None:
     block_first = i * bq
     # Row t of the block (rows of a group tile repeat every block_q).
     row = block_first + jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), bq)
+    end = r["seq_hi"][i]
+    walk = functools.partial(_Walk.of, r, st, block_first)
 
-    def sequence(seq: Any, carry: Any) -> Any:
-        q0, q1 = r["cu"][seq], r["cu"][seq + 1]
-        kv_len = r["kv_lens"][seq]
-        first_pos = kv_len - (q1 - q0)  # position of the sequence's first query row
-        lo, hi = jnp.maximum(q0, block_first), jnp.minimum(q1, block_first + bq)
-        # A row of another sequence (or of none) gets position -1: it sees no key.
-        pos = jnp.where((row >= lo) & (row < hi), first_pos + row - q0, -1)
-        kv_end = jnp.minimum(kv_len, first_pos + hi - q0)  # past the last row's position
-        kv_begin = jnp.int32(0)
-        if st.window_left is not None:
-            kv_begin = jnp.maximum(first_pos + lo - q0 - st.window_left, 0)
-        j0 = jax.lax.div(kv_begin, jnp.int32(st.block_kv))
-        j1 = jnp.where((hi > lo) & (kv_end > kv_begin), _cdiv(kv_end, st.block_kv), j0)
-        copies = _PageCopies(st, r, seq, kv_len)
+    def copies(w: _Walk) -> _PageCopies:
+        return _PageCopies(st, r, w.seq, w.kv_len)
 
-        @pl.when(j1 > j0)
-        def _first():
-            copies.start(j0, 0)
+    def next_walked(seq: Any) -> Any:
+        """The first sequence from ``seq`` on (before ``end``) with a kv block to walk."""
+        return jax.lax.while_loop(lambda s: (s < end) & walk(s).empty, lambda s: s + 1, seq)
 
-        def kv_block(j: Any, carry: Any) -> Any:
-            slot = jax.lax.rem(j - j0, 2)
+    first = walk(next_walked(r["seq_lo"][i]))
 
-            @pl.when(j + 1 < j1)
-            def _next():
-                copies.start(j + 1, 1 - slot)
+    @pl.when(first.seq < end)
+    def _first():
+        copies(first).start(first.j0, 0)
 
-            copies.wait(j, slot)
-            _block_step(r, st, slot, j * st.block_kv, pos, kv_len)
-            return carry
+    def step(state: tuple) -> tuple:
+        seq, j, slot = state
+        w = walk(seq)
+        # The next (sequence, kv block): this sequence's next block, else the first block
+        # of the next sequence with one; its copy starts before this block is computed.
+        last = j + 1 >= w.j1
+        nxt = walk(jnp.where(last, next_walked(seq + 1), seq))
+        nj = jnp.where(last, nxt.j0, j + 1)
 
-        return jax.lax.fori_loop(j0, j1, kv_block, carry)
+        @pl.when(nxt.seq < end)
+        def _next():
+            copies(nxt).start(nj, 1 - slot)
 
-    jax.lax.fori_loop(r["seq_lo"][i], r["seq_hi"][i], sequence, 0)
+        copies(w).wait(j, slot)
+        _block_step(r, st, slot, j * st.block_kv, w.positions(row), w.kv_len)
+        return nxt.seq, nj, 1 - slot
+
+    jax.lax.while_loop(lambda state: state[0] < end, step, (first.seq, first.j0, jnp.int32(0)))
 
     for h in range(st.kv_heads):
         denom = l_scr[h]

@@ -59,6 +59,9 @@ class GluonOptions(NamedTuple):
     VARLEN: bool  # packed sequences: sequence ids and local positions per token
     HAS_SEG: bool  # segment ids per (batch, token)
     MASKED: bool  # some key block needs a mask (any of the above, or S off the key tile)
+    TABLE: bool  # key ranges from the block table (window, packing, segment ids); else from
+    # the program's rows (unmasked or causal alone: no load before the first copy)
+    EARLY_P16: bool  # p to 16 bits in the softmax (registers for masks beyond causal)
 
 
 @gluon.jit
@@ -172,9 +175,12 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     else:
         p = gl.exp2(x * F.QK - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    # p leaves in the inputs' 16-bit type (FlashAttention-3's order): it waits for its
-    # p·v matmul across the next block's q·kᵀ, and 16-bit halves the registers it holds.
-    return p.to(DTYPE), alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+    # With masks beyond causal (EARLY_P16) p leaves in the inputs' 16-bit type: it waits for
+    # its p·v matmul across the next block's q·kᵀ, and 16-bit halves the registers it holds.
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if F.EARLY_P16:
+        p = p.to(DTYPE)
+    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -188,7 +194,7 @@ def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
     """Issue acc·alpha + p·v (asynchronous; p 16-bit); ``acc`` must be complete."""
     orow_layout, p_layout = layouts
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-    p16 = gl.convert_layout(p, p_layout)
+    p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     return hopper.warpgroup_mma(p16, v_smem, acc, is_async=True)
 
 
@@ -300,7 +306,8 @@ def gluon_fwd_kernel(
     F: gl.constexpr = GluonOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
-        HAS_SEG=HAS_SEG, MASKED=MASKED,
+        HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
+        EARLY_P16=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -333,12 +340,20 @@ def gluon_fwd_kernel(
         tma.async_copy_global_to_shared(
             q_desc, [row0 + i * HALF, 0], q_bars.index(i), q_smem.index(i)
         )
-    # This query block's key range (`_masks.block_table`), in key blocks.
-    table = ranges_ptr + ((b * n_m + pid_m) * 4 if HAS_SEG else pid_m * 4)
-    j_lo = gl.load(table) // BN
-    jf_lo = gl.load(table + 1) // BN
-    jf_hi = gl.load(table + 2) // BN
-    j_hi = gl.cdiv(gl.load(table + 3), BN)
+    # This query block's key range, in key blocks: the block table's (`_masks.block_table`),
+    # or for unmasked and causal-only calls the same figures from its rows.
+    if F.TABLE:
+        table = ranges_ptr + ((b * n_m + pid_m) * 4 if HAS_SEG else pid_m * 4)
+        j_lo = gl.load(table) // BN
+        jf_lo = gl.load(table + 1) // BN
+        jf_hi = gl.load(table + 2) // BN
+        j_hi = gl.cdiv(gl.load(table + 3), BN)
+    else:
+        j_lo = 0
+        jf_lo = 0
+        j_hi = gl.cdiv(gl.minimum(row0 + BM, S), BN) if CAUSAL else gl.cdiv(S, BN)
+        # Causal: blocks wholly at or before the first row's key; else whole blocks.
+        jf_hi = gl.minimum((row0 + 1) // BN, S // BN) if CAUSAL else S // BN
     sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E if HAS_SINKS else 0.0
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bars, kv_bars)

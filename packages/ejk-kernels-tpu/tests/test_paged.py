@@ -221,14 +221,12 @@ def test_sampled_grid(seed):
     """Random batch, lengths, table width, heads (GQA, MQA), T up to 40, features, dtype,
     config; and the same rows as one ragged call."""
     rng = np.random.default_rng(200 + seed)
-    kv_heads = int(rng.choice([1, 2, 3]))
-    heads = kv_heads * int(rng.choice([1, 2, 4]))
-    cols = int(rng.integers(1, 7))
-    q_len = int(rng.choice([1, 2, 7, 23, 40]))
-    batch = int(rng.integers(1, 5))
-    kv_lens = rng.integers(0, cols * PAGE + 1, size=batch)
-    kv_lens[0] = int(rng.choice([0, cols * PAGE]))
-    dtype = [jnp.float32, jnp.bfloat16][seed % 2]
+    choices = ([1, 2, 3], [1, 2, 4], range(1, 7), [1, 2, 7, 23, 40], range(1, 5))
+    kv_heads, group, cols, q_len, batch = (int(rng.choice(c)) for c in choices)
+    heads = kv_heads * group
+    # An idle or a full sequence first, then any lengths.
+    kv_lens = [int(rng.choice([0, cols * PAGE])), *rng.integers(0, cols * PAGE + 1, batch - 1)]
+    dtype = (jnp.float32, jnp.bfloat16)[seed % 2]
     config = RaggedPagedConfig(block_q=int(rng.choice([8, 16, 32])),
                                pages_per_block=int(rng.integers(1, cols + 1)))  # fmt: skip
     args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
@@ -268,3 +266,34 @@ def test_no_races_between_the_copies_and_the_compute():
         assert not ipc.races.races_found
     finally:
         pltpu.reset_tpu_interpret_mode_state()
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` in program order, those of its sub-jaxprs inlined."""
+    from jax._src import core
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, core.ClosedJaxpr | core.Jaxpr):
+                    yield from _equations(getattr(sub, "jaxpr", sub))
+
+
+def test_the_next_blocks_copy_starts_before_the_current_one_is_computed():
+    """The kernel's walk over kv blocks: each step starts the copies of the next block's
+    pages (k and v, ``pages_per_block`` each), then waits for the current block's, then
+    computes."""
+    q = jnp.zeros((2, 1, 4, H))
+    pages = jnp.zeros((POOL, PAGE, 2, H))
+    table, lens = jnp.zeros((2, 3), jnp.int32), jnp.asarray([3, 20], jnp.int32)
+    config = RaggedPagedConfig(block_q=8, pages_per_block=2)
+    call = lambda *a: paged_attention(*a, config=config, interpret=False)
+    outer = jax.make_jaxpr(call)(q, pages, pages, table, lens).jaxpr
+    (kernel,) = [e for e in _equations(outer) if e.primitive.name == "pallas_call"]
+    walks = [e for e in kernel.params["jaxpr"].eqns if e.primitive.name == "while"]
+    walk = walks[-1].params["body_jaxpr"].jaxpr  # the (sequence, kv block) walk
+    names = [e.primitive.name for e in _equations(walk)]
+    assert names.count("dma_start") == 2 * 2 and names.count("dma_wait") == 2 * 2
+    first = {name: names.index(name) for name in ("dma_start", "dma_wait", "dot_general")}
+    assert first["dma_start"] < first["dma_wait"] < first["dot_general"]

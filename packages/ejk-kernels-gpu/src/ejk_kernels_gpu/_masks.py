@@ -54,7 +54,10 @@ class Packing:
 
 def _sequence_of(cu: Array, length: int, num_seqs: int) -> tuple[Array, Array]:
     idx = jnp.arange(length, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu, idx, side="right").astype(jnp.int32) - 1
+    # Few offsets: one fused compare-and-count per token beats the default binary search,
+    # an XLA while loop (a launch per step; H100: the forward's tables 154 -> 96 us a call).
+    method = "compare_all" if cu.shape[0] <= 1024 else "sort"
+    seq = jnp.searchsorted(cu, idx, side="right", method=method).astype(jnp.int32) - 1
     seq = jnp.where(idx >= cu[-1], num_seqs, jnp.clip(seq, 0, num_seqs))
     local = idx - cu[jnp.clip(seq, 0, num_seqs)]
     return seq, local

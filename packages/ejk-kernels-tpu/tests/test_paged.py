@@ -85,6 +85,7 @@ CASES = [
     (jnp.float32, 1, 6, 2, {}, None),
     (jnp.float32, 1, 4, 1, {"sliding_window": (9, 0)}, RaggedPagedConfig(pages_per_block=3)),
     (jnp.float32, 5, 6, 3, {"logits_soft_cap": 3.0, "softmax_sinks": True}, None),
+    (jnp.float16, 2, 4, 2, {"sliding_window": (20, 0)}, None),  # the interpreter only
     (
         jnp.bfloat16,
         19,

@@ -111,10 +111,11 @@ def _head_tile(buf: Any, slot: Any, head: int, st: PagedStatic) -> jax.Array:
 
 class _Walk(NamedTuple):
     """What grid step ``i`` walks of sequence ``seq``: its kv blocks ``j0 <= j < j1`` (none
-    when ``j1 == j0``) and what places its rows of the block.
+    when ``j1 <= j0``) and where its rows of the block sit.
 
     Attributes:
-        seq: the sequence (clamped to a real one when past the last).
+        seq: the sequence; the end of the walk's range may be one past the last sequence,
+            whose scalars are then read from the last one (and never used).
         kv_len: its length; first_pos: the position of its first query row ``q0``.
         q0: its first row; lo, hi: its rows ``[lo, hi)`` inside the block.
         j0, j1: the kv blocks its rows of the block can see.

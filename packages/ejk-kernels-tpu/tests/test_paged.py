@@ -269,16 +269,21 @@ def test_no_races_between_the_copies_and_the_compute():
         pltpu.reset_tpu_interpret_mode_state()
 
 
+def _open(jaxpr):
+    """The open jaxpr of ``jaxpr`` (a closed one's inside; jax >= 0.12 merged the two)."""
+    return jaxpr if hasattr(jaxpr, "eqns") else jaxpr.jaxpr
+
+
 def _equations(jaxpr):
     """Every equation of ``jaxpr`` in program order, those of its sub-jaxprs inlined."""
-    from jax._src import core
+    from jax.extend import core  # public names on every jax the package supports
 
-    for eqn in jaxpr.eqns:
+    for eqn in _open(jaxpr).eqns:
         yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(sub, core.ClosedJaxpr | core.Jaxpr):
-                    yield from _equations(getattr(sub, "jaxpr", sub))
+                    yield from _equations(sub)
 
 
 def test_the_next_blocks_copy_starts_before_the_current_one_is_computed():
@@ -292,8 +297,8 @@ def test_the_next_blocks_copy_starts_before_the_current_one_is_computed():
     call = lambda *a: paged_attention(*a, config=config, interpret=False)
     outer = jax.make_jaxpr(call)(q, pages, pages, table, lens).jaxpr
     (kernel,) = [e for e in _equations(outer) if e.primitive.name == "pallas_call"]
-    walks = [e for e in kernel.params["jaxpr"].eqns if e.primitive.name == "while"]
-    walk = walks[-1].params["body_jaxpr"].jaxpr  # the (sequence, kv block) walk
+    walks = [e for e in _open(kernel.params["jaxpr"]).eqns if e.primitive.name == "while"]
+    walk = walks[-1].params["body_jaxpr"]  # the (sequence, kv block) walk
     names = [e.primitive.name for e in _equations(walk)]
     assert names.count("dma_start") == 2 * 2 and names.count("dma_wait") == 2 * 2
     first = {name: names.index(name) for name in ("dma_start", "dma_wait", "dot_general")}

@@ -1,4 +1,4 @@
-"""Decoding and serving: GB/s of ejk's split-KV paged attention against cuDNN.
+"""Decoding and serving: GB/s of ejk's split-KV paged attention against cuDNN and tokamax.
 
 In one process, bf16: first the kernel's values against `ejk_sequtils.paged_reference_attention`
 (fresh random inputs, shared and out-of-order pages, window / soft cap / sinks, ragged),
@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 
+import _tokamax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,6 +153,13 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
     }
     for label, cfg in configs.items():
         variants[f"ejk contiguous {label}"] = (contiguous(cfg), (q, k, v))
+    # tokamax serves the contiguous call (its GPU kernels have no paged cache); a failure is
+    # reported as a row error by `interleaved`, a missing tokamax leaves it out.
+    tokamax_fns, why = _tokamax.candidates()
+    if why:
+        print(json.dumps(dict(bench="decode", impl="tokamax", skipped=why)), flush=True)
+    for name, fn in tokamax_fns.items():
+        variants[f"tokamax {name}"] = (jax.jit(fn), (q, k, v))
     nbytes = 2 * B * S * K * H * 2
     timed = interleaved(variants, rounds)
     rows = []

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejk_kernels_gpu import FlashConfig, _backward_launch, _forward_launch, flash_attention
-from ejk_sequtils import reference_attention
+from ejk_sequtils import random_document_ids, reference_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
 # The warp-specialised forward and backward, asked for explicitly (cases with ws=True,
@@ -122,14 +122,8 @@ def _rel(x, ref):
 def _documents(rng, batch, length, repeat):
     """Segment ids [batch, length]: documents 0, 1, ... of 100-400 tokens, 7 padding tokens
     (-1) at the end; ``repeat``: the last document reuses id 0 (a separate run)."""
-    ids = np.full((batch, length), -1, np.int32)
-    for row in ids:
-        start = doc = 0
-        while start < length - 7:
-            end = min(start + int(rng.integers(100, 401)), length - 7)
-            row[start:end] = 0 if repeat and end == length - 7 and doc > 0 else doc
-            start, doc = end, doc + 1
-    return ids
+    return random_document_ids(rng, batch, length, min_len=100, max_len=400, padding=7,
+                               repeat=repeat)  # fmt: skip
 
 
 def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw):

@@ -22,7 +22,7 @@ import pytest
 
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, gluon_fits, ordinary_config
-from ejk_sequtils import reference_attention
+from ejk_sequtils import random_document_ids, reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
@@ -222,19 +222,6 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
         assert err < 2e-2
 
 
-def _doc_ids(rng, batch, length, repeat=False):
-    """Documents of 20-90 tokens (across the 128-row tiles), 5 padding tokens (-1) at the
-    end; ``repeat``: the last document reuses id 0 (a second run of the same id)."""
-    ids = np.full((batch, length), -1, np.int32)
-    for row in ids:
-        start = doc = 0
-        while start < length - 5:
-            end = min(start + int(rng.integers(20, 91)), length - 5)
-            row[start:end] = 0 if repeat and end == length - 5 and doc > 0 else doc
-            start, doc = end, doc + 1
-    return jnp.asarray(ids)
-
-
 # Masked calls the Gluon forward takes: (name, head_dim, q_len, kv_len, kwargs).
 MASKED_CALLS = [
     ("window", 128, 384, 384, dict(causal=True, sliding_window=(100, 0))),
@@ -264,7 +251,11 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
         kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
     documents = kwargs.pop("documents", False)
     if documents:
-        kwargs["segment_ids"] = _doc_ids(rng, batch, q_len, repeat=documents == "repeat")
+        # Documents of 20-90 tokens (across the 128-row tiles), padding rows at the end.
+        ids = random_document_ids(
+            rng, batch, q_len, min_len=20, max_len=90, padding=5, repeat=documents == "repeat"
+        )
+        kwargs["segment_ids"] = jnp.asarray(ids)
     if kwargs.pop("sinks", False):
         kwargs["softmax_sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
     q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), jnp.float16)

@@ -1,4 +1,4 @@
-"""assert_allclose and generate_attention_inputs."""
+"""assert_allclose, generate_attention_inputs and random_document_ids."""
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +59,22 @@ def test_generate_attention_inputs_under_jit():
     eager = es.generate_attention_inputs(2, 19, 6, 40, jnp.float32, kv_seq_len=23, num_kv_heads=2)
     for name in eager:
         np.testing.assert_allclose(jitted[name], eager[name], rtol=1e-6)
+
+
+def test_random_document_ids():
+    rng = np.random.default_rng(0)
+    ids = es.random_document_ids(rng, 3, 500, min_len=20, max_len=90, padding=5)
+    assert ids.shape == (3, 500) and ids.dtype == np.int32
+    assert (ids[:, -5:] == -1).all() and (ids[:, :-5] >= 0).all()
+    for row in ids[:, :-5]:
+        assert (np.diff(row) >= 0).all() and row[0] == 0  # documents 0, 1, ... in order
+        starts = np.flatnonzero(np.r_[True, np.diff(row) != 0, True])
+        assert (np.diff(starts)[:-1] >= 20).all() and (np.diff(starts) <= 90).all()
+    again = es.random_document_ids(rng, 2, 300, min_len=20, max_len=90, repeat=True)
+    for row in again:
+        last = row[-1]
+        assert last == 0 and row[0] == 0 and (row != 0).any()  # id 0 comes back at the end
+    with pytest.raises(ValueError, match="min_len"):
+        es.random_document_ids(rng, 1, 10, min_len=5, max_len=4)
+    with pytest.raises(ValueError, match="padding"):
+        es.random_document_ids(rng, 1, 10, min_len=1, max_len=4, padding=11)

@@ -46,6 +46,7 @@ from ._request import AttentionRequest as AttentionRequest
 from ._request import validate_attention as validate_attention
 from ._testing import assert_allclose as assert_allclose
 from ._testing import generate_attention_inputs as generate_attention_inputs
+from ._testing import random_document_ids as random_document_ids
 from ._tolerances import ATTENTION_TOLERANCES as ATTENTION_TOLERANCES
 from ._tolerances import attention_tolerance as attention_tolerance
 from ._visibility import normalize_window as normalize_window
@@ -90,6 +91,7 @@ __all__ = [
     "prepare_sequence_ids",
     "prepare_token_indices",
     "ragged_rows",
+    "random_document_ids",
     "reference_attention",
     "safe_divide",
     "segment_ids_to_cu_seqlens",

@@ -127,3 +127,45 @@ def generate_attention_inputs(
         "key": (jax.random.normal(kk, kv_shape, jnp.float32) * std).astype(dtype),
         "value": (jax.random.normal(kv, kv_shape, jnp.float32) * std).astype(dtype),
     }
+
+
+def random_document_ids(
+    rng: np.random.Generator,
+    batch: int,
+    length: int,
+    *,
+    min_len: int,
+    max_len: int,
+    padding: int = 0,
+    repeat: bool = False,
+) -> np.ndarray:
+    """Segment ids of packed documents, as a model's data loader makes them (int32 NumPy).
+
+    Each row holds documents 0, 1, ... of ``min_len`` to ``max_len`` tokens (the last one
+    cut at the end), then ``padding`` tokens of id -1.
+
+    Args:
+        rng: the NumPy generator drawing the lengths.
+        batch: rows.
+        length: tokens per row.
+        min_len, max_len: inclusive bounds of a document's length.
+        padding: padding tokens (-1) at the end of each row.
+        repeat: the last document of a row with more than one reuses id 0, a second run
+            of the same id (its span then holds other documents).
+
+    Returns:
+        ``[batch, length]`` int32 ids.
+    """
+    if not 0 < min_len <= max_len:
+        raise ValueError(f"need 0 < min_len <= max_len, got {min_len=}, {max_len=}")
+    if not 0 <= padding <= length:
+        raise ValueError(f"padding must be in [0, length={length}], got {padding}")
+    ids = np.full((batch, length), -1, np.int32)
+    end_of_docs = length - padding
+    for row in ids:
+        start = doc = 0
+        while start < end_of_docs:
+            end = min(start + int(rng.integers(min_len, max_len + 1)), end_of_docs)
+            row[start:end] = 0 if repeat and end == end_of_docs and doc > 0 else doc
+            start, doc = end, doc + 1
+    return ids

@@ -65,7 +65,6 @@ VARIANTS = {
     "window": dict(causal=True, window=(1024, 0)),
     "documents": dict(causal=True, has_seg=True),
     "packed": dict(causal=True, window=(64, 0), varlen=True),
-    "capped-documents": dict(causal=True, soft_cap=30.0, has_seg=True, sinks=True),
     "tail": dict(causal=False, kv_len=4000),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,

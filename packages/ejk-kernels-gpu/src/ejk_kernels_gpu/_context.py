@@ -92,7 +92,9 @@ def block_options(
     opts = dataclasses.replace(opts, varlen=True)
     head_dim, itemsize = q.shape[3], q.dtype.itemsize
     if config is None:  # the packed path reads side inputs: the heuristics leave room
-        gluon = offer_gluon(opts, None, itemsize)
+        gluon = offer_gluon(
+            itemsize=itemsize, bias=None, dropout_rate=opts.dropout_rate, scale=opts.scale
+        )
         fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:

@@ -19,7 +19,7 @@ from ejk_executor import Invocation, Kernel
 
 from ._api import flash_attention
 from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._options import CallOptions, offer_gluon, offer_warp_specialize
+from ._options import offer_gluon, offer_warp_specialize
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
@@ -51,16 +51,14 @@ def _warp_specialize(inv: Invocation[Any, Any], bias_index: int) -> bool:
 def _gluon(inv: Invocation[Any, Any]) -> bool:
     """Whether the heuristics offer the call the Gluon forward on this GPU (`offer_gluon`)."""
     _, itemsize, _ = _shape_info(inv, 3)
-    bias = inv.args[3] if len(inv.args) > 3 else inv.kwargs.get("bias")
     q = inv.args[0] if inv.args else inv.kwargs["q"]
     scale = inv.kwargs.get("softmax_scale")
-    opts = CallOptions(
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        causal=False, window=None, soft_cap=0.0,
+    return offer_gluon(
+        itemsize=itemsize,
+        bias=inv.args[3] if len(inv.args) > 3 else inv.kwargs.get("bias"),
         dropout_rate=float(inv.kwargs.get("dropout_rate") or 0.0),
-        has_seg=False, varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
-    )  # fmt: skip
-    return offer_gluon(opts, bias, itemsize)
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+    )
 
 
 class FlashAttentionForward(Kernel[FlashConfig, Any]):

@@ -89,7 +89,9 @@ def call_options(
         bwd_cfg=bwd_config or FlashConfig(),
     )
     ws = offer_warp_specialize(opts.ws_masks(), request.bias, kv_len, head_dim)
-    gluon = offer_gluon(opts, request.bias, itemsize)
+    gluon = offer_gluon(
+        itemsize=itemsize, bias=request.bias, dropout_rate=opts.dropout_rate, scale=opts.scale
+    )
     side_inputs = opts.side_inputs(request.bias)
     if config is None:
         fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon)
@@ -127,17 +129,11 @@ def offer_warp_specialize(masks_ok: bool, bias: Any, kv_len: int, head_dim: int)
     return can_warp_specialize(masks_ok, bias, kv_len, head_dim, 128)
 
 
-def offer_gluon(opts: CallOptions, bias: Any, itemsize: int) -> bool:
+def offer_gluon(*, itemsize: int, bias: Any, dropout_rate: float, scale: float) -> bool:
     """Whether the heuristics and the tuning space offer a call the Gluon forward (on
     Hopper): 16-bit inputs, a positive scale, no bias and no dropout. Every mask, the soft
     cap and sinks run in it; `can_run_gluon` checks the rest per config."""
-    return (
-        itemsize == 2
-        and bias is None
-        and opts.dropout_rate == 0.0
-        and opts.scale > 0.0
-        and hopper_gpu()
-    )
+    return itemsize == 2 and bias is None and dropout_rate == 0.0 and scale > 0.0 and hopper_gpu()
 
 
 def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
@@ -145,7 +141,9 @@ def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashC
     what `offer_gluon` asks, tiles that fit the head_dim (`gluon_fits`), and at least one
     query and one key (TMA descriptors of empty tensors are refused)."""
     return (
-        offer_gluon(opts, bias, q.dtype.itemsize)
+        offer_gluon(
+            itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
+        )
         and gluon_fits(cfg, q.shape[3])
         and q.shape[1] > 0
         and kv_len > 0

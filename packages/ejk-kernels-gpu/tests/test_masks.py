@@ -62,7 +62,7 @@ def test_block_tables_cover_every_visible_pair(kw):
     skipped = 0
     for of_queries, block, inner in ((True, 16, 8), (False, 8, 16)):
         lo, hi = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=of_queries)
-        table = _masks.block_table(lo, hi, block, inner, exact=True)
+        table = _masks.block_table(lo, hi, block, inner)
         want = vis if of_queries else vis.T
         seen, full = _visited(table, *want.shape[:1], block, inner, want.shape[1])
         assert not np.any(want & ~seen), "a visible pair is skipped"
@@ -140,28 +140,39 @@ def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, re
         assert full_pairs > 0, "no block inside one document runs unmasked"
 
 
-def test_segment_ranges_of_ids_in_separate_runs_are_spans_and_inexact():
-    ids = jnp.asarray([0, 0, 1, 1, 0, 2, -1], jnp.int32)
-    other = jnp.asarray([1, 0, 0, 2, 2, 0, 1, 1, -1], jnp.int32)
-    lo, hi, exact = _masks.segment_ranges(ids, other)
-    np.testing.assert_array_equal(lo, [1, 1, 0, 0, 1, 3, 0])
-    np.testing.assert_array_equal(hi, [6, 6, 8, 8, 6, 5, 0])
-    np.testing.assert_array_equal(exact, [False, False, False, False, False, True, True])
+def test_segment_block_table_of_ids_in_separate_runs():
+    # Blocks of 2 rows against inner blocks of 3 keys (the last one short).
+    ids = jnp.asarray([[0, 0, 1, 1, 2, -1, 3]], jnp.int32)
+    other = jnp.asarray([[1, 1, 1, 0, 0, 0, 2, 2, 2, 0, 3]], jnp.int32)
+    table = np.asarray(_masks.segment_block_table(ids, other, 2, 3))[0]
+    np.testing.assert_array_equal(
+        table,
+        [
+            [3, 3, 6, 11],  # id 0: keys 3-5 unmasked, then 0 again in the mixed last block
+            # Id 1: the first inner block unmasked; the last one's ids span 0-3, so it is
+            # visited with the mask (blocks are told apart by their range of ids).
+            [0, 0, 3, 11],
+            [6, 12, 12, 11],  # 2 and padding: a mixed row block is never unmasked
+            [9, 12, 12, 11],  # id 3: only in the short last block (masked)
+        ],
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_segment_ranges_equal_a_brute_force_span(seed):
+def test_segment_block_table_covers_every_meeting_pair(seed):
     rng = np.random.default_rng(seed)
-    length, other = int(rng.integers(1, 40)), int(rng.integers(1, 40))
-    ids = rng.integers(-2, 5, length).astype(np.int32)
-    other_ids = rng.integers(-2, 5, other).astype(np.int32)
-    if seed % 2:
-        other_ids = np.sort(other_ids)  # runs, as documents come
-    lo, hi, exact = map(np.asarray, _masks.segment_ranges(jnp.asarray(ids), jnp.asarray(other_ids)))
-    for i, s in enumerate(ids):
-        where = np.flatnonzero(other_ids == s)
-        if s < 0 or where.size == 0:
-            assert lo[i] == hi[i], (i, s)
-            continue
-        assert (lo[i], hi[i]) == (where[0], where[-1] + 1), (i, s)
-        assert exact[i] == (where.size == where[-1] + 1 - where[0]), (i, s)
+    batch, length, other = 2, int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    ids = rng.integers(-2, 5, (batch, length)).astype(np.int32)
+    other_ids = rng.integers(-2, 5, (batch, other)).astype(np.int32)
+    if seed % 2:  # runs, as documents come
+        ids, other_ids = np.sort(ids), np.sort(other_ids)
+    block, inner = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    tables = _masks.segment_block_table(jnp.asarray(ids), jnp.asarray(other_ids), block, inner)
+    for b in range(batch):
+        want = (ids[b][:, None] == other_ids[b][None, :]) & (ids[b][:, None] >= 0)
+        seen, full = _visited(tables[b], length, block, inner, other)
+        assert not np.any(want & ~seen), "a pair of one document is skipped"
+        assert not np.any(full & ~want), "a block without mask hides a pair of two documents"
+        for m, (lo, flo, fhi, hi) in enumerate(np.asarray(tables[b])):
+            assert lo % inner == 0 and lo <= flo <= fhi and hi <= other, (m, lo, flo, fhi, hi)
+            assert fhi <= -(-hi // inner) * inner, (m, hi, fhi)

@@ -2,11 +2,10 @@
 
 All in jnp on int32 (the offsets of packed sequences and segment ids are traced values).
 A row's range ``[lo, hi)`` holds every key it may see under causal, window and packed
-bounds, and with segment ids the span of the keys that carry its id (`segment_ranges`):
-blocks of other documents are never visited. A range is exact when every key inside it is
-visible (always for causal, window and packing; for segment ids when the row's id forms
-one run of keys): only blocks inside every exact row range of a block run unmasked.
-With segment ids the tables are per batch row (``[B, blocks, 4]``).
+bounds; a block's table entry covers its rows' ranges (`block_table`). With segment ids
+the tables are per batch row (``[B, blocks, 4]``): the masks' table intersected with one
+built from each block's range of document ids (`segment_block_table`, a few fused
+reductions), so blocks of other documents are never visited.
 `kernel_tables` gathers every integer side input of a call's kernels (`Tables`).
 """
 
@@ -31,7 +30,7 @@ __all__ = [
     "kernel_tables",
     "range_tables",
     "ranges",
-    "segment_ranges",
+    "segment_block_table",
 ]
 
 _BIG = 2**30
@@ -132,15 +131,12 @@ def ranges(
     return _ranges(length, other, seq, pos, cu_other, p.num_seqs, upper, lower)
 
 
-def block_table(
-    lo: Array, hi: Array, block: int, inner_block: int, exact: bool | Array = True
-) -> Array:
+def block_table(lo: Array, hi: Array, block: int, inner_block: int) -> Array:
     """int32 ``[num_blocks, 4]``: ``(start, full_start, full_end, end)`` of the inner loop.
 
     The inner loop visits inner blocks from ``start`` (aligned) while ``< end``;
     blocks in ``[full_start, full_end)`` are visible to every row of the block and
-    run without a mask. ``exact``: whether each row (bool ``[length]``, or one bool for
-    all) sees every index of its range; a block with an inexact row has no unmasked part.
+    run without a mask (both ``end`` rounded up to an inner block when there are none).
     """
     length = lo.shape[0]
     nblk = -(-length // block)
@@ -160,75 +156,83 @@ def block_table(
     hi_all = jnp.pad(hi, (0, pad), constant_values=_BIG).reshape(nblk, block).min(1)
     full_lo = -(-lo_all // inner_block) * inner_block
     full_hi = hi_all // inner_block * inner_block
-    end_up = -(-end // inner_block) * inner_block
-    has_full = (full_lo < full_hi) & ~none
-    if isinstance(exact, bool):
-        has_full = has_full & exact
-    else:
-        has_full = has_full & jnp.pad(exact, (0, pad), constant_values=True).reshape(
-            nblk, block
-        ).all(1)
+    return _with_full(start, full_lo, full_hi, end, inner_block)
+
+
+def _with_full(start: Array, full_lo: Array, full_hi: Array, end: Array, inner: int) -> Array:
+    """The table ``[..., 4]``, an empty fully visible range moved to ``end`` rounded up."""
+    end_up = -(-end // inner) * inner
+    has_full = (full_lo < full_hi) & (start < end)
     full_lo = jnp.where(has_full, full_lo, end_up)
     full_hi = jnp.where(has_full, full_hi, end_up)
-    return jnp.stack([start, full_lo, full_hi, end], axis=1).astype(jnp.int32)
+    return jnp.stack([start, full_lo, full_hi, end], axis=-1).astype(jnp.int32)
 
 
-def segment_ranges(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
-    """Where each index's id lies on the other axis (one batch row; int32 ids).
+def _id_blocks(ids: Array, block: int, tail: str) -> tuple[Array, Array, Array]:
+    """Per block of ``ids [B, L]``: the lowest and highest document id (non-negative; a
+    block of padding has lowest > highest) and whether the whole block holds one id.
+
+    ``tail``: how the last block is padded: ``"edge"`` (rows past the end are neutral) or
+    ``"padding"`` (keys past the end make the block mixed: it never runs unmasked).
+    """
+    length = ids.shape[1]
+    nblk = -(-length // block)
+    pad = ((0, 0), (0, nblk * block - length))
+    if tail == "edge":
+        ids = jnp.pad(ids, pad, mode="edge")
+    else:
+        ids = jnp.pad(ids, pad, constant_values=-1)
+    ids = ids.reshape(ids.shape[0], nblk, block)
+    low = jnp.where(ids >= 0, ids, _BIG).min(-1)
+    high = ids.max(-1)
+    uniform = (ids == ids[..., :1]).all(-1) & (ids[..., 0] >= 0)
+    return low, jnp.where(high >= 0, high, -1), uniform
+
+
+def segment_block_table(ids: Array, other_ids: Array, block: int, inner_block: int) -> Array:
+    """int32 ``[B, blocks, 4]``: the `block_table` of segment ids alone.
+
+    A block of ``block`` indices visits the inner blocks (of ``inner_block`` indices of the
+    other axis) from the first to the last whose ids may meet its own (their ranges of
+    document ids overlap), and runs without a mask the first run of inner blocks that hold
+    the one id it holds. Blocks of other documents are skipped; blocks inside one document
+    run unmasked; anything else (ids repeated in separate runs, padding, mixed blocks) is
+    visited with the per-score mask, so the table is exact for any ids.
 
     Args:
-        ids: ``[L]`` segment ids of one axis (negative: padding).
-        other_ids: ``[M]`` segment ids of the other axis.
-
-    Returns:
-        ``(lo, hi, exact)``, each ``[L]``: ``[lo, hi)`` spans the first to the last index of
-        ``other_ids`` equal to ``ids[i]`` (empty for padding or an id the other axis lacks);
-        ``exact[i]``: every index in that span holds the id (it is one run).
+        ids: ``[B, L]`` segment ids of this axis (negative: padding).
+        other_ids: ``[B, M]`` segment ids of the other axis.
+        block: indices per block of this axis.
+        inner_block: indices per inner block of the other axis.
     """
-    length, other = ids.shape[0], other_ids.shape[0]
-    if other == 0 or length == 0:
-        zero = jnp.zeros((length,), jnp.int32)
-        return zero, zero, jnp.ones((length,), bool)
-    # One sort of both axes by (id, axis): within an id, the other axis's indices come first
-    # and ascending, so an id's group starts with its first and ends with its last other
-    # index. Group bounds and counts come from scans (no binary searches: on a GPU each of
-    # their steps is a launch).
-    key = jnp.concatenate([other_ids, ids]).astype(jnp.int32)
-    axis = jnp.concatenate([jnp.zeros((other,), jnp.int32), jnp.ones((length,), jnp.int32)])
-    index = jnp.concatenate(
-        [jnp.arange(other, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)]
-    )
-    key, axis, index = jax.lax.sort((key, axis, index), num_keys=2)
-    size = other + length
-    pos = jnp.arange(size, dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
-    group_start = jax.lax.cummax(jnp.where(starts, pos, 0))
-    is_other = (axis == 0).astype(jnp.int32)
-    others_before = jnp.cumsum(is_other) - is_other  # other-axis entries before each position
-    # This axis's entries follow every other-axis entry of their group.
-    count = others_before - others_before[group_start]
-    first = index[group_start]
-    last = index[jnp.maximum(group_start + count - 1, 0)]
-    found = (count > 0) & (key >= 0)
-    lo = jnp.where(found, first, 0)
-    hi = jnp.where(found, last + 1, 0)
-    exact = ~found | (count == hi - lo)
-    # Back to this axis's order (each of its indices appears once among axis == 1).
-    where = jnp.where(axis == 1, index, length)  # other-axis entries land out of bounds
-    scatter = lambda x: jnp.zeros((length,), x.dtype).at[where].set(x, mode="drop")
-    return scatter(lo).astype(jnp.int32), scatter(hi).astype(jnp.int32), scatter(exact)
+    other_len = other_ids.shape[1]
+    low, high, uniform = _id_blocks(ids, block, tail="edge")
+    o_low, o_high, o_uniform = _id_blocks(other_ids, inner_block, tail="padding")
+    meet = (low[:, :, None] <= o_high[:, None, :]) & (o_low[:, None, :] <= high[:, :, None])
+    full = uniform[:, :, None] & o_uniform[:, None, :] & (low[:, :, None] == o_low[:, None, :])
+    count = o_low.shape[1]
+    idx = jnp.arange(count, dtype=jnp.int32)
+    first = jnp.where(meet, idx, count).min(-1)
+    last = jnp.where(meet, idx, -1).max(-1)
+    none = first > last
+    start = jnp.where(none, 0, first * inner_block)
+    end = jnp.where(none, 0, jnp.minimum((last + 1) * inner_block, other_len))
+    full_first = jnp.where(full, idx, count).min(-1)
+    after = ~full & (idx > full_first[..., None])
+    full_last = jnp.where(after, idx, count).min(-1)  # first mixed block after the run
+    return _with_full(start, full_first * inner_block, full_last * inner_block, end, inner_block)
 
 
-def _narrowed(lo: Array, hi: Array, ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
-    """``(lo, hi, exact)``, each ``[B, L]``: the ranges ``[lo, hi)`` (``[L]``, shared by the
-    batch) narrowed per batch row to the span of each index's segment id (`segment_ranges`)."""
-
-    def one_row(ids: Array, other_ids: Array) -> tuple[Array, Array, Array]:
-        slo, shi, exact = segment_ranges(ids, other_ids)
-        row_lo = jnp.maximum(lo, slo)
-        return row_lo, jnp.maximum(jnp.minimum(hi, shi), row_lo), exact
-
-    return jax.vmap(one_row)(ids, other_ids)
+def _intersect(table: Array, seg: Array, inner: int) -> Array:
+    """Tables ``[blocks, 4]`` (masks) and ``[B, blocks, 4]`` (segment ids) of the same
+    blocks combined: visit what both visit, unmasked where both are."""
+    start = jnp.maximum(table[..., 0], seg[..., 0])
+    end = jnp.minimum(table[..., 3], seg[..., 3])
+    none = start >= end
+    start, end = jnp.where(none, 0, start), jnp.where(none, 0, end)
+    full_lo = jnp.maximum(table[..., 1], seg[..., 1])
+    full_hi = jnp.minimum(table[..., 2], seg[..., 2])
+    return _with_full(start, full_lo, full_hi, end, inner)
 
 
 def range_tables(
@@ -247,23 +251,21 @@ def range_tables(
 
     Returns:
         ``(fwd, dq, dkdv)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with segment ids
-        (each row's range narrowed to its id's span, found once per direction).
+        (the masks' table intersected with `segment_block_table`'s).
     """
     fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
     shapes = ((fwd.block_q, fwd.block_k), (bwd.block_q, bwd.block_k), (bwd.block_q, bwd.block_k))
+    ranges_of = (rows, rows, cols)
+    tables = [block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
     if segment_ids is None:
-        ranges_of = (rows, rows, cols)
-        return tuple(block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True))
+        return tuple(tables)
     q_seg, k_seg = segment_ids
-    row_ranges = _narrowed(*rows, q_seg, k_seg)
-    col_ranges = _narrowed(*cols, k_seg, q_seg)
-
-    def per_batch(narrowed: tuple[Array, Array, Array], block: int, inner: int) -> Array:
-        return jax.vmap(lambda lo, hi, exact: block_table(lo, hi, block, inner, exact))(*narrowed)
-
-    ranges_of = (row_ranges, row_ranges, col_ranges)
-    return tuple(per_batch(r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True))
+    ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
+    return tuple(
+        _intersect(table, segment_block_table(*ids, *blocks), blocks[1])
+        for table, ids, blocks in zip(tables, ids_of, shapes, strict=True)
+    )
 
 
 def dummy(dtype: object = jnp.int32) -> Array:

@@ -119,6 +119,8 @@ CASES = {
         "float16",
     ),
     "triton-ring8-zigzag-causal": (8, "ring", "zigzag", "triton", CAUSAL, False, "float32"),
+    # No mask: no branch marks the kernels' results varying (the custom calls must).
+    "triton-ring2-contiguous-full": (2, "ring", "contiguous", "triton", {}, False, "float32"),
     "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),
     "xla-allgather2-contiguous-window": (
         2,

@@ -174,3 +174,30 @@ def test_sequence_sharding_refuses_what_it_cannot_serve(mesh):
         flash_attention(
             q, k, v, dropout_rate=0.1, dropout_seed=1, mesh=mesh, in_specs=P("data", "model")
         )
+
+
+def test_kernels_inside_a_users_shard_map_give_per_device_gradients():
+    """The Triton kernels called in a model's own ``shard_map`` (type checks on, jax's
+    default) over a batch-sharded mesh: each device's gradient is its own, not the sum
+    over the devices (custom-call results must be typed as varying like their inputs)."""
+    from ejk_attention._sharding import shard_map_compat
+    from ejk_kernels_gpu import flash_attention as kernel_attention
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets the host device count)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    rng = np.random.default_rng(5)
+    shapes = ((2, 8, 2, 8), (2, 8, 2, 8), (2, 8, 2, 8), (2, 8, 2, 8))
+    q, k, v, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
+    spec = P("data")
+    sharded = shard_map_compat(
+        lambda q, k, v: kernel_attention(q, k, v), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec
+    )
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    for name, g, wg in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)

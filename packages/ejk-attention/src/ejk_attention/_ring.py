@@ -35,7 +35,7 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ejk_sequtils import validate_attention
+from ejk_sequtils import validate_attention, varying_like
 
 from ._context_calls import CallMasks, call_backward, call_forward, merge
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
@@ -77,34 +77,6 @@ def _block_of(gathered: Any, source: Array) -> Any:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, source, keepdims=False), gathered)
 
 
-def _varying_axes(x: Any) -> set:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (jax >= 0.10: its manual axis
-    type; earlier: ``vma``)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return set(manual.varying)
-    return set(getattr(aval, "vma", ()))
-
-
-def _varying_like(tree: Any, *refs: Any) -> Any:
-    """``tree`` marked varying over every mesh axis the ``refs`` vary over, so that
-    ``lax.switch`` branches that skip and branches that compute agree (shard_map's
-    varying-axes check)."""
-    axes: set = set()
-    for r in refs:
-        if r is not None:
-            axes |= _varying_axes(r)
-
-    def cast(x):
-        missing = tuple(sorted(axes - _varying_axes(x), key=str))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    if not axes or not hasattr(jax.lax, "pcast"):
-        return tree
-    return jax.tree.map(cast, tree)
-
-
 def _ids_of(call: Call, q_ids: Any, kv_ids: Any) -> Any:
     if q_ids is None:
         return None
@@ -126,7 +98,7 @@ def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, first: bool):
     ids = _ids_of(call, q_ids, kv_ids)
     if ids is None or first:
         return run_call(call, carry)
-    carry = _varying_like(carry, *ids)  # a kernel's result may not be marked varying yet
+    carry = varying_like(carry, *ids)  # a kernel's result may not be marked varying yet
     return jax.lax.cond(_documents_meet(ids), lambda c: run_call(call, c), lambda c: c, carry)
 
 
@@ -194,7 +166,7 @@ def device_forward(st: _Ring, q, k, v, q_ids, kv_ids, where: Placement) -> tuple
     layout = _layout(st, where, q, k)
     b, t, n, _ = q.shape
     acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
-    acc = _varying_like(acc, q, k, v, q_ids, kv_ids)
+    acc = varying_like(acc, q, k, v, q_ids, kv_ids)
     first = step_plan(st.masks.causal, st.masks.window, layout, where.me, where.me, True)
     if len(first) == 1 and first[0][0] is None and len(first[0][1][0]) == 1:
         call = first[0][1][0][0]
@@ -246,7 +218,7 @@ def device_backward(st: _Ring, res, cts, where: Placement) -> tuple[Array, Array
         dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
     else:
         dkv = (jnp.zeros((where.size, *k.shape), _F32), jnp.zeros((where.size, *v.shape), _F32))
-    dq, dkv = _varying_like((dq, dkv), q, k, v, q_ids, kv_ids, d_out)
+    dq, dkv = varying_like((dq, dkv), q, k, v, q_ids, kv_ids, d_out)
     for step in range(where.size):
         source, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
 

@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ejk_sequtils import varying_like
+
 from . import _jax_triton_fix
 
 __all__ = ["gpu_available", "hopper_gpu", "kernels", "launch"]
@@ -178,7 +180,7 @@ def launch(
         )
         # vmap runs the interpreted kernel once per batch element.
         outs = jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
-        return tuple(outs)
+        return tuple(varying_like(outs, *inputs))
     try:
         jax_triton = importlib.import_module("jax_triton")
     except ImportError as err:
@@ -196,4 +198,6 @@ def launch(
         zeroed_outputs=tuple(i for i, z in enumerate(zeroed) if z),
         **constexprs,
     )
-    return tuple(outs)
+    # Inside shard_map the custom call's results are typed as the same on every device:
+    # marked like their inputs, or their gradients would be summed over the devices.
+    return tuple(varying_like(outs, *inputs))

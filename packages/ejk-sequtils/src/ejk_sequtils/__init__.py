@@ -49,6 +49,8 @@ from ._testing import generate_attention_inputs as generate_attention_inputs
 from ._testing import random_document_ids as random_document_ids
 from ._tolerances import ATTENTION_TOLERANCES as ATTENTION_TOLERANCES
 from ._tolerances import attention_tolerance as attention_tolerance
+from ._varying import varying_axes as varying_axes
+from ._varying import varying_like as varying_like
 from ._visibility import normalize_window as normalize_window
 from ._visibility import visibility_mask as visibility_mask
 from ._zigzag import from_zigzag as from_zigzag
@@ -101,6 +103,8 @@ __all__ = [
     "unchunk_array",
     "validate_attention",
     "validate_paged_attention",
+    "varying_axes",
+    "varying_like",
     "visibility_mask",
     "zigzag_chunks",
     "zigzag_positions",

@@ -22,6 +22,7 @@ import pytest
 
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, gluon_fits, ordinary_config
+from ejk_kernels_gpu._triton import multiprocessors
 from ejk_sequtils import random_document_ids, reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
@@ -200,7 +201,11 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     [(_, grid, consts, outs, kw)] = gluon_launches
-    assert grid == (-(-q_len // 128), 2 * heads)
+    # One program a tile, or one per SM looping over the tiles when they are whole.
+    tiles = -(-q_len // 128) * 2 * heads
+    persistent = q_len % 128 == 0 and kv_len % 128 == 0
+    assert consts["PERSISTENT"] == persistent
+    assert grid == ((min(tiles, multiprocessors()) if persistent else tiles),)
     assert {k: consts[k] for k in ("T", "S", "N", "G", "H", "CAUSAL", "HAS_SINKS")} == dict(
         T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, HAS_SINKS=sinks
     )

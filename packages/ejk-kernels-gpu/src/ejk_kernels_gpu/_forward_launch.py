@@ -15,7 +15,7 @@ from ._options import (
     kernel_constexprs,
     runnable_config,
 )
-from ._triton import kernels, launch
+from ._triton import kernels, launch, multiprocessors
 
 __all__ = ["forward"]
 
@@ -25,7 +25,10 @@ def _gluon_forward(
 ) -> tuple[Array, Array]:
     """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
     batch, q_len, heads, _ = q.shape
-    grid = (-(-q_len // cfg.block_q), batch * heads)
+    consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
+    tiles = -(-q_len // cfg.block_q) * batch * heads
+    # Persistent: one program per SM, each looping over tiles; else one program a tile.
+    grid = (min(tiles, multiprocessors()) if consts["PERSISTENT"] else tiles,)
     out, lse, _ = launch(
         kernels().gluon_fwd_kernel,
         grid,
@@ -42,7 +45,7 @@ def _gluon_forward(
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        gluon_constexprs(opts, q, k, sinks is not None, cfg),
+        consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

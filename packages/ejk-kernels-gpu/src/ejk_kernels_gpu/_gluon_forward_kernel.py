@@ -62,6 +62,11 @@ class GluonOptions(NamedTuple):
     TABLE: bool  # key ranges from the block table (window, packing, segment ids); else from
     # the program's rows (unmasked or causal alone: no load before the first copy)
     EARLY_P16: bool  # p to 16 bits in the softmax (registers for masks beyond causal)
+    N: int  # query heads
+    H: int  # head_dim
+    G: int  # query heads per kv head
+    BM: int  # query rows per tile
+    PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
 
 
 @gluon.jit
@@ -80,18 +85,121 @@ def _slot(i, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, bars, j_lo, j_hi, F: gl.constexpr):
-    """Copy k and v of key blocks ``j_lo .. j_hi - 1`` into their rings."""
-    k_ready, k_empty, v_ready, v_empty = bars
-    for j in range(j_lo, j_hi):
-        s, phase = _slot(j - j_lo, F.STAGES)
-        phase = phase ^ 1  # a slot's first use waits for nothing
-        mbarrier.wait(k_empty.index(s), phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * F.BN, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * F.BN, 0], v_ready.index(s), v_smem.index(s))
+def _tile(tile, n_m, F: gl.constexpr):
+    """(b, n, b·N + n, query block) of a tile: the query blocks of one (batch, head) are
+    consecutive tiles (programs at work together share k and v in L2), causal ones
+    heaviest first."""
+    bn = tile // n_m
+    m = tile % n_m
+    pid_m = n_m - 1 - m if F.CAUSAL else m
+    return bn // F.N, bn % F.N, bn, pid_m
+
+
+@gluon.jit
+def _key_blocks(ranges_ptr, b, pid_m, n_m, F: gl.constexpr):
+    """The tile's key range in key blocks ``(lo, full_lo, full_hi, hi)``: the block table's
+    (`_masks.block_table`), or for unmasked and causal-only calls the same from its rows."""
+    row0 = pid_m * F.BM
+    if F.TABLE:
+        table = ranges_ptr + ((b * n_m + pid_m) * 4 if F.HAS_SEG else pid_m * 4)
+        j_lo = gl.load(table) // F.BN
+        jf_lo = gl.load(table + 1) // F.BN
+        jf_hi = gl.load(table + 2) // F.BN
+        j_hi = gl.cdiv(gl.load(table + 3), F.BN)
+    else:
+        j_lo = 0
+        jf_lo = 0
+        j_hi = gl.cdiv(gl.minimum(row0 + F.BM, F.S), F.BN) if F.CAUSAL else gl.cdiv(F.S, F.BN)
+        # Causal: blocks wholly at or before the first row's key; else whole blocks.
+        jf_hi = gl.minimum((row0 + 1) // F.BN, F.S // F.BN) if F.CAUSAL else F.S // F.BN
+    return j_lo, jf_lo, jf_hi, j_hi
+
+
+@gluon.jit
+def _origin(b, n, F: gl.constexpr):
+    """Where a tile's (batch, head) starts in the descriptors' coordinates:
+    (q row, q column, k row, k column): persistent programs address the whole tensors,
+    the others descriptors of their own (batch, head)."""
+    if F.PERSISTENT:
+        return b * F.T, n * F.H, b * F.S, (n // F.G) * F.H
+    return 0, 0, 0, 0
+
+
+@gluon.jit
+def _copy_kv(descs, smem, kv_bars, j, count, k_origin, F: gl.constexpr):
+    """Copy k and v of key block ``j``, the ``count``-th block of the program, into the rings."""
+    k_desc = descs[1]
+    v_desc = descs[2]
+    k_smem = smem[1]
+    v_smem = smem[2]
+    k_ready, k_empty, v_ready, v_empty = kv_bars
+    krow, kcol = k_origin
+    s, phase = _slot(count, F.STAGES)
+    phase = phase ^ 1  # a slot's first use waits for nothing
+    mbarrier.wait(k_empty.index(s), phase)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        k_desc, [krow + j * F.BN, kcol], k_ready.index(s), k_smem.index(s)
+    )
+    mbarrier.wait(v_empty.index(s), phase)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(
+        v_desc, [krow + j * F.BN, kcol], v_ready.index(s), v_smem.index(s)
+    )
+
+
+@gluon.jit
+def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.constexpr):
+    """Copy one tile's q and the k and v of its key blocks; ``count``: key blocks this
+    program copied before; ``qph``: the phase of q's barriers for this tile; ``blocks``:
+    its key range (`_key_blocks`). Returns the new count.
+
+    The first ``STAGES`` key blocks go before q: they need only ring slots the previous
+    tile frees, so they land during its epilogue, while q waits for it (q's buffer is the
+    previous tile's output buffer; a second q buffer measured no faster).
+    """
+    q_desc = descs[0]
+    q_smem = smem[0]
+    q_ready, q_empty, kv_bars = bars
+    where = _tile(tile, n_m, F)  # (b, n, bn, query block)
+    b = where[0]
+    n = where[1]
+    pid_m = where[3]
+    j_lo = blocks[0]
+    j_hi = blocks[3]
+    qrow, qcol, krow, kcol = _origin(b, n, F)
+    head = gl.minimum(j_hi, j_lo + F.STAGES)
+    for j in range(j_lo, head):
+        _copy_kv(descs, smem, kv_bars, j, count + j - j_lo, (krow, kcol), F)
+    mbarrier.wait(q_empty, qph ^ 1)  # the previous tile's output has left
+    for h in gl.static_range(2):
+        mbarrier.expect(q_ready.index(h), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            q_desc, [qrow + pid_m * F.BM + h * (F.BM // 2), qcol],
+            q_ready.index(h), q_smem.index(h),
+        )  # fmt: skip
+    for j in range(head, j_hi):
+        _copy_kv(descs, smem, kv_bars, j, count + j - j_lo, (krow, kcol), F)
+    return count + gl.maximum(j_hi - j_lo, 0)
+
+
+@gluon.jit
+def _tile_phase(tile):
+    """Phase of q's barriers for a tile: the parity of this program's tile number."""
+    return ((tile - gl.program_id(0)) // gl.num_programs(0)) & 1
+
+
+@gluon.jit
+def _producer(descs, smem, bars, ranges_ptr, first_blocks, total, n_m, F: gl.constexpr):
+    """Copy each tile's q and k and v, in the consumers' order (`_produce_tile`)."""
+    if F.PERSISTENT:
+        count = 0  # key blocks copied by this program
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            where = _tile(tile, n_m, F)
+            blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
+            count = _produce_tile(tile, count, _tile_phase(tile), blocks, descs, smem, bars, n_m, F)
+    else:
+        _produce_tile(gl.program_id(0), 0, 0, first_blocks, descs, smem, bars, n_m, F)
 
 
 @gluon.jit
@@ -199,13 +307,14 @@ def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
 
 
 @gluon.jit
-def _step(j, j_lo, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
+def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
           MASK: gl.constexpr):  # fmt: skip
-    """Key block j: issue q·kⱼᵀ and p·v of block j-1, softmax of block j meanwhile."""
+    """Key block j (the program's ``j - base``-th): issue q·kⱼᵀ and p·v of block j-1,
+    softmax of block j meanwhile."""
     p, alpha, m_i, l_i, acc = state
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = bufs
-    ks, kph = _slot(j - j_lo, F.STAGES)
-    vs, vph = _slot(j - 1 - j_lo, F.STAGES)
+    ks, kph = _slot(j - base, F.STAGES)
+    vs, vph = _slot(j - 1 - base, F.STAGES)
     mbarrier.wait(k_ready.index(ks), kph)
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
@@ -219,22 +328,21 @@ def _step(j, j_lo, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, row0, blocks, sink, b, tabs, F: gl.constexpr,
-              HALF: gl.constexpr, H: gl.constexpr, HAS_SINKS: gl.constexpr,
-              C: gl.constexpr):  # fmt: skip
-    """Rows ``row0 + C·HALF ..`` of the program's query block (consumer C of two)."""
-    q_all, k_smem, v_smem = smem
-    q_bars, kv_bars = bars
+def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, tabs,
+                  F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
+    """Rows ``C·BM/2 ..`` of one tile's query block (consumer C of two); ``count``: key
+    blocks this program consumed before; ``qph``: the phase of q's barriers for this tile
+    (`_tile_phase`); ``blocks``: its key range (`_key_blocks`). Returns the new count."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
     o_desc, lse_ptr = dest
-    j_lo, jf_lo, jf_hi, j_hi = blocks
-    q = q_all.index(C)
-    row_c = row0 + C * HALF
+    HALF: gl.constexpr = F.BM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BN, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.H, 16]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -242,35 +350,42 @@ def _consumer(smem, bars, dest, row0, blocks, sink, b, tabs, F: gl.constexpr,
         orow_layout,
         gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2),
     )
-    rows = row_c + gl.arange(0, HALF, layout=row_layout)
     row_tabs, key_tabs = tabs
+    ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
+    b, n, bn, pid_m = _tile(tile, n_m, F)
+    j_lo, jf_lo, jf_hi, j_hi = blocks
+    q = q_smem.index(C)
+    row_c = pid_m * F.BM + C * HALF
+    rows = row_c + gl.arange(0, HALF, layout=row_layout)
     masks = (_row_info(rows, b, row_tabs, F), b, key_tabs)
     if HAS_SINKS:  # the sink is a key of logit `sink` and no value (mass 1 at m = sink)
+        sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E
         m_i = gl.full([HALF], 0.0, gl.float32, row_layout) + sink
         l_i = gl.full([HALF], 1.0, gl.float32, row_layout)
     else:
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
         l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
-    acc = gl.zeros([HALF, H], gl.float32, o_layout)
+    acc = gl.zeros([HALF, F.H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
-    mbarrier.wait(q_bars.index(C), 0)
+    base = j_lo - count  # key block j is the program's (j - base)-th
+    mbarrier.wait(q_ready.index(C), qph)
     if j_hi > j_lo:
-        mbarrier.wait(k_ready.index(0), 0)
-        s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(0), zero_s)])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        first, fph = _slot(j_lo - base, F.STAGES)
+        mbarrier.wait(k_ready.index(first), fph)
+        s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(first), zero_s)])
+        mbarrier.arrive(k_empty.index(first), count=1)
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j_lo, masks, F, F.MASKED, q.dtype)
         state = (p, alpha, m_i, l_i, acc)
-        ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         if F.MASKED:
             for j in range(j_lo + 1, jf_lo):
-                state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, True)
+                state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
-            state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, False)
+            state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, False)
         if F.MASKED:
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
-                state = _step(j, j_lo, state, q, zero_s, ring, masks, F, layouts, True)
+                state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         p, alpha, m_i, l_i, acc = state
-        last, lph = _slot(j_hi - 1 - j_lo, F.STAGES)
+        last, lph = _slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
         acc = hopper.warpgroup_mma_wait(
             0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
@@ -282,10 +397,34 @@ def _consumer(smem, bars, dest, row0, blocks, sink, b, tabs, F: gl.constexpr,
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
     q.store(out.to(q.dtype))  # q's buffer is free now: o leaves through it
     hopper.fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row_c, 0], q)
+    # Where the tile's rows go, recomputed from the tile (fewer registers live across
+    # the key loop: ptxas spills otherwise).
+    b, n, bn, pid_m = _tile(tile, n_m, F)
+    origin = _origin(b, n, F)
+    row_c = pid_m * F.BM + C * HALF
+    tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], q)
+    rows = row_c + gl.arange(0, HALF, layout=row_layout)
     lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    gl.store(lse_ptr + rows, lse, mask=rows < F.T)
+    gl.store(lse_ptr + bn.to(gl.int64) * F.T + rows, lse, mask=rows < F.T)
     tma.store_wait(0)
+    mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
+    return count + gl.maximum(j_hi - j_lo, 0)
+
+
+@gluon.jit
+def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m, tabs,
+              F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
+    """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`)."""
+    if F.PERSISTENT:
+        count = 0  # key blocks consumed by this program
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            where = _tile(tile, n_m, F)
+            blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
+            count = _consume_tile(tile, count, _tile_phase(tile), blocks, smem, bars, dest,
+                                  sinks_ptr, n_m, tabs, F, HAS_SINKS, C)  # fmt: skip
+    else:  # the one tile's key range, read before the partitions split the registers
+        _consume_tile(gl.program_id(0), 0, 0, first_blocks, smem, bars, dest, sinks_ptr, n_m,
+                      tabs, F, HAS_SINKS, C)  # fmt: skip
 
 
 @gluon.jit
@@ -293,83 +432,90 @@ def gluon_fwd_kernel(
     q_ptr, k_ptr, v_ptr, sinks_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
     o_ptr, lse_ptr, scratch_ptr,
-    T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr, H: gl.constexpr,
+    B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
+    H: gl.constexpr,
     QK: gl.constexpr, SOFT_CAP: gl.constexpr, CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     VARLEN: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr, HAS_SINKS: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
     segment ids); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
-    INTERPRET is unused."""
+    INTERPRET is unused. A one-dimensional grid: one program per tile, or with
+    ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over every
+    ``num_programs``-th tile, so that a tile's first copies overlap the previous one's
+    epilogue."""
     F: gl.constexpr = GluonOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
-        EARLY_P16=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
+        EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
+        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
-    n_m = gl.num_programs(0)
-    pid_m = n_m - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)  # heaviest first
-    bn = gl.program_id(1)
-    b = (bn // N).to(gl.int64)
-    n = bn % N
-    q_base = b * T * N * H + n * H
-    kv_base = b * S * K * H + (n // G) * H
+    n_m: gl.constexpr = (T + BM - 1) // BM
+    total: gl.constexpr = B * N * n_m
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=16, rank=2
     )
-    q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout)
-    o_desc = tma.make_tensor_descriptor(o_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout)
+    if PERSISTENT:  # the whole tensors, rows of every (batch, token), columns of every head
+        q_desc = tma.make_tensor_descriptor(
+            q_ptr, [B * T, N * H], [N * H, 1], [HALF, H], smem_layout
+        )
+        o_desc = tma.make_tensor_descriptor(
+            o_ptr, [B * T, N * H], [N * H, 1], [HALF, H], smem_layout
+        )
+        k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
+    else:  # this program's (batch, head): TMA zero-fills and clips rows past T and S
+        where = _tile(gl.program_id(0), n_m, F)
+        b = where[0].to(gl.int64)
+        n = where[1]
+        q_base = b * T * N * H + n * H
+        kv_base = b * S * K * H + (n // G) * H
+        q_desc = tma.make_tensor_descriptor(
+            q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
+        )
+        o_desc = tma.make_tensor_descriptor(
+            o_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
+        )
+        k_desc = tma.make_tensor_descriptor(
+            k_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout
+        )
+        v_desc = tma.make_tensor_descriptor(
+            v_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout
+        )
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
-    q_bars = _barriers(2, 1)
-    # ready: the copy landed (one arrival + bytes); empty: both consumers released the slot.
+    # q: ready per half-tile (one arrival + bytes), empty per slot (both consumers stored
+    # their output through it); k and v: ready per slot, empty once both consumers released it.
+    q_ready = _barriers(2, 1)
+    q_empty = _barriers(1, 2).index(0)
     kv_bars = (_barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 1),
                _barriers(STAGES, 2))  # fmt: skip
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
-    row0 = pid_m * BM
-    for i in gl.static_range(2):
-        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            q_desc, [row0 + i * HALF, 0], q_bars.index(i), q_smem.index(i)
-        )
-    # This query block's key range, in key blocks: the block table's (`_masks.block_table`),
-    # or for unmasked and causal-only calls the same figures from its rows.
-    if F.TABLE:
-        table = ranges_ptr + ((b * n_m + pid_m) * 4 if HAS_SEG else pid_m * 4)
-        j_lo = gl.load(table) // BN
-        jf_lo = gl.load(table + 1) // BN
-        jf_hi = gl.load(table + 2) // BN
-        j_hi = gl.cdiv(gl.load(table + 3), BN)
-    else:
-        j_lo = 0
-        jf_lo = 0
-        j_hi = gl.cdiv(gl.minimum(row0 + BM, S), BN) if CAUSAL else gl.cdiv(S, BN)
-        # Causal: blocks wholly at or before the first row's key; else whole blocks.
-        jf_hi = gl.minimum((row0 + 1) // BN, S // BN) if CAUSAL else S // BN
-    sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E if HAS_SINKS else 0.0
     smem = (q_smem, k_smem, v_smem)
-    bars = (q_bars, kv_bars)
-    dest = (o_desc, lse_ptr + bn.to(gl.int64) * T)  # where o and lse go
-    blocks = (j_lo, jf_lo, jf_hi, j_hi)
+    bars = (q_ready, q_empty, kv_bars)
+    descs = (q_desc, k_desc, v_desc)
+    dest = (o_desc, lse_ptr)  # where o and lse go
+    first = _tile(gl.program_id(0), n_m, F)
+    first_blocks = _key_blocks(ranges_ptr, first[0], first[3], n_m, F)  # unused if persistent
     tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr))  # rows', keys' tables
     # Consumers get 240 registers a thread (the default partition gets what is left: 240),
     # the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, dest, row0, blocks, sink, b, tabs, F, HALF, H, HAS_SINKS,
-                         0)),
-            (_consumer, (smem, bars, dest, row0, blocks, sink, b, tabs, F, HALF, H, HAS_SINKS,
-                         1)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, kv_bars, j_lo, j_hi, F)),
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m,
+                         tabs, F, HAS_SINKS, 0)),
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m,
+                         tabs, F, HAS_SINKS, 1)),
+            (_producer, (descs, smem, bars, ranges_ptr, first_blocks, total, n_m, F)),
         ],
         [4, 1],
         [240, 24],

@@ -26,7 +26,7 @@ from ejk_sequtils import varying_like
 
 from . import _jax_triton_fix
 
-__all__ = ["gpu_available", "hopper_gpu", "kernels", "launch"]
+__all__ = ["gpu_available", "hopper_gpu", "kernels", "launch", "multiprocessors"]
 
 
 def gpu_available() -> bool:
@@ -68,6 +68,13 @@ def hopper_gpu() -> bool:
         return False
     capability = getattr(jax.devices("gpu")[0], "compute_capability", "")
     return str(capability).split(".")[0] == "9"
+
+
+def multiprocessors() -> int:
+    """Streaming multiprocessors of the first GPU (132, an H100's, where none is seen)."""
+    if not gpu_available():
+        return 132
+    return int(getattr(jax.devices("gpu")[0], "core_count", 0) or 132)
 
 
 class _HostBuffer:

@@ -371,3 +371,26 @@ def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch, scratch_ptx)
     [(name, warps, _, shared, ptx, *_)] = made
     assert (name, warps, shared) == ("gluon_fwd_kernel", 4, 4096)
     assert "[gluon_fwd_kernel_param_1]" in ptx and "[gluon_fwd_kernel_param_2]" not in ptx
+
+
+@pytest.mark.parametrize(
+    "shape, causal, window, persistent",
+    [
+        ((4, 4096, 32, 128), False, None, True),  # equal tiles
+        ((4, 4096, 32, 128), True, None, True),  # 31 tiles a program cover the 8-block cycle
+        ((1, 16384, 16, 128), True, None, False),  # 15 tiles a program, a 32-block cycle
+        ((1, 16384, 16, 128), True, (1024, 0), True),  # a window evens the tiles out
+        ((2, 1000, 8, 128), False, None, False),  # rows off the tile
+        ((2, 1024, 8, 256), False, None, False),  # head_dim 256 would spill
+    ],
+)
+def test_the_persistent_grid_is_taken_where_its_tiles_balance(shape, causal, window, persistent):
+    from ejk_kernels_gpu._options import CallOptions, gluon_persistent
+
+    opts = CallOptions(
+        scale=0.1, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=False,
+        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+    )  # fmt: skip
+    cfg = FlashConfig(block_q=128, block_k=64 if shape[3] == 256 else 128, num_stages=2, gluon=True)
+    assert multiprocessors() == 132  # no GPU here: an H100's count
+    assert gluon_persistent(opts, shape, shape[1], cfg) == persistent

@@ -62,7 +62,8 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             call runs the ordinary kernel with the same tiles (`ordinary_config`). The
             forward heuristic picks it wherever it can run at head_dim 128 and 256 (H100:
             0.95x cuDNN unmasked at 128, docs/performance.md step 10); at 64 it is in the
-            tuning space only (`_GLUON_HEURISTIC_HEAD_DIMS`).
+            tuning space only (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
+            and balance it runs persistent, one program per SM (`_options.gluon_persistent`).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair

@@ -22,6 +22,13 @@ call's masks per score (`_visible`: causal and window on positions, packed-seque
 segment ids, keys past the end). A soft cap is one ``tanh.approx`` per score (one MUFU op,
 as FlashAttention-3 does), in log2 units like the rest of the softmax.
 
+A tile is one query block of one (batch, head). Where T and S fill whole tiles (and the
+tiles balance, `_options.gluon_persistent`), one program per SM loops over every P-th tile
+(the query blocks of a head consecutive): the producer copies the next tile's first k/v
+blocks and then its q while the consumers finish the previous tile's epilogue, and the
+ring's slots and phases run on across tiles (``count``). Other calls run one program a
+tile through the same per-tile bodies (`_produce_tile`, `_consume_tile`).
+
 Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
 (256 with 64-key tiles), a positive scale, no bias or dropout; any masks, soft cap,
 sinks, grouped heads, key and query lengths (TMA zero-fills rows past the ends on load

@@ -98,7 +98,7 @@ def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, first: bool):
     ids = _ids_of(call, q_ids, kv_ids)
     if ids is None or first:
         return run_call(call, carry)
-    carry = varying_like(carry, *ids)  # a kernel's result may not be marked varying yet
+    carry = varying_like(carry, *ids)  # both branches must carry the ids' varying axes
     return jax.lax.cond(_documents_meet(ids), lambda c: run_call(call, c), lambda c: c, carry)
 
 

@@ -145,8 +145,8 @@ def block_tables(
     if segment_ids is None:
         q_seg = k_seg = dummy()
     else:
-        # Per batch row, narrowed to each token's document (`_masks`: blocks of other
-        # documents are skipped, as on one GPU).
+        # Per batch row, from each block's document ids (`_masks.segment_block_table`:
+        # blocks of other documents are skipped, as on one GPU).
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
     fwd_table, dq_table, dkdv_table = range_tables(opts, (rlo, rhi), (clo, chi), segment_ids)
     if masks.relative:

@@ -12,10 +12,11 @@ from ._masks import Tables, dummy
 from ._options import (
     CallOptions,
     gluon_constexprs,
+    gluon_grid,
     kernel_constexprs,
     runnable_config,
 )
-from ._triton import kernels, launch, multiprocessors
+from ._triton import kernels, launch
 
 __all__ = ["forward"]
 
@@ -26,9 +27,7 @@ def _gluon_forward(
     """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
     batch, q_len, heads, _ = q.shape
     consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
-    tiles = -(-q_len // cfg.block_q) * batch * heads
-    # Persistent: one program per SM, each looping over tiles; else one program a tile.
-    grid = (min(tiles, multiprocessors()) if consts["PERSISTENT"] else tiles,)
+    grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
     out, lse, _ = launch(
         kernels().gluon_fwd_kernel,
         grid,

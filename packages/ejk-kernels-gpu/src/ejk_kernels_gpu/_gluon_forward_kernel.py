@@ -68,7 +68,7 @@ class GluonOptions(NamedTuple):
     MASKED: bool  # some key block needs a mask (any of the above, or S off the key tile)
     TABLE: bool  # key ranges from the block table (window, packing, segment ids); else from
     # the program's rows (unmasked or causal alone: no load before the first copy)
-    EARLY_P16: bool  # p to 16 bits in the softmax (registers for masks beyond causal)
+    EARLY_P16: bool  # p to 16 bits in the softmax (registers: masks beyond causal, tile loop)
     N: int  # query heads
     H: int  # head_dim
     G: int  # query heads per kv head
@@ -290,8 +290,9 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     else:
         p = gl.exp2(x * F.QK - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
-    # With masks beyond causal (EARLY_P16) p leaves in the inputs' 16-bit type: it waits for
-    # its p·v matmul across the next block's q·kᵀ, and 16-bit halves the registers it holds.
+    # With masks beyond causal or the persistent tile loop (EARLY_P16) p leaves in the inputs'
+    # 16-bit type: it waits for its p·v matmul across the next block's q·kᵀ, and 16-bit
+    # halves the registers it holds.
     l_new = l_i * alpha + gl.sum(p, axis=1)
     if F.EARLY_P16:
         p = p.to(DTYPE)
@@ -499,8 +500,8 @@ def gluon_fwd_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
-    # q: ready per half-tile (one arrival + bytes), empty per slot (both consumers stored
-    # their output through it); k and v: ready per slot, empty once both consumers released it.
+    # q: ready per half-tile (one arrival + bytes), empty once both consumers stored their
+    # output through it; k and v: ready per slot, empty once both consumers released it.
     q_ready = _barriers(2, 1)
     q_empty = _barriers(1, 2).index(0)
     kv_bars = (_barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 1),

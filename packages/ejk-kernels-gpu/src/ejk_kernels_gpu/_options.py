@@ -31,6 +31,7 @@ __all__ = [
     "can_warp_specialize",
     "dq_by_tma",
     "gluon_constexprs",
+    "gluon_grid",
     "gluon_persistent",
     "kernel_constexprs",
     "offer_gluon",
@@ -270,5 +271,13 @@ def gluon_persistent(
         return True  # every tile has about the same work
     blocks = q_len // cfg.block_q
     tiles = blocks * batch * heads
-    programs = min(tiles, multiprocessors())
+    (programs,) = gluon_grid(q_shape, cfg, persistent=True)
     return tiles // programs >= blocks // math.gcd(programs, blocks)
+
+
+def gluon_grid(q_shape: tuple[int, ...], cfg: FlashConfig, *, persistent: bool) -> tuple[int]:
+    """The Gluon forward's one-dimensional grid: one program a tile (a query block of one
+    (batch, head)), or with ``persistent`` at most one per SM."""
+    batch, q_len, heads, _ = q_shape
+    tiles = -(-q_len // cfg.block_q) * batch * heads
+    return (min(tiles, multiprocessors()) if persistent else tiles,)

@@ -56,6 +56,19 @@ def test_dkdv_kernel_compiles_both_ways_of_computing_dq_for_hopper():
     assert all(r["fits"] for r in rows)
 
 
+def test_the_soft_cap_and_head_dim_256_backward_builds_compile_for_hopper():
+    """The backward heuristic's soft-cap build (p computed once: dq by atomic adds, also
+    with grouped heads) and its head_dim 256 build (64x64 tiles, 8 warps) fit sm_90."""
+    rows = _compile(
+        "--head-dims", "128,256", "--variants", "softcap", "--space", "heuristic",
+        "--kernels", "dkdv_kernel",
+    )  # fmt: skip
+    heuristic = {r["head_dim"]: r["config"] for r in rows if r["config"]["atomic_dq"] or r["head_dim"] == 256}
+    assert heuristic[128]["block_k"] == 32 and heuristic[128]["atomic_dq"], rows
+    assert (heuristic[256]["block_q"], heuristic[256]["block_k"], heuristic[256]["num_warps"]) == (64, 64, 8)
+    assert all(r["fits"] for r in rows), rows
+
+
 def test_the_gluon_forward_builds_for_hopper_without_spills():
     """Both Gluon configs, unmasked and causal, bf16 and fp16: three warpgroups, within
     shared memory and scratch, and no register spills (ptxas), which would serialise its

@@ -48,6 +48,10 @@ def test_search_spaces_fit_and_hold_the_heuristic():
         assert all(fits_shared_memory("dkdv", c, head_dim) for c in bwd)
         assert fits_shared_memory("fwd", fwd_heuristic(head_dim), head_dim)
         assert fits_shared_memory("dq", bwd_heuristic(head_dim), head_dim)
+        for side in (False, True):  # every 16-bit choice, with and without a soft cap
+            for cap in (False, True):
+                cfg = bwd_heuristic(head_dim, 2, side, 4, soft_cap=cap)
+                assert cfg in bwd_search_space(head_dim, 2, side), (head_dim, side, cap)
 
 
 def test_backward_space_offers_both_ways_of_computing_dq():

@@ -29,6 +29,7 @@ from ._config import (
     FlashConfig,
     bwd_heuristic,
     bwd_search_space,
+    fits_shared_memory,
     fwd_heuristic,
     fwd_search_space,
 )
@@ -250,10 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                         head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
                     )
                     space = tuple(dict.fromkeys((heuristic, *special)))
-                else:  # the heuristic and its twin (both ways of computing dq), and the
-                    # warp-specialised one where the call could take it
-                    cfg = bwd_heuristic(head_dim, itemsize, side)
-                    space = (cfg, msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq))
+                else:  # the heuristic and its twin (both ways of computing dq) where that
+                    # fits, and the warp-specialised one where the call could take it
+                    cap = "soft_cap" in VARIANTS[variant]
+                    cfg = bwd_heuristic(head_dim, itemsize, side, soft_cap=cap)
+                    twin = msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq)
+                    fits = fits_shared_memory("dkdv", twin, head_dim, itemsize, side)
+                    space = (cfg, twin) if fits else (cfg,)
                     if ws and itemsize == 2:  # explicit-config builds (see WS_BWD_CONFIGS)
                         space += WS_BWD_CONFIGS.get(head_dim, ())
                 for name in (n for n in names if n in wanted):

@@ -331,6 +331,7 @@ def bwd_heuristic(
     itemsize: int = 2,
     side_inputs: bool = True,
     group: int = 1,
+    soft_cap: bool = False,
 ) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed).
 
@@ -346,11 +347,20 @@ def bwd_heuristic(
     measured faster (H100, docs/performance.md step 5): MHA, 16-bit, head_dim 65-128
     (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
+    ``soft_cap``: each kernel that recomputes p pays a tanh per score besides the exp, so
+    computing p once (atomic dq) wins with groups too: 128x32 tiles, 8 warps, 3 stages
+    measured 289 against 261 TFLOP/s for the group default (H100, B4 T4096 N32 K8,
+    forward+backward; `docs/gpu-runs/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
+    256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
     """
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+    if head_dim <= 128 and itemsize <= 2 and soft_cap:
+        return FlashConfig(block_q=128, block_k=32, num_warps=8, num_stages=3, atomic_dq=True)
     if head_dim <= 128 and itemsize <= 2 and group == 1:
         return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
     if head_dim <= 128:
         return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    if itemsize <= 2:
+        return FlashConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
     return FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2)

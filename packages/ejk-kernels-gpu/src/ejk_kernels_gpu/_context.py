@@ -99,7 +99,8 @@ def block_options(
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:
         group = q.shape[2] // k.shape[2]
-        opts = dataclasses.replace(opts, bwd_cfg=bwd_heuristic(head_dim, itemsize, True, group))
+        bwd = bwd_heuristic(head_dim, itemsize, True, group, soft_cap=opts.soft_cap > 0.0)
+        opts = dataclasses.replace(opts, bwd_cfg=bwd)
     return opts
 
 

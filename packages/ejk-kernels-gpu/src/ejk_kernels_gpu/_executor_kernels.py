@@ -101,7 +101,8 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
         q, k = inv.args[0], inv.args[1]
-        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2])
+        soft_cap = inv.kwargs.get("logits_soft_cap") is not None
+        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2], soft_cap=soft_cap)
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
         return bwd_search_space(*_shape_info(inv, 4))

@@ -272,23 +272,19 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     yet (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
     """
     row_info, b, key_tabs = masks
+    # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
+    # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.
+    x = s
+    LOG2: gl.constexpr = F.CAP_OUT if F.SOFT_CAP > 0.0 else F.QK
     if F.SOFT_CAP > 0.0:
-        x = _tanh(s * F.CAP_IN) * F.CAP_OUT
-        if MASK:
-            x = _visible(x, j, row_info, b, key_tabs, F)
-        m_new = gl.maximum(m_i, gl.max(x, axis=1))
-    else:
-        x = s
-        if MASK:
-            x = _visible(x, j, row_info, b, key_tabs, F)
-        m_new = gl.maximum(m_i, gl.max(x, axis=1) * F.QK)
+        x = _tanh(s * F.CAP_IN)
+    if MASK:
+        x = _visible(x, j, row_info, b, key_tabs, F)
+    m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
     m_use = m_new
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if F.SOFT_CAP > 0.0:
-        p = gl.exp2(x - gl.expand_dims(m_use, 1))
-    else:
-        p = gl.exp2(x * F.QK - gl.expand_dims(m_use, 1))
+    p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     # With masks beyond causal or the persistent tile loop (EARLY_P16) p leaves in the inputs'
     # 16-bit type: it waits for its p·v matmul across the next block's q·kᵀ, and 16-bit

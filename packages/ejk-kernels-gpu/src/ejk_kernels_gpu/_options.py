@@ -101,7 +101,9 @@ def call_options(
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:
         group = heads // kv_heads
-        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group)
+        bwd = bwd_heuristic(
+            head_dim, itemsize, side_inputs, group, soft_cap=opts.soft_cap > 0.0
+        )
         opts = dataclasses.replace(opts, bwd_cfg=bwd)
     return opts
 

@@ -90,6 +90,8 @@ def _builds(launches: list[dict]) -> dict:
             fwd = "gluon"
         elif launch["kernel"] == "fwd_kernel":
             fwd = "ws" if launch["ws"] else "ordinary"
+        elif launch["kernel"] == "gluon_dkdv_kernel":
+            bwd = "gluon"
         elif launch["kernel"] == "dkdv_kernel":
             bwd = "ws" if launch["ws"] else ("atomic" if launch["atomic_dq"] else "ordinary")
     return {"fwd": fwd, "bwd": bwd}
@@ -161,6 +163,11 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         kw["config"] = GLUON
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
+    slots = kw.pop("gluon_bwd", 0)
+    if slots:  # the Gluon dk/dv kernel asked for (with this many ring slots)
+        kw["bwd_config"] = FlashConfig(
+            block_q=128, block_k=64, num_warps=4, num_stages=slots, gluon=True
+        )
     if kw.pop("ordinary", False):
         kw.update(config=ORDINARY, bwd_config=ORDINARY_BWD)
     ref_kw = {n: x for n, x in kw.items() if n not in ("config", "bwd_config")}
@@ -272,12 +279,14 @@ def versions() -> dict:
 # The heuristics' choice at H=128, 16-bit, unmasked/causal: the Gluon forward and the
 # ordinary backward (the warp-specialised dk/dv kernel has a race: asked for explicitly only).
 GW = {"fwd": "gluon"}
+GG = {"fwd": "gluon", "bwd": "gluon"}  # and the Gluon dk/dv kernel (head_dim 128, causal or none)
 WF = {"fwd": "ws"}  # the warp-specialised forward asked for, the heuristic's backward
+WG = {"fwd": "ws", "bwd": "gluon"}  # the same where the heuristic's backward is Gluon's
 WW = {"fwd": "ws", "bwd": "ws"}  # both asked for
 ORD = {}
 CASES = [
-    ("plain h128", 2, 1024, 1024, 16, 16, 128, GW, {}),
-    ("causal gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True)),
+    ("plain h128", 2, 1024, 1024, 16, 16, 128, GG, {}),
+    ("causal gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True)),
     ("causal h64 odd len", 2, 1000, 1000, 8, 8, 64, ORD, dict(causal=True)),
     ("cross h256 T!=S", 1, 777, 1500, 8, 2, 256, GW, {}),
     ("window+cap+sinks h80", 2, 1024, 1024, 8, 2, 80, ORD, dict(sliding_window=(128, 32), logits_soft_cap=20.0, sinks=True)),
@@ -293,9 +302,9 @@ CASES = [
     # T % 128 != 0 exercises TMA's zero fill and clipped stores, K < N the GQA offsets.
     ("ws gqa sinks h128", 2, 1000, 1024, 16, 4, 128, WF, dict(sinks=True, ws=True)),
     # The warp-specialised forward on causal calls (block-relative mask).
-    ("ws causal gqa h128", 2, 2048, 2048, 16, 4, 128, WF, dict(causal=True, ws=True)),
+    ("ws causal gqa h128", 2, 2048, 2048, 16, 4, 128, WG, dict(causal=True, ws=True)),
     ("ws causal sinks T<S", 2, 1000, 1024, 8, 8, 128, WF, dict(causal=True, sinks=True, ws=True)),
-    ("ws causal T>S", 1, 1536, 1024, 8, 2, 128, WF, dict(causal=True, ws=True)),
+    ("ws causal T>S", 1, 1536, 1024, 8, 2, 128, WG, dict(causal=True, ws=True)),
     # The warp-specialised backward (with the forward's build): unmasked MHA, causal GQA
     # with sinks and a query length off the tiles (padded lse rows).
     ("ws bwd plain h128", 2, 1024, 1024, 16, 16, 128, WW, dict(ws=True, ws_bwd=True)),
@@ -305,19 +314,19 @@ CASES = [
     ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, ORD, dict(ordinary=True)),
     # The Gluon forward: causal with T > S and T < S (rows past the diagonal, clipped
     # stores), GQA, sinks, two ring slots.
-    ("gluon causal gqa T>S", 1, 1536, 1024, 8, 2, 128, GW, dict(causal=True)),
+    ("gluon causal gqa T>S", 1, 1536, 1024, 8, 2, 128, GG, dict(causal=True)),
     ("gluon causal sinks T<S", 2, 1000, 2048, 8, 8, 128, GW, dict(causal=True, sinks=True)),
-    ("gluon2 plain gqa", 2, 1024, 2048, 16, 4, 128, GW, dict(gluon2=True)),
+    ("gluon2 plain gqa", 2, 1024, 2048, 16, 4, 128, GG, dict(gluon2=True)),
     # Decoding shapes: one query row (the rest of the tile zero-filled), one key block.
     ("gluon decode T=1", 2, 1, 4096, 8, 2, 128, GW, {}),
     ("gluon causal T=1 S=128", 2, 1, 128, 8, 8, 128, GW, dict(causal=True, sinks=True)),
     # float16 takes the special builds too (16-bit inputs).
-    ("fp16 causal gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, dtype=jnp.float16)),
+    ("fp16 causal gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, dtype=jnp.float16)),
     ("fp16 plain h128 T!=S", 2, 1000, 1024, 8, 8, 128, GW, dict(dtype=jnp.float16, sinks=True)),
     # The definition's edge cases: a finite bias, however large, is a bias (whole rows
     # of -1e30 are a uniform softmax); several sinks per head fold by logsumexp.
     ("bias -1e30 rows h128", 1, 512, 640, 8, 8, 128, ORD, dict(huge_bias=-1e30, causal=True)),
-    ("sinks [N,3] gqa h128", 2, 1024, 1024, 16, 4, 128, GW, dict(sinks=3, causal=True)),
+    ("sinks [N,3] gqa h128", 2, 1024, 1024, 16, 4, 128, GG, dict(sinks=3, causal=True)),
     # The Gluon forward's masks (block tables, masks per score in the edge blocks), soft cap
     # (tanh.approx) and its head_dim 64 / 256 tiles.
     ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, sliding_window=(256, 0))),
@@ -328,6 +337,12 @@ CASES = [
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
     ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
     ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GW, dict(documents=True, causal=True, logits_soft_cap=30.0)),
+    # The Gluon dk/dv kernel: keys off its 128-key tile (zero-filled, clipped stores) with
+    # sinks, head_dim 64 asked for (not the heuristic's there), three ring slots, fp16 T>S.
+    ("gluon bwd keys off tile sinks", 2, 1024, 1000, 8, 2, 128, GG, dict(sinks=True)),
+    ("gluon bwd causal h64", 2, 2048, 2048, 8, 2, 64, {"bwd": "gluon"}, dict(causal=True, gluon_bwd=2)),
+    ("gluon bwd 3 slots mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, gluon_bwd=3)),
+    ("gluon bwd fp16 causal T>S", 1, 1536, 1000, 8, 4, 128, GG, dict(causal=True, dtype=jnp.float16)),
 ]  # fmt: skip
 
 

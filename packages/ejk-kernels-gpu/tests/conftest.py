@@ -58,23 +58,24 @@ def edge_fixture(request):
 
 @pytest.fixture(name="on_hopper")
 def on_hopper_fixture(monkeypatch):
-    """Pretend to be on Hopper and watch `_forward_launch.launch`. Returns ``watch(hook)``:
-    ``hook(name, grid, inputs, outs, consts, kwargs)`` sees every forward launch (``name``:
-    the kernel's) and may return outputs that stand in for it (None: the launch runs as
-    usual)."""
-    from ejk_kernels_gpu import _forward_launch, _options
+    """Pretend to be on Hopper and watch `_forward_launch.launch` and
+    `_backward_launch.launch`. Returns ``watch(hook)``: ``hook(name, grid, inputs, outs,
+    consts, kwargs)`` sees every launch (``name``: the kernel's) and may return outputs that
+    stand in for it (None: the launch runs as usual)."""
+    from ejk_kernels_gpu import _backward_launch, _forward_launch, _options
 
-    launch = _forward_launch.launch
     monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
 
     def watch(hook):
-        def spy(kernel, grid, inputs, outs, consts, **kwargs):
-            stand_in = hook(kernel.__name__, grid, inputs, outs, consts, kwargs)
-            if stand_in is not None:
-                return stand_in
-            return launch(kernel, grid, inputs, outs, consts, **kwargs)
+        for module in (_forward_launch, _backward_launch):
 
-        monkeypatch.setattr(_forward_launch, "launch", spy)
+            def spy(kernel, grid, inputs, outs, consts, _launch=module.launch, **kwargs):
+                stand_in = hook(kernel.__name__, grid, inputs, outs, consts, kwargs)
+                if stand_in is not None:
+                    return stand_in
+                return _launch(kernel, grid, inputs, outs, consts, **kwargs)
+
+            monkeypatch.setattr(module, "launch", spy)
 
     return watch
 

@@ -63,9 +63,15 @@ def test_the_soft_cap_and_head_dim_256_backward_builds_compile_for_hopper():
         "--head-dims", "128,256", "--variants", "softcap", "--space", "heuristic",
         "--kernels", "dkdv_kernel",
     )  # fmt: skip
-    heuristic = {r["head_dim"]: r["config"] for r in rows if r["config"]["atomic_dq"] or r["head_dim"] == 256}
+    heuristic = {
+        r["head_dim"]: r["config"] for r in rows if r["config"]["atomic_dq"] or r["head_dim"] == 256
+    }
     assert heuristic[128]["block_k"] == 32 and heuristic[128]["atomic_dq"], rows
-    assert (heuristic[256]["block_q"], heuristic[256]["block_k"], heuristic[256]["num_warps"]) == (64, 64, 8)
+    assert (heuristic[256]["block_q"], heuristic[256]["block_k"], heuristic[256]["num_warps"]) == (
+        64,
+        64,
+        8,
+    )
     assert all(r["fits"] for r in rows), rows
 
 
@@ -106,6 +112,29 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
     built = {(r["variant"], r["head_dim"]) for r in gluon}
     assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128)}  # fmt: skip
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
+
+
+def test_the_gluon_dkdv_kernel_builds_for_hopper():
+    """The Gluon dk/dv kernel (both ring depths), unmasked and causal, head_dim 64 and 128,
+    bf16 and fp16: three warpgroups, within shared memory and scratch, spills at most the
+    few prologue/epilogue bytes `_aot.GLUON_SPILL_BYTES` allows."""
+    rows = []
+    for dtype in ("bfloat16", "float16"):
+        rows += _compile(
+            "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
+            "--kernels", "dkdv_kernel", "--dtype", dtype,
+        )  # fmt: skip
+    gluon = [r for r in rows if r["kernel"] == "gluon_dkdv_kernel"]
+    assert {
+        (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"]) for r in gluon
+    } == {
+        (variant, head_dim, dtype, stages)
+        for variant in ("plain", "causal")
+        for head_dim in (64, 128)
+        for dtype in ("bfloat16", "float16")
+        for stages in (2, 3)
+    }
+    assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
 
 
 def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():

@@ -164,13 +164,66 @@ def _emulate_gluon(inputs, consts):
     return out, lse
 
 
+def _emulate_gluon_dkdv(inputs, consts):
+    """The Gluon dk/dv kernel's algorithm in NumPy (float32): per program (``BN`` keys of one
+    (batch, kv head)), the query blocks `_query_blocks` gives it (causal: from the first
+    that reaches its keys), each head of the group, P rebuilt from the saved lse (rows
+    without mass: 0), causal on indices; dk scaled at the end, keys past the end dropped.
+    A range that skips a block some key sees gives a wrong gradient here."""
+    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
+    c = consts
+    batch, q_len = q.shape[:2]
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    bm, bn = c["BM"], c["BN"]
+    dk = np.zeros(k.shape, np.float32)
+    dv = np.zeros(v.shape, np.float32)
+    for b, kh, pid_n in itertools.product(range(batch), range(kv_heads), range(-(-kv_len // bn))):
+        keys = pid_n * bn + np.arange(bn)
+        valid = keys < kv_len
+        kk = np.minimum(keys, kv_len - 1)
+        k_blk = np.where(valid[:, None], k[b, kk, kh], 0.0)
+        v_blk = np.where(valid[:, None], v[b, kk, kh], 0.0)
+        dk_blk = np.zeros_like(k_blk)
+        dv_blk = np.zeros_like(v_blk)
+        first = min(pid_n * bn // bm, q_len // bm) if c["CAUSAL"] else 0
+        for n, m in itertools.product(
+            range(kh * c["G"], (kh + 1) * c["G"]), range(first, q_len // bm)
+        ):
+            rows = m * bm + np.arange(bm)
+            lse2 = lse[b, n, rows] * math.log2(math.e)
+            lse2 = np.where(lse2 == -np.inf, np.inf, lse2)
+            p = np.exp2(k_blk @ q[b, rows, n].T * c["QK"] - lse2[None, :])
+            if c["CAUSAL"]:
+                p = np.where(keys[:, None] <= rows[None, :], p, 0.0)
+            dv_blk += p @ d_out[b, rows, n]
+            ds = p * (v_blk @ d_out[b, rows, n].T - delta[b, n, rows][None, :])
+            dk_blk += ds @ q[b, rows, n]
+        dk[b, keys[valid], kh] = dk_blk[valid] * c["SCALE"]
+        dv[b, keys[valid], kh] = dv_blk[valid]
+    return dk, dv
+
+
+class _Launches(list):
+    """Forward launches seen (the list) and the Gluon dk/dv kernel's (``dkdv``)."""
+
+    dkdv: list
+
+
 @pytest.fixture(name="gluon_launches")
 def gluon_launches_fixture(on_hopper):
-    """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernel's
-    with its NumPy emulation (`_emulate_gluon`) and an empty scratch buffer."""
-    seen = []
+    """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernels'
+    (forward, dk/dv) with their NumPy emulations (`_emulate_gluon`, `_emulate_gluon_dkdv`)
+    and an empty scratch buffer."""
+    seen = _Launches()
+    seen.dkdv = []
 
     def record(name, grid, inputs, outs, consts, kwargs):
+        if name == "gluon_dkdv_kernel":
+            seen.dkdv.append((grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
+            dk, dv = _emulate_gluon_dkdv(inputs, consts)
+            k = inputs[1]
+            scratch = jnp.zeros(outs[2].shape, outs[2].dtype)
+            return jnp.asarray(dk, k.dtype), jnp.asarray(dv, k.dtype), scratch
         if name == "gluon_fwd_kernel":
             seen.append((name, grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
             out, lse = _emulate_gluon(inputs, consts)
@@ -394,3 +447,90 @@ def test_the_persistent_grid_is_taken_where_its_tiles_balance(shape, causal, win
     cfg = FlashConfig(block_q=128, block_k=64 if shape[3] == 256 else 128, num_stages=2, gluon=True)
     assert multiprocessors() == 132  # no GPU here: an H100's count
     assert gluon_persistent(opts, shape, shape[1], cfg) == persistent
+
+
+GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+
+
+def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_allowed():
+    from ejk_kernels_gpu._config import bwd_heuristic, bwd_search_space
+
+    assert bwd_heuristic(128, 2, False, 4, gluon=True) == GLUON_DKDV
+    assert not bwd_heuristic(128, 2, False, 4).gluon
+    assert not bwd_heuristic(128, 4, False, 1, gluon=True).gluon  # float32
+    assert not bwd_heuristic(64, 2, False, 1, gluon=True).gluon  # slower at 64: tuning only
+    assert GLUON_DKDV in bwd_search_space(64, 2, False, gluon=True)
+    assert GLUON_DKDV in bwd_search_space(128, 2, True, gluon=True)
+    assert not any(c.gluon for c in bwd_search_space(128, 2, False))
+    assert not any(c.gluon for c in bwd_search_space(256, 2, False, gluon=True))
+
+
+def _loss_grads(attn, q, k, v, **kwargs):
+    def loss(q, k, v):
+        out, lse = attn(q, k, v, return_lse=True, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launches, rng, edge):
+    """By default on Hopper at head_dim 128, 16-bit, query rows on whole 64-row steps: its
+    grid (128-key blocks by batch and kv head), constexprs and outputs; the gradients of a
+    loss on the output and the lse (so delta carries the lse's cotangent) match the
+    reference through its emulation."""
+    causal, q_len, kv_len, kv_heads, sinks = edge
+    heads = 4
+    q = jnp.asarray(rng.standard_normal((2, q_len, heads, 128)), jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, 128)), jnp.bfloat16) for _ in range(2)
+    )
+    s = jnp.asarray(rng.standard_normal(heads), jnp.float32) if sinks else None
+    grads = _loss_grads(flash_attention, q, k, v, causal=causal, softmax_sinks=s)
+    if q_len % 64:  # rows off the 64-row steps: the ordinary kernels
+        assert gluon_launches.dkdv == []
+    else:
+        [(grid, consts, outs, kw)] = gluon_launches.dkdv
+        assert grid == (-(-kv_len // 128), 2 * kv_heads)
+        assert {n: consts[n] for n in ("B", "T", "S", "N", "G", "H", "CAUSAL", "BM", "BN", "STAGES")} == dict(
+            B=2, T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, BM=64, BN=128, STAGES=2
+        )  # fmt: skip
+        assert consts["SCALE"] == pytest.approx(128**-0.5)
+        assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
+        assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
+        assert outs[2][0][0] >= _jax_triton_fix.scratch_bytes(grid)
+        assert kw["num_warps"] == 4
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _loss_grads(reference_attention, *f32, causal=causal, softmax_sinks=s)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert err < 2e-2, name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(causal=True, sliding_window=(50, 0)),
+        dict(logits_soft_cap=5.0),
+        dict(causal=True, segments=True),
+        dict(dtype=jnp.float32),
+        dict(head_dim=256),
+    ],
+    ids=["window", "soft cap", "segment ids", "float32", "head_dim 256"],
+)
+def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
+    """The Gluon dk/dv kernel has no window, soft cap, segment ids, float32 or head_dim 256:
+    such calls (even with its config asked for) run the ordinary kernels, correctly."""
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    head_dim = kwargs.pop("head_dim", 128)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, head_dim)), dtype) for _ in range(3))
+    if kwargs.pop("segments", False):
+        kwargs["segment_ids"] = jnp.asarray(np.repeat([[0, 1]], 64, axis=1), jnp.int32)
+    grads = _loss_grads(flash_attention, q, k, v, bwd_config=GLUON_DKDV, **kwargs)
+    assert gluon_launches.dkdv == []
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _loss_grads(reference_attention, *f32, **kwargs)
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert err < tol, name

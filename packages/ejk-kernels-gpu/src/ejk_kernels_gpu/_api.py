@@ -88,7 +88,8 @@ def attention(
     Raises:
         NotImplementedError: the request is valid but these kernels cannot serve it
             (`unsupported_reason`).
-        TypeError, ValueError: a config of the wrong type, or a Gluon backward config.
+        TypeError, ValueError: a config of the wrong type, or a Gluon backward config with
+            other query steps than 64 rows.
     """
     reason = unsupported_reason(request)
     if reason is not None:
@@ -97,8 +98,11 @@ def attention(
         raise TypeError(f"config must be a FlashConfig or None, got {config!r}")
     if bwd_config is not None and not isinstance(bwd_config, FlashConfig):
         raise TypeError(f"bwd_config must be a FlashConfig or None, got {bwd_config!r}")
-    if bwd_config is not None and bwd_config.gluon:
-        raise ValueError(f"bwd_config.gluon: the Gluon build is a forward only, got {bwd_config!r}")
+    if bwd_config is not None and bwd_config.gluon and bwd_config.block_k != 64:
+        raise ValueError(
+            "bwd_config.gluon: the Gluon dk/dv kernel steps over 64 query rows "
+            f"(block_k=64), got {bwd_config!r}"
+        )
     routed = decode_route(request, config, bwd_config)  # decoding: the split-KV kernel
     if routed is not None:
         return routed

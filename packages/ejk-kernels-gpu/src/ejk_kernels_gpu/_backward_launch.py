@@ -6,12 +6,72 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from ._config import FlashConfig, ordinary_config
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
-from ._options import CallOptions, dq_by_tma, kernel_constexprs, runnable_config
+from ._options import (
+    CallOptions,
+    can_run_gluon_dkdv,
+    dq_by_tma,
+    gluon_dkdv_constexprs,
+    kernel_constexprs,
+    runnable_config,
+)
 from ._triton import hopper_gpu, kernels, launch
 
 __all__ = ["backward"]
+
+
+def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
+          consts: dict, ws: bool) -> tuple[Array, Array, Array, Array]:  # fmt: skip
+    """(dk, dv, the logits' gradient (with a bias), dq sum (atomic dq)) from the ordinary
+    (or warp-specialised) dk/dv kernel."""
+    batch, q_len, heads, _ = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    bias_in = dummy(q.dtype) if bias is None else bias
+    dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
+    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
+    scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
+    dk, dv, dlogits, dq_sum, _ = launch(
+        kernels().dkdv_kernel,
+        grid,
+        (q, k, v, bias_in, d_out, *stats, *tables.masking(), tables.dkdv_ranges, tables.seed),
+        (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
+            scratch,  # global scratch for TMA descriptors (see _jax_triton_fix); unused otherwise
+        ),
+        dict(consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        # Skipped blocks leave the logits gradient untouched, and every key block adds
+        # into dq: both must start at zero.
+        zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
+    )
+    return dk, dv, dlogits, dq_sum
+
+
+def _gluon_dkdv(opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig) -> tuple[Array, Array]:
+    """(dk, dv) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds)."""
+    batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
+    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    dk, dv, _ = launch(
+        kernels().gluon_dkdv_kernel,
+        grid,
+        (q, k, v, d_out, *stats),
+        (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        ),
+        gluon_dkdv_constexprs(opts, q, k, cfg),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return dk, dv
 
 
 def backward(
@@ -24,9 +84,16 @@ def backward(
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
-    batch, q_len, heads, _ = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
+    batch, q_len, heads, head_dim = q.shape
+    kv_len = k.shape[1]
     bwd = opts.bwd_cfg
+    gluon = can_run_gluon_dkdv(opts, bias, q, kv_len, bwd)
+    if bwd.gluon:  # dq (and dk/dv where the Gluon kernel cannot run): the ordinary kernels
+        # with the same tiles, which the block tables were built for (`call_options` gives
+        # calls that cannot run it the heuristic's config instead)
+        side = opts.side_inputs(bias)
+        kinds = ("dq",) if gluon else ("dq", "dkdv")
+        bwd = ordinary_config(bwd, head_dim, q.dtype.itemsize, side, kinds)
     cfg, ws = runnable_config(opts, bwd, bias, q, kv_len, bwd.block_q, ("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
     # lse = shift + log_l: the row max and log row sum with a bias, else the lse and 0.
@@ -53,28 +120,12 @@ def backward(
     dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
-    dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
-    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
-    tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
-    scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
-    dk, dv, dlogits, dq_sum, _ = launch(
-        kernels().dkdv_kernel,
-        grid,
-        (q, k, v, bias_in, d_out, *stats, *masking, tables.dkdv_ranges, tables.seed),
-        (
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
-            scratch,  # global scratch for TMA descriptors (see _jax_triton_fix); unused otherwise
-        ),
-        dict(dkdv_consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        # Skipped blocks leave the logits gradient untouched, and every key block adds
-        # into dq: both must start at zero.
-        zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
-    )
+    if gluon:
+        dk, dv = _gluon_dkdv(opts, q, k, v, d_out, stats, opts.bwd_cfg)
+        dlogits = dq_sum = None
+    else:
+        dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
+                                        dkdv_consts, ws)  # fmt: skip
     if cfg.atomic_dq:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     else:

@@ -52,7 +52,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             `ordinary_config`). The heuristics pick it (head_dim 128, 16-bit inputs) for
             every call that can take it, forward and backward (H100, docs/performance.md
             step 7).
-        gluon: forward only, Hopper (sm_90) only: run the forward written in Gluon
+        gluon: Hopper (sm_90) only. Forward: run the forward written in Gluon
             (`_gluon_forward_kernel`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
             and two consumer warpgroups; ``block_q`` 128, ``num_warps`` 4 per warpgroup,
             ``block_k`` 128 or 64, ``num_stages`` slots in each of the k and v rings).
@@ -64,6 +64,14 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             0.95x cuDNN unmasked at 128, docs/performance.md step 10); at 64 it is in the
             tuning space only (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
             and balance it runs persistent, one program per SM (`_options.gluon_persistent`).
+            Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
+            128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
+            step, ``num_stages`` slots of the q/dO ring) and the ordinary dq kernel
+            (`ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
+            positive scale, causal or no mask, no soft cap or dropout, and query rows on
+            whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
+            ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
+            forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -85,7 +93,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 raise TypeError(f"FlashConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.gluon and (self.warp_specialize or self.atomic_dq):
             raise ValueError(
-                "FlashConfig.gluon is a forward build of its own: it cannot be combined with "
+                "FlashConfig.gluon is a build of its own: it cannot be combined with "
                 f"warp_specialize or atomic_dq, got {self!r}"
             )
         if self.gluon and (
@@ -97,7 +105,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             )
         if self.gluon and self.num_stages not in (2, 3):
             raise ValueError(
-                f"FlashConfig.gluon takes num_stages 2 or 3 (k and v ring slots), got {self!r}"
+                f"FlashConfig.gluon takes num_stages 2 or 3 (ring slots), got {self!r}"
             )
         if self.warp_specialize and self.atomic_dq:
             raise ValueError(
@@ -228,6 +236,19 @@ _GLUON_CONFIGS = {
 # (200 against 263 TFLOP/s, B8 T2048 N16 causal, H100, docs/performance.md): tuning only.
 _GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 
+# The Gluon dk/dv kernel (`FlashConfig.gluon` as a backward config): 128 resident keys, 64
+# query rows a step; two ring slots measured ... (first of each: the heuristic's).
+GLUON_BWD_CONFIGS = {
+    head_dim: (
+        FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),
+        FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3, gluon=True),
+    )
+    for head_dim in (64, 128)
+}
+# Where the backward heuristic takes it: at head_dim 64 forward+backward measured 0.91x the
+# ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
+_GLUON_BWD_HEURISTIC_HEAD_DIMS = (128,)
+
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
 # dk/dv, queries in dq, 64 per consumer warpgroup; 64 streamed): its dk/dv kernel has a
 # race (see `bwd_heuristic`), so neither the heuristic nor the tuning space offers it.
@@ -285,14 +306,19 @@ def fwd_search_space(
 
 
 def bwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True
+    head_dim: int, itemsize: int = 2, side_inputs: bool = True, gluon: bool = False
 ) -> tuple[FlashConfig, ...]:
-    """Every backward config (shared by the dq and dk/dv kernels) that fits both.
+    """Every backward config (shared by the dq and dk/dv kernels) that fits both, and
+    with ``gluon`` (the call can take the Gluon dk/dv kernel, `_options.can_run_gluon_dkdv`)
+    its configs (`GLUON_BWD_CONFIGS`).
 
     The warp-specialised backward is left out until its dk/dv race is fixed (see
     `bwd_heuristic`).
     """
-    return _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
+    space = _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
+    if gluon and itemsize == 2:
+        space += GLUON_BWD_CONFIGS.get(head_dim, ())
+    return space
 
 
 def fwd_heuristic(
@@ -332,6 +358,7 @@ def bwd_heuristic(
     side_inputs: bool = True,
     group: int = 1,
     soft_cap: bool = False,
+    gluon: bool = False,
 ) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed).
 
@@ -352,7 +379,11 @@ def bwd_heuristic(
     measured 289 against 261 TFLOP/s for the group default (H100, B4 T4096 N32 K8,
     forward+backward; `docs/gpu-runs/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
     256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
+    ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
+    at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`).
     """
+    if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
+        return GLUON_BWD_CONFIGS[head_dim][0]
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
     if head_dim <= 128 and itemsize <= 2 and soft_cap:

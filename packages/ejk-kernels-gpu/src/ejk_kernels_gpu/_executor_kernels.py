@@ -16,10 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from ejk_executor import Invocation, Kernel
+from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._api import flash_attention
-from ._config import FlashConfig, bwd_heuristic, bwd_search_space, fwd_heuristic, fwd_search_space
-from ._options import offer_gluon, offer_warp_specialize
+from ._config import FlashConfig, bwd_search_space, fwd_heuristic, fwd_search_space
+from ._options import (
+    GLUON_DKDV,
+    call_options,
+    can_run_gluon_dkdv,
+    offer_gluon,
+    offer_warp_specialize,
+)
 
 __all__ = ["FlashAttentionBackward", "FlashAttentionForward"]
 
@@ -89,7 +96,7 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
     """
 
     name = "ejk_kernels_gpu.flash_attention_bwd"
-    version = "1"
+    version = "2"  # 2: the Gluon dk/dv kernel joined the space
     config_type = FlashConfig
 
     def run(self, q, k, v, d_out, bias=None, *, cfg: FlashConfig, **kwargs: Any) -> Any:
@@ -100,9 +107,24 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         return vjp(d_out.astype(q.dtype))
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        q, k = inv.args[0], inv.args[1]
-        soft_cap = inv.kwargs.get("logits_soft_cap") is not None
-        return bwd_heuristic(*_shape_info(inv, 4), q.shape[2] // k.shape[2], soft_cap=soft_cap)
+        return call_options(_bwd_request(inv), None, None).bwd_cfg  # the call's own default
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
-        return bwd_search_space(*_shape_info(inv, 4))
+        request = _bwd_request(inv)
+        opts = call_options(request, None, None)
+        kv_len = request.k.shape[1]
+        gluon = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, GLUON_DKDV)
+        return bwd_search_space(*_shape_info(inv, 4), gluon=gluon)
+
+
+def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:
+    """The validated request of a `FlashAttentionBackward` invocation
+    (``(q, k, v, d_out, bias=None, **flash_attention's keywords)``)."""
+    names = ("q", "k", "v", "d_out", "bias")
+    given = dict(zip(names, inv.args, strict=False)) | inv.kwargs
+    given.pop("d_out", None)
+    given.pop("config", None)
+    given.pop("bwd_config", None)
+    return validate_attention(
+        given.pop("q"), given.pop("k"), given.pop("v"), given.pop("bias", None), **given
+    )

@@ -46,6 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from ._gluon_common import barriers, ring_slot
+
 _LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -74,21 +76,6 @@ class GluonOptions(NamedTuple):
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
-
-
-@gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """``n`` mbarriers, each completing after ``count`` arrivals."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    return bars
-
-
-@gluon.jit
-def _slot(i, STAGES: gl.constexpr):
-    """(slot, phase of its ready barrier) of the i-th key block visited, in a ring of STAGES."""
-    return i % STAGES, (i // STAGES) & 1
 
 
 @gluon.jit
@@ -141,7 +128,7 @@ def _copy_kv(descs, smem, kv_bars, j, count, k_origin, F: gl.constexpr):
     v_smem = smem[2]
     k_ready, k_empty, v_ready, v_empty = kv_bars
     krow, kcol = k_origin
-    s, phase = _slot(count, F.STAGES)
+    s, phase = ring_slot(count, F.STAGES)
     phase = phase ^ 1  # a slot's first use waits for nothing
     mbarrier.wait(k_empty.index(s), phase)
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
@@ -317,8 +304,8 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     softmax of block j meanwhile."""
     p, alpha, m_i, l_i, acc = state
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = bufs
-    ks, kph = _slot(j - base, F.STAGES)
-    vs, vph = _slot(j - 1 - base, F.STAGES)
+    ks, kph = ring_slot(j - base, F.STAGES)
+    vs, vph = ring_slot(j - 1 - base, F.STAGES)
     mbarrier.wait(k_ready.index(ks), kph)
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
@@ -374,7 +361,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     base = j_lo - count  # key block j is the program's (j - base)-th
     mbarrier.wait(q_ready.index(C), qph)
     if j_hi > j_lo:
-        first, fph = _slot(j_lo - base, F.STAGES)
+        first, fph = ring_slot(j_lo - base, F.STAGES)
         mbarrier.wait(k_ready.index(first), fph)
         s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(first), zero_s)])
         mbarrier.arrive(k_empty.index(first), count=1)
@@ -389,7 +376,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         p, alpha, m_i, l_i, acc = state
-        last, lph = _slot(j_hi - 1 - base, F.STAGES)
+        last, lph = ring_slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
         acc = hopper.warpgroup_mma_wait(
             0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
@@ -498,10 +485,10 @@ def gluon_fwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     # q: ready per half-tile (one arrival + bytes), empty once both consumers stored their
     # output through it; k and v: ready per slot, empty once both consumers released it.
-    q_ready = _barriers(2, 1)
-    q_empty = _barriers(1, 2).index(0)
-    kv_bars = (_barriers(STAGES, 1), _barriers(STAGES, 2), _barriers(STAGES, 1),
-               _barriers(STAGES, 2))  # fmt: skip
+    q_ready = barriers(2, 1)
+    q_empty = barriers(1, 2).index(0)
+    kv_bars = (barriers(STAGES, 1), barriers(STAGES, 2), barriers(STAGES, 1),
+               barriers(STAGES, 2))  # fmt: skip
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
     smem = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, kv_bars)

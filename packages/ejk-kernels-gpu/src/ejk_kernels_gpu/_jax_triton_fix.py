@@ -59,7 +59,13 @@ __all__ = [
 SCRATCH_PER_PROGRAM = 2048
 # Kernels whose last explicit pointer argument is their global scratch (a benchmark's
 # own kernel may add its name).
-SCRATCH_KERNELS: set[str] = {"fwd_kernel", "dq_kernel", "dkdv_kernel", "gluon_fwd_kernel"}
+SCRATCH_KERNELS: set[str] = {
+    "fwd_kernel",
+    "dq_kernel",
+    "dkdv_kernel",
+    "gluon_fwd_kernel",
+    "gluon_dkdv_kernel",
+}
 
 
 # The versions whose launch path and PTX layout these fixes were written against.

@@ -99,11 +99,13 @@ def call_options(
     if config is None:
         fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
-    if bwd_config is None:
+    gluon_bwd = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, GLUON_DKDV)
+    # The heuristic's backward, or its pick where a Gluon config was asked for and the
+    # Gluon dk/dv kernel cannot run (its ordinary twin may not fit, at head_dim 256).
+    if bwd_config is None or (bwd_config.gluon and not gluon_bwd):
         group = heads // kv_heads
-        bwd = bwd_heuristic(
-            head_dim, itemsize, side_inputs, group, soft_cap=opts.soft_cap > 0.0
-        )
+        cap = opts.soft_cap > 0.0
+        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group, soft_cap=cap, gluon=gluon_bwd)
         opts = dataclasses.replace(opts, bwd_cfg=bwd)
     return opts
 
@@ -153,6 +155,43 @@ def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashC
         and q.shape[1] > 0
         and kv_len > 0
     )
+
+
+# The Gluon dk/dv kernel's tiles (`can_run_gluon_dkdv` asks nothing else of a config).
+GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+
+
+def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
+    """Whether a backward may run the Gluon dk/dv kernel (`_gluon_backward_kernel`) with
+    ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps): what `offer_gluon`
+    asks, head_dim 64 or 128, causal or no mask (no window, soft cap, packing or segment
+    ids; sinks live in the lse), and query rows on whole steps (one descriptor spans
+    every (batch, head) of q and dO)."""
+    return (
+        cfg.gluon
+        and cfg.block_q == 128
+        and cfg.block_k == 64
+        and offer_gluon(
+            itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
+        )
+        and q.shape[3] in (64, 128)
+        and opts.soft_cap == 0.0
+        and opts.window is None
+        and not (opts.varlen or opts.has_seg)
+        and q.shape[1] > 0
+        and q.shape[1] % cfg.block_k == 0
+        and kv_len > 0
+    )
+
+
+def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
+    """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`."""
+    batch, q_len, heads, head_dim = q.shape
+    return dict(
+        B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
+        SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), CAUSAL=opts.causal,
+        BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages,
+    )  # fmt: skip
 
 
 def runnable_config(

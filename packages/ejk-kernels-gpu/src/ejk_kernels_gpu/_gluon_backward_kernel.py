@@ -1,0 +1,205 @@
+"""The Hopper dk/dv kernel written in Gluon (the backward's key-resident loop).
+
+One program owns ``BN`` = 128 keys of one (batch, kv head) and visits every query block
+that can see them, for each query head of the group (FlashAttention-2's dk/dv loop,
+Alg. 2, on Hopper's warpgroup matrix instructions):
+
+- a producer warp copies the program's k and v once, then q and dO of each visited
+  query block into a ring of ``STAGES`` slots by TMA (``ready``: the copy landed;
+  ``empty``: both consumers are done with the slot);
+- two consumer warpgroups own 64 keys each. Per query block they issue ``Sᵀ = k·qᵀ``
+  and ``dPᵀ = v·dOᵀ`` together, rebuild ``Pᵀ`` from the saved lse while the second runs,
+  issue ``dV += Pᵀ·dO``, form ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` while that runs, then issue
+  ``dK += dSᵀ·q``. ``Pᵀ`` and ``dSᵀ`` stay in registers as the matmuls' first operand.
+
+dq comes from the ordinary dq kernel (`_backward_launch`). Calls it takes
+(`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
+dropout, soft cap, window, packing or segment ids (causal and sinks are fine: the sinks
+live in the lse), and query rows on whole 64-row tiles (q and dO are read through one
+descriptor over every (batch, head)). Keys past the end are zero-filled on load and
+clipped on store.
+"""
+
+from typing import NamedTuple
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ._gluon_common import barriers, ring_slot
+
+_LOG2E = gl.constexpr(1.4426950408889634)
+
+
+class DkdvOptions(NamedTuple):
+    """The compile-time options of one launch (built in the kernel, passed as a constexpr)."""
+
+    T: int  # query rows
+    S: int  # key rows
+    N: int  # query heads
+    G: int  # query heads per kv head
+    H: int  # head_dim
+    BM: int  # query rows per step
+    BN: int  # keys per program (two consumers of BN / 2)
+    STAGES: int  # slots of the q/dO ring
+    QK: float  # scale · log2(e)
+    CAUSAL: bool
+
+
+@gluon.jit
+def _query_blocks(pid_n, F: gl.constexpr):
+    """(first, end) query block a program's keys are visible from: causal programs skip
+    the blocks wholly before their first key."""
+    n_m: gl.constexpr = F.T // F.BM
+    first = (pid_n * F.BN) // F.BM if F.CAUSAL else 0
+    return gl.minimum(first, n_m), n_m
+
+
+@gluon.jit
+def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
+    """Copy the program's k and v, then q and dO of every (head of the group, query block)."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_smem, do_smem, k_smem, v_smem = smem
+    kv_ready, ready, empty = bars
+    HALF: gl.constexpr = F.BN // 2
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        key = pid_n * F.BN + c * HALF
+        tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
+    first, end = _query_blocks(pid_n, F)
+    steps = end - first
+    for i in range(F.G * steps):
+        n = kh * F.G + i // steps
+        m = first + i % steps
+        s, phase = ring_slot(i, F.STAGES)
+        mbarrier.wait(empty.index(s), phase ^ 1)  # a slot's first use waits for nothing
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        row = b * F.T + m * F.BM
+        tma.async_copy_global_to_shared(q_desc, [row, n * F.H], ready.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [row, n * F.H], ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.constexpr):
+    """dk and dv of keys ``pid_n·BN + C·BN/2 ..`` (consumer C of two)."""
+    q_smem, do_smem, k_smem, v_smem = smem
+    kv_ready, ready, empty = bars
+    lse_ptr, delta_ptr = stats
+    dk_desc, dv_desc, scale = dest
+    HALF: gl.constexpr = F.BN // 2
+    # Sᵀ and dPᵀ: [keys, query rows]; dK and dV: [keys, head_dim].
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BM, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.H, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    k_c = k_smem.index(C)
+    v_c = v_smem.index(C)
+    dk = gl.zeros([HALF, F.H], gl.float32, o_layout)
+    dv = gl.zeros([HALF, F.H], gl.float32, o_layout)
+    zero_s = gl.zeros([HALF, F.BM], gl.float32, s_layout)
+    keys = pid_n * F.BN + C * HALF + gl.arange(0, HALF, layout=key_layout)
+    cols = gl.arange(0, F.BM, layout=col_layout)
+    first, end = _query_blocks(pid_n, F)
+    steps = end - first
+    mbarrier.wait(kv_ready, 0)
+    for i in range(F.G * steps):
+        n = kh * F.G + i // steps
+        m = first + i % steps
+        s, phase = ring_slot(i, F.STAGES)
+        mbarrier.wait(ready.index(s), phase)
+        q_s = q_smem.index(s)
+        do_s = do_smem.index(s)
+        s_tok = hopper.warpgroup_mma(k_c, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = hopper.warpgroup_mma(
+            v_c, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+        row0 = m * F.BM
+        stat = (b * F.N + n).to(gl.int64) * F.T + row0  # lse and delta of these rows
+        s_t = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+        # Rows without mass (lse -inf) have P = 0: +inf keeps exp2 at 0 instead of NaN.
+        lse = gl.load(lse_ptr + stat + cols) * _LOG2E
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+        p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
+        if F.CAUSAL:
+            p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
+        p16 = gl.convert_layout(p.to(dtype), a_layout)
+        dv_tok = hopper.warpgroup_mma(p16, do_s, dv, is_async=True)
+        dp = hopper.warpgroup_mma_wait(1, deps=[dp_tok])
+        delta = gl.load(delta_ptr + stat + cols)
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        ds16 = gl.convert_layout(ds.to(dtype), a_layout)
+        dk_tok = hopper.warpgroup_mma(ds16, q_s, dk, is_async=True)
+        dv = hopper.warpgroup_mma_wait(1, deps=[dv_tok])
+        dk = hopper.warpgroup_mma_wait(0, deps=[dk_tok])
+        mbarrier.arrive(empty.index(s), count=1)
+    # k and v are no longer read: dk and dv leave through their buffers.
+    key0 = pid_n * F.BN + C * HALF
+    k_c.store((dk * scale).to(dtype))
+    v_c.store(dv.to(dtype))
+    hopper.fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [key0, 0], k_c)
+    tma.async_copy_shared_to_global(dv_desc, [key0, 0], v_c)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gluon_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    dk_ptr, dv_ptr, scratch_ptr,
+    B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
+    H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, CAUSAL: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
+):  # fmt: skip
+    """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
+    [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
+    ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
+    F: gl.constexpr = DkdvOptions(
+        T=T, S=S, N=N, G=G, H=H, BM=BM, BN=BN, STAGES=STAGES, QK=QK, CAUSAL=CAUSAL
+    )
+    HALF: gl.constexpr = BN // 2
+    K: gl.constexpr = N // G
+    pid_n = gl.program_id(0)
+    b = gl.program_id(1) // K
+    kh = gl.program_id(1) % K
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:
+    # this program's (batch, kv head), zero-filled and clipped past S.
+    q_desc = tma.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [BM, H], layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr, [B * T, N * H], [N * H, 1], [BM, H], layout)
+    kv_base = b.to(gl.int64) * S * K * H + kh * H
+    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
+    dk_desc = tma.make_tensor_descriptor(dk_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
+    dv_desc = tma.make_tensor_descriptor(dv_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
+    kv_ready = barriers(1, 1).index(0)
+    ready = barriers(STAGES, 1)
+    empty = barriers(STAGES, 2)
+    hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
+    smem = (q_smem, do_smem, k_smem, v_smem)
+    bars = (kv_ready, ready, empty)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, SCALE), b, kh,
+                         pid_n, F, 0)),
+            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, SCALE), b, kh,
+                         pid_n, F, 1)),
+            (_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, kh, pid_n, F)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+    # fmt: on

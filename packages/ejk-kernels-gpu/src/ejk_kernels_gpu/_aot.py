@@ -33,6 +33,7 @@ from ._config import (
     fits_shared_memory,
     fwd_heuristic,
     fwd_search_space,
+    ordinary_config,
 )
 from ._jax_triton_fix import (
     SCRATCH_PER_PROGRAM,
@@ -280,9 +281,20 @@ def main(argv: list[str] | None = None) -> int:
                     if ws and itemsize == 2:  # masks the Gluon dk/dv kernel takes
                         space += GLUON_BWD_CONFIGS.get(head_dim, ())
                 for name in (n for n in names if n in wanted):
-                    for cfg in space:
-                        if name == "dq_kernel" and cfg.atomic_dq:
-                            continue  # the dk/dv kernel computes dq: no dq kernel runs
+                    builds = space
+                    if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
+                        # with the Gluon dk/dv kernel the ordinary one with its tiles does
+                        twin = (
+                            ordinary_config(c, head_dim, itemsize, side, ("dq",))
+                            for c in space
+                            if c.gluon
+                        )
+                        builds = tuple(
+                            dict.fromkeys(
+                                (*(c for c in space if not c.atomic_dq and not c.gluon), *twin)
+                            )
+                        )
+                    for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)
     return 1 if failed else 0
 

@@ -331,7 +331,7 @@ CASES = [
     # (tanh.approx) and its head_dim 64 / 256 tiles.
     ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, sliding_window=(256, 0))),
     ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50), gluon=True)),
-    ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
+    ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
     ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GW, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
@@ -343,6 +343,7 @@ CASES = [
     ("gluon bwd causal h64", 2, 2048, 2048, 8, 2, 64, {"bwd": "gluon"}, dict(causal=True, gluon_bwd=2)),
     ("gluon bwd 3 slots mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, gluon_bwd=3)),
     ("gluon bwd fp16 causal T>S", 1, 1536, 1000, 8, 4, 128, GG, dict(causal=True, dtype=jnp.float16)),
+    ("gluon bwd softcap fp16 mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=20.0, dtype=jnp.float16)),
 ]  # fmt: skip
 
 

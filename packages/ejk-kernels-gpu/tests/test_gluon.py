@@ -168,7 +168,8 @@ def _emulate_gluon_dkdv(inputs, consts):
     """The Gluon dk/dv kernel's algorithm in NumPy (float32): per program (``BN`` keys of one
     (batch, kv head)), the query blocks `_query_blocks` gives it (causal: from the first
     that reaches its keys), each head of the group, P rebuilt from the saved lse (rows
-    without mass: 0), causal on indices; dk scaled at the end, keys past the end dropped.
+    without mass: 0; soft-capped logits), causal on indices; dk scaled at the end, keys
+    past the end dropped.
     A range that skips a block some key sees gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
     c = consts
@@ -192,11 +193,18 @@ def _emulate_gluon_dkdv(inputs, consts):
             rows = m * bm + np.arange(bm)
             lse2 = lse[b, n, rows] * math.log2(math.e)
             lse2 = np.where(lse2 == -np.inf, np.inf, lse2)
-            p = np.exp2(k_blk @ q[b, rows, n].T * c["QK"] - lse2[None, :])
+            s = k_blk @ q[b, rows, n].T
+            slope = 1.0
+            if c["SOFT_CAP"] > 0:  # capped logits; dS takes their slope 1 - tanh²
+                t = np.tanh(s * c["CAP_IN"])
+                p = np.exp2(t * c["CAP_OUT"] - lse2[None, :])
+                slope = 1.0 - t * t
+            else:
+                p = np.exp2(s * c["QK"] - lse2[None, :])
             if c["CAUSAL"]:
                 p = np.where(keys[:, None] <= rows[None, :], p, 0.0)
             dv_blk += p @ d_out[b, rows, n]
-            ds = p * (v_blk @ d_out[b, rows, n].T - delta[b, n, rows][None, :])
+            ds = p * slope * (v_blk @ d_out[b, rows, n].T - delta[b, n, rows][None, :])
             dk_blk += ds @ q[b, rows, n]
         dk[b, keys[valid], kh] = dk_blk[valid] * c["SCALE"]
         dv[b, keys[valid], kh] = dv_blk[valid]
@@ -473,11 +481,12 @@ def _loss_grads(attn, q, k, v, **kwargs):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launches, rng, edge):
-    """By default on Hopper at head_dim 128, 16-bit, query rows on whole 64-row steps: its
-    grid (128-key blocks by batch and kv head), constexprs and outputs; the gradients of a
-    loss on the output and the lse (so delta carries the lse's cotangent) match the
-    reference through its emulation."""
+@pytest.mark.parametrize("cap", [None, 5.0], ids=["no cap", "soft cap"])
+def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launches, rng, edge, cap):
+    """By default on Hopper at head_dim 128, 16-bit, query rows on whole 64-row steps, with
+    or without a soft cap: its grid (128-key blocks by batch and kv head), constexprs and
+    outputs; the gradients of a loss on the output and the lse (so delta carries the lse's
+    cotangent) match the reference through its emulation."""
     causal, q_len, kv_len, kv_heads, sinks = edge
     heads = 4
     q = jnp.asarray(rng.standard_normal((2, q_len, heads, 128)), jnp.bfloat16)
@@ -485,7 +494,9 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, 128)), jnp.bfloat16) for _ in range(2)
     )
     s = jnp.asarray(rng.standard_normal(heads), jnp.float32) if sinks else None
-    grads = _loss_grads(flash_attention, q, k, v, causal=causal, softmax_sinks=s)
+    grads = _loss_grads(
+        flash_attention, q, k, v, causal=causal, softmax_sinks=s, logits_soft_cap=cap
+    )
     if q_len % 64:  # rows off the 64-row steps: the ordinary kernels
         assert gluon_launches.dkdv == []
     else:
@@ -496,11 +507,17 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         )  # fmt: skip
         assert consts["SCALE"] == pytest.approx(128**-0.5)
         assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
+        assert consts["SOFT_CAP"] == (cap or 0.0)
+        if cap:
+            assert consts["CAP_IN"] == pytest.approx(128**-0.5 / cap)
+            assert consts["CAP_OUT"] == pytest.approx(cap * math.log2(math.e))
         assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
         assert outs[2][0][0] >= _jax_triton_fix.scratch_bytes(grid)
         assert kw["num_warps"] == 4
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref = _loss_grads(reference_attention, *f32, causal=causal, softmax_sinks=s)
+    ref = _loss_grads(
+        reference_attention, *f32, causal=causal, softmax_sinks=s, logits_soft_cap=cap
+    )
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
         assert err < 2e-2, name
@@ -510,15 +527,14 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
     "kwargs",
     [
         dict(causal=True, sliding_window=(50, 0)),
-        dict(logits_soft_cap=5.0),
         dict(causal=True, segments=True),
         dict(dtype=jnp.float32),
         dict(head_dim=256),
     ],
-    ids=["window", "soft cap", "segment ids", "float32", "head_dim 256"],
+    ids=["window", "segment ids", "float32", "head_dim 256"],
 )
 def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
-    """The Gluon dk/dv kernel has no window, soft cap, segment ids, float32 or head_dim 256:
+    """The Gluon dk/dv kernel has no window, segment ids, float32 or head_dim 256:
     such calls (even with its config asked for) run the ordinary kernels, correctly."""
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", jnp.bfloat16)

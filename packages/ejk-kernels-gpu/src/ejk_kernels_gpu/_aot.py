@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     space = (cfg, twin) if fits else (cfg,)
                     if ws and itemsize == 2:  # explicit-config builds (see WS_BWD_CONFIGS)
                         space += WS_BWD_CONFIGS.get(head_dim, ())
-                    if ws and itemsize == 2:  # masks the Gluon dk/dv kernel takes
+                    if (ws or variant == "softcap") and itemsize == 2:  # what Gluon dk/dv takes
                         space += GLUON_BWD_CONFIGS.get(head_dim, ())
                 for name in (n for n in names if n in wanted):
                     builds = space

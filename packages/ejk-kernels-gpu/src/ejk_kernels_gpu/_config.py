@@ -68,8 +68,8 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the ordinary dq kernel
             (`ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
-            positive scale, causal or no mask, no soft cap or dropout, and query rows on
-            whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
+            positive scale, causal or no mask, a soft cap or none, no dropout, and query
+            rows on whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
             ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
             forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
@@ -376,8 +376,9 @@ def bwd_heuristic(
     measured faster (H100, docs/performance.md step 5): MHA, 16-bit, head_dim 65-128
     (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
-    ``soft_cap``: each kernel that recomputes p pays a tanh per score besides the exp, so
-    computing p once (atomic dq) wins with groups too: 128x32 tiles, 8 warps, 3 stages
+    ``soft_cap``: where the Gluon dk/dv kernel cannot run, each kernel that recomputes p
+    pays a tanh per score besides the exp, so computing p once (atomic dq) wins with
+    groups too: 128x32 tiles, 8 warps, 3 stages
     measured 289 against 261 TFLOP/s for the group default (H100, B4 T4096 N32 K8,
     forward+backward; `docs/gpu-runs/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
     256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).

@@ -14,8 +14,8 @@ Alg. 2, on Hopper's warpgroup matrix instructions):
 
 dq comes from the ordinary dq kernel (`_backward_launch`). Calls it takes
 (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
-dropout, soft cap, window, packing or segment ids (causal and sinks are fine: the sinks
-live in the lse), and query rows on whole 64-row tiles (q and dO are read through one
+dropout, window, packing or segment ids (causal, soft cap and sinks are fine: the sinks
+live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole 64-row tiles (q and dO are read through one
 descriptor over every (batch, head)). Keys past the end are zero-filled on load and
 clipped on store.
 """
@@ -27,7 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, ring_slot
+from ._gluon_common import barriers, ring_slot, tanh
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -44,6 +44,9 @@ class DkdvOptions(NamedTuple):
     BN: int  # keys per program (two consumers of BN / 2)
     STAGES: int  # slots of the q/dO ring
     QK: float  # scale · log2(e)
+    SOFT_CAP: float  # 0.0: none
+    CAP_IN: float  # scale / soft cap: tanh's argument per q·kᵀ
+    CAP_OUT: float  # soft cap · log2(e): capped logits in log2 units
     CAUSAL: bool
 
 
@@ -127,10 +130,16 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
         # Rows without mass (lse -inf) have P = 0: +inf keeps exp2 at 0 instead of NaN.
         lse = gl.load(lse_ptr + stat + cols) * _LOG2E
         lse = gl.where(lse == float("-inf"), float("inf"), lse)
-        p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
+        if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap)
+            t = tanh(s_t * F.CAP_IN)
+            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 0))
+        else:
+            p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
         if F.CAUSAL:
             p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
         p16 = gl.convert_layout(p.to(dtype), a_layout)
+        if F.SOFT_CAP > 0.0:  # dS takes the logits' slope 1 - tanh²: folded in now, so
+            p = p * (1.0 - t * t)  # that t is not held across the matmuls
         dv_tok = hopper.warpgroup_mma(p16, do_s, dv, is_async=True)
         dp = hopper.warpgroup_mma_wait(1, deps=[dp_tok])
         delta = gl.load(delta_ptr + stat + cols)
@@ -155,14 +164,29 @@ def gluon_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
     dk_ptr, dv_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
-    H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, CAUSAL: gl.constexpr,
+    H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
+    CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
+    with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
+    as the forward's);
     ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
     F: gl.constexpr = DkdvOptions(
-        T=T, S=S, N=N, G=G, H=H, BM=BM, BN=BN, STAGES=STAGES, QK=QK, CAUSAL=CAUSAL
+        T=T,
+        S=S,
+        N=N,
+        G=G,
+        H=H,
+        BM=BM,
+        BN=BN,
+        STAGES=STAGES,
+        QK=QK,
+        SOFT_CAP=SOFT_CAP,
+        CAP_IN=CAP_IN,
+        CAP_OUT=CAP_OUT,
+        CAUSAL=CAUSAL,
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G

@@ -46,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, ring_slot
+from ._gluon_common import barriers, ring_slot, tanh
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -197,14 +197,6 @@ def _producer(descs, smem, bars, ranges_ptr, first_blocks, total, n_m, F: gl.con
 
 
 @gluon.jit
-def _tanh(x):
-    """tanh by the MUFU instruction (relative error about 2^-11; FlashAttention-3's soft cap)."""
-    return gl.inline_asm_elementwise(
-        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
-    )
-
-
-@gluon.jit
 def _row_info(rows, b, row_tabs, F: gl.constexpr):
     """What the masks read per query row, loaded once: (sequence id, position, segment id)
     (``rows`` themselves where the call has no such table)."""
@@ -264,7 +256,7 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     x = s
     LOG2: gl.constexpr = F.CAP_OUT if F.SOFT_CAP > 0.0 else F.QK
     if F.SOFT_CAP > 0.0:
-        x = _tanh(s * F.CAP_IN)
+        x = tanh(s * F.CAP_IN)
     if MASK:
         x = _visible(x, j, row_info, b, key_tabs, F)
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)

@@ -114,16 +114,25 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
 
 
-def test_the_gluon_dkdv_kernel_builds_for_hopper():
-    """The Gluon dk/dv kernel (both ring depths), unmasked and causal, head_dim 64 and 128,
-    bf16 and fp16: three warpgroups, within shared memory and scratch, spills at most the
-    few prologue/epilogue bytes `_aot.GLUON_SPILL_BYTES` allows."""
+def test_the_gluon_backward_kernels_build_for_hopper():
+    """The Gluon dk/dv kernel (both ring depths) and the Gluon dq kernel, unmasked and
+    causal, head_dim 64 and 128, bf16 and fp16: three warpgroups, within shared memory and
+    scratch; the dq kernel spills nothing, the dk/dv kernel at most the few prologue and
+    epilogue bytes `_aot.GLUON_SPILL_BYTES` allows."""
     rows = []
     for dtype in ("bfloat16", "float16"):
         rows += _compile(
             "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
-            "--kernels", "dkdv_kernel", "--dtype", dtype,
+            "--kernels", "dq_kernel,dkdv_kernel", "--dtype", dtype,
         )  # fmt: skip
+    gluon_dq = [r for r in rows if r["kernel"] == "gluon_dq_kernel"]
+    assert {(r["variant"], r["head_dim"], r["dtype"]) for r in gluon_dq} == {
+        (variant, head_dim, dtype)
+        for variant in ("plain", "causal")
+        for head_dim in (64, 128)
+        for dtype in ("bfloat16", "float16")
+    }
+    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
     gluon = [r for r in rows if r["kernel"] == "gluon_dkdv_kernel"]
     assert {
         (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"]) for r in gluon

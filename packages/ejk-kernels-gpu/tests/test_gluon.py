@@ -211,21 +211,71 @@ def _emulate_gluon_dkdv(inputs, consts):
     return dk, dv
 
 
+def _emulate_gluon_dq(inputs, consts):
+    """The Gluon dq kernel's algorithm in NumPy (float32): per program (``BM`` query rows of
+    one (batch, head)), the key blocks it visits (causal: up to its last row's key), P from
+    the saved lse (soft-capped logits, their slope in dS), causal on indices and keys past
+    the end masked; dq scaled at the end."""
+    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
+    c = consts
+    batch, q_len, heads, _ = q.shape
+    kv_len = k.shape[1]
+    bm, bn = c["BM"], c["BN"]
+    dq = np.zeros(q.shape, np.float32)
+    for b, n, pid_m in itertools.product(range(batch), range(heads), range(-(-q_len // bm))):
+        rows = pid_m * bm + np.arange(bm)
+        valid = rows < q_len
+        rr = np.minimum(rows, q_len - 1)
+        q_blk = np.where(valid[:, None], q[b, rr, n], 0.0)
+        do_blk = np.where(valid[:, None], d_out[b, rr, n], 0.0)
+        lse2 = np.where(valid, lse[b, n, rr], np.inf) * math.log2(math.e)
+        lse2 = np.where(lse2 == -np.inf, np.inf, lse2)
+        dlt = np.where(valid, delta[b, n, rr], 0.0)
+        end = -(-min((pid_m + 1) * bm, kv_len) // bn) if c["CAUSAL"] else -(-kv_len // bn)
+        acc = np.zeros_like(q_blk)
+        for j in range(end):
+            keys = j * bn + np.arange(bn)
+            kk = np.minimum(keys, kv_len - 1)
+            k_blk = np.where((keys < kv_len)[:, None], k[b, kk, n // c["G"]], 0.0)
+            v_blk = np.where((keys < kv_len)[:, None], v[b, kk, n // c["G"]], 0.0)
+            s = q_blk @ k_blk.T
+            slope = 1.0
+            if c["SOFT_CAP"] > 0:
+                t = np.tanh(s * c["CAP_IN"])
+                p = np.exp2(t * c["CAP_OUT"] - lse2[:, None])
+                slope = 1.0 - t * t
+            else:
+                p = np.exp2(s * c["QK"] - lse2[:, None])
+            if c["CAUSAL"]:
+                p = np.where(keys[None, :] <= rows[:, None], p, 0.0)
+            p = np.where((keys < kv_len)[None, :], p, 0.0)
+            acc += (p * slope * (do_blk @ v_blk.T - dlt[:, None])) @ k_blk
+        dq[b, rows[valid], n] = acc[valid] * c["SCALE"]
+    return dq
+
+
 class _Launches(list):
-    """Forward launches seen (the list) and the Gluon dk/dv kernel's (``dkdv``)."""
+    """Forward launches seen (the list) and the Gluon dk/dv and dq kernels' (``dkdv``, ``dq``)."""
 
     dkdv: list
+    dq: list
 
 
 @pytest.fixture(name="gluon_launches")
 def gluon_launches_fixture(on_hopper):
     """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernels'
-    (forward, dk/dv) with their NumPy emulations (`_emulate_gluon`, `_emulate_gluon_dkdv`)
-    and an empty scratch buffer."""
+    (forward, dk/dv, dq) with their NumPy emulations (`_emulate_gluon`,
+    `_emulate_gluon_dkdv`, `_emulate_gluon_dq`) and an empty scratch buffer."""
     seen = _Launches()
     seen.dkdv = []
+    seen.dq = []
 
     def record(name, grid, inputs, outs, consts, kwargs):
+        if name == "gluon_dq_kernel":
+            seen.dq.append((grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
+            q = inputs[0]
+            scratch = jnp.zeros(outs[1].shape, outs[1].dtype)
+            return jnp.asarray(_emulate_gluon_dq(inputs, consts), q.dtype), scratch
         if name == "gluon_dkdv_kernel":
             seen.dkdv.append((grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
             dk, dv = _emulate_gluon_dkdv(inputs, consts)
@@ -498,8 +548,12 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         flash_attention, q, k, v, causal=causal, softmax_sinks=s, logits_soft_cap=cap
     )
     if q_len % 64:  # rows off the 64-row steps: the ordinary kernels
-        assert gluon_launches.dkdv == []
+        assert gluon_launches.dkdv == gluon_launches.dq == []
     else:
+        [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq  # and the Gluon dq kernel
+        assert dq_grid == (-(-q_len // 128), 2 * heads)
+        assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 2)
+        assert dq_outs[0] == (q.shape, q.dtype)
         [(grid, consts, outs, kw)] = gluon_launches.dkdv
         assert grid == (-(-kv_len // 128), 2 * kv_heads)
         assert {n: consts[n] for n in ("B", "T", "S", "N", "G", "H", "CAUSAL", "BM", "BN", "STAGES")} == dict(
@@ -543,7 +597,7 @@ def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
     if kwargs.pop("segments", False):
         kwargs["segment_ids"] = jnp.asarray(np.repeat([[0, 1]], 64, axis=1), jnp.int32)
     grads = _loss_grads(flash_attention, q, k, v, bwd_config=GLUON_DKDV, **kwargs)
-    assert gluon_launches.dkdv == []
+    assert gluon_launches.dkdv == gluon_launches.dq == []
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     tol = 1e-4 if dtype == jnp.float32 else 2e-2

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import msgspec
 
+from ._backward_launch import GLUON_DQ
 from ._config import (
     GLUON_BWD_CONFIGS,
     SHARED_MEMORY_LIMIT,
@@ -104,6 +105,10 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None
     if cfg.gluon and kernel == "dkdv_kernel":  # the Gluon dk/dv kernel (its own arguments)
         return dict(gluon_dkdv_constexprs(opts, q, k, cfg), INTERPRET=False)
+    if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it (`GLUON_DQ`)
+        block_k, stages = GLUON_DQ or (64, 2)
+        consts = gluon_dkdv_constexprs(opts, q, k, cfg)
+        return dict(consts, BM=128, BN=block_k, STAGES=stages, INTERPRET=False)
     if cfg.gluon:  # the Gluon forward (its own arguments)
         return dict(gluon_constexprs(opts, q, k, sinks, cfg), INTERPRET=False)
     consts = kernel_constexprs(opts, q, k, b, sinks)
@@ -145,12 +150,15 @@ def compile_kernel(
         kernel = "gluon_fwd_kernel"
     if kernel == "dkdv_kernel" and cfg.gluon:
         kernel = "gluon_dkdv_kernel"
+    if kernel == "dq_kernel" and cfg.gluon:
+        kernel = "gluon_dq_kernel"
     by_name = {
         "fwd_kernel": module.fwd_kernel,
         "gluon_fwd_kernel": module.gluon_fwd_kernel,
         "dq_kernel": module.dq_kernel,
         "dkdv_kernel": module.dkdv_kernel,
         "gluon_dkdv_kernel": module.gluon_dkdv_kernel,
+        "gluon_dq_kernel": module.gluon_dq_kernel,
     }
     fn = by_name[kernel]
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -283,16 +291,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (n for n in names if n in wanted):
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
-                        # with the Gluon dk/dv kernel the ordinary one with its tiles does
+                        # a Gluon config builds the Gluon dq kernel (`GLUON_DQ`), its twin
+                        # the ordinary one that can run beside the Gluon dk/dv kernel instead
                         twin = (
                             ordinary_config(c, head_dim, itemsize, side, ("dq",))
                             for c in space
                             if c.gluon
                         )
                         builds = tuple(
-                            dict.fromkeys(
-                                (*(c for c in space if not c.atomic_dq and not c.gluon), *twin)
-                            )
+                            dict.fromkeys((*(c for c in space if not c.atomic_dq), *twin))
                         )
                     for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)

@@ -1,4 +1,5 @@
-"""The backward pass: launches the dq and dk/dv kernels and reduces bias and sink gradients."""
+"""The backward pass: launches the dq and dk/dv kernels (ordinary, or Gluon's on Hopper) and
+reduces bias and sink gradients."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from ._options import (
 from ._triton import hopper_gpu, kernels, launch
 
 __all__ = ["backward"]
+
+# The Gluon dq kernel beside the Gluon dk/dv kernel: (keys a step, ring slots), or None for
+# the ordinary dq kernel. H100, forward+backward: soft cap 277 -> 355 TFLOP/s (its tanh
+# per score overlaps the matmuls), without a cap +1-2 %; 64 and 128 keys a step level
+# (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json).
+GLUON_DQ: tuple[int, int] | None = (64, 2)
 
 
 def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
@@ -74,6 +81,25 @@ def _gluon_dkdv(opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig) -> t
     return dk, dv
 
 
+def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, block_k: int, stages: int) -> Array:
+    """dq from the Gluon dq kernel (128 query rows a program, ``block_k`` keys a step)."""
+    batch, q_len, heads = q.shape[:3]
+    grid = (-(-q_len // 128), batch * heads)
+    dq, _ = launch(
+        kernels().gluon_dq_kernel,
+        grid,
+        (q, k, v, d_out, *stats),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        ),
+        dict(gluon_dkdv_constexprs(opts, q, k, opts.bwd_cfg), BM=128, BN=block_k, STAGES=stages),
+        num_warps=4,
+        num_stages=stages,
+    )
+    return dq
+
+
 def backward(
     opts: CallOptions, q, k, v, bias, sinks, tables: Tables, out, rows, d_out, d_lse=None
 ) -> tuple[Array | None, ...]:
@@ -126,7 +152,9 @@ def backward(
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
                                         dkdv_consts, ws)  # fmt: skip
-    if cfg.atomic_dq:
+    if gluon and GLUON_DQ is not None:
+        dq = _gluon_dq(opts, q, k, v, d_out, stats, *GLUON_DQ)
+    elif cfg.atomic_dq:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)

@@ -1,4 +1,4 @@
-"""The Hopper dk/dv kernel written in Gluon (the backward's key-resident loop).
+"""The Hopper backward written in Gluon: the dk/dv kernel (key-resident) and the dq kernel.
 
 One program owns ``BN`` = 128 keys of one (batch, kv head) and visits every query block
 that can see them, for each query head of the group (FlashAttention-2's dk/dv loop,
@@ -12,7 +12,9 @@ Alg. 2, on Hopper's warpgroup matrix instructions):
   issue ``dV += Pᵀ·dO``, form ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` while that runs, then issue
   ``dK += dSᵀ·q``. ``Pᵀ`` and ``dSᵀ`` stay in registers as the matmuls' first operand.
 
-dq comes from the ordinary dq kernel (`_backward_launch`). Calls it takes
+dq comes from `gluon_dq_kernel` below (the forward's schedule: 128 query rows a program,
+two consumer warpgroups, k and v streamed), or the ordinary dq kernel
+(`_backward_launch.GLUON_DQ`). Calls they take
 (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
 dropout, window, packing or segment ids (causal, soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole 64-row tiles (q and dO are read through one
@@ -222,6 +224,169 @@ def gluon_dkdv_kernel(
             (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, SCALE), b, kh,
                          pid_n, F, 1)),
             (_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, kh, pid_n, F)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+    # fmt: on
+
+
+class DqOptions(NamedTuple):
+    """The compile-time options of one dq launch (built in the kernel, passed as a constexpr)."""
+
+    T: int  # query rows
+    S: int  # key rows
+    BN: int  # keys per step
+    STAGES: int  # slots of the k/v ring
+    QK: float  # scale · log2(e)
+    SOFT_CAP: float  # 0.0: none
+    CAP_IN: float  # scale / soft cap
+    CAP_OUT: float  # soft cap · log2(e)
+    CAUSAL: bool
+
+
+@gluon.jit
+def _dq_key_blocks(pid_m, BM: gl.constexpr, F: gl.constexpr):
+    """Key blocks a program of query rows ``pid_m·BM ..`` visits: causal ones stop at the
+    block of its last row's key."""
+    if F.CAUSAL:
+        return gl.cdiv(gl.minimum((pid_m + 1) * BM, F.S), F.BN)
+    return gl.cdiv(F.S, F.BN)
+
+
+@gluon.jit
+def _dq_producer(descs, smem, bars, pid_m, BM: gl.constexpr, F: gl.constexpr):
+    """Copy the program's q and dO (one half per consumer), then k and v of each key block."""
+    q_desc, do_desc, k_desc, v_desc = descs
+    q_smem, do_smem, k_smem, v_smem = smem
+    row_ready, ready, empty = bars
+    HALF: gl.constexpr = BM // 2
+    for c in gl.static_range(2):
+        mbarrier.expect(row_ready.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        row = pid_m * BM + c * HALF
+        tma.async_copy_global_to_shared(q_desc, [row, 0], row_ready.index(c), q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], row_ready.index(c), do_smem.index(c))
+    for j in range(_dq_key_blocks(pid_m, BM, F)):
+        s, phase = ring_slot(j, F.STAGES)
+        mbarrier.wait(empty.index(s), phase ^ 1)  # a slot's first use waits for nothing
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * F.BN, 0], ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [j * F.BN, 0], ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constexpr,
+                 C: gl.constexpr):  # fmt: skip
+    """dq of rows ``pid_m·BM + C·BM/2 ..`` (consumer C of two)."""
+    q_smem, do_smem, k_smem, v_smem = smem
+    row_ready, ready, empty = bars
+    lse_ptr, delta_ptr = stats
+    dq_desc, scale = dest
+    HALF: gl.constexpr = BM // 2
+    H: gl.constexpr = q_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BN, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_c = q_smem.index(C)
+    do_c = do_smem.index(C)
+    row0 = pid_m * BM + C * HALF
+    rows = row0 + gl.arange(0, HALF, layout=row_layout)
+    ok = rows < F.T
+    # Rows past the end or without mass have P = 0: +inf keeps exp2 at 0.
+    lse = gl.load(lse_ptr + rows, mask=ok, other=float("inf")) * _LOG2E
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    delta = gl.load(delta_ptr + rows, mask=ok, other=0.0)
+    dq = gl.zeros([HALF, H], gl.float32, o_layout)
+    zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
+    mbarrier.wait(row_ready.index(C), 0)
+    for j in range(_dq_key_blocks(pid_m, BM, F)):
+        s, phase = ring_slot(j, F.STAGES)
+        mbarrier.wait(ready.index(s), phase)
+        k_s = k_smem.index(s)
+        s_tok = hopper.warpgroup_mma(q_c, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = hopper.warpgroup_mma(
+            do_c, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+        )
+        s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+        if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap); dS takes their slope 1 - tanh²
+            t = tanh(s_ij * F.CAP_IN)
+            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
+        else:
+            p = gl.exp2(s_ij * F.QK - gl.expand_dims(lse, 1))
+        keys = j * F.BN + gl.arange(0, F.BN, layout=key_layout)
+        if F.CAUSAL:
+            p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+        if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
+            p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
+        dp = hopper.warpgroup_mma_wait(0, deps=[dp_tok])
+        ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+        dq_tok = hopper.warpgroup_mma(ds16, k_s, dq, is_async=True)
+        dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(empty.index(s), count=1)
+    q_c.store((dq * scale).to(dtype))  # q's buffer is free now: dq leaves through it
+    hopper.fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_c)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def gluon_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    dq_ptr, scratch_ptr,
+    B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
+    H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
+    CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
+):  # fmt: skip
+    """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T];
+    grid (query blocks of BM, B·N), causal programs heaviest first. Two consumer
+    warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
+    STAGES slots (the forward's schedule, `_gluon_forward_kernel`, without its pipelining
+    across steps); rows and keys past the ends are zero-filled on load, clipped on store."""
+    F: gl.constexpr = DqOptions(
+        T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN,
+        CAP_OUT=CAP_OUT, CAUSAL=CAUSAL,
+    )  # fmt: skip
+    HALF: gl.constexpr = BM // 2
+    K: gl.constexpr = N // G
+    n_m: gl.constexpr = (T + BM - 1) // BM
+    pid_m = n_m - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    bn = gl.program_id(1)
+    b = (bn // N).to(gl.int64)
+    n = bn % N
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_base = b * T * N * H + n * H
+    kv_base = b * S * K * H + (n // G) * H
+    q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
+    dq_desc = tma.make_tensor_descriptor(dq_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, H], layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, H], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], layout)
+    row_ready = barriers(2, 1)
+    ready = barriers(STAGES, 1)
+    empty = barriers(STAGES, 2)
+    hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
+    smem = (q_smem, do_smem, k_smem, v_smem)
+    bars = (row_ready, ready, empty)
+    stats = (lse_ptr + bn.to(gl.int64) * T, delta_ptr + bn.to(gl.int64) * T)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (smem, bars, stats, (dq_desc, SCALE), pid_m, BM, F, 0)),
+            (_dq_consumer, (smem, bars, stats, (dq_desc, SCALE), pid_m, BM, F, 1)),
+            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, pid_m, BM, F)),
         ],
         [4, 1],
         [240, 24],

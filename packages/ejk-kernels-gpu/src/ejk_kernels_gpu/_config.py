@@ -66,8 +66,9 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             and balance it runs persistent, one program per SM (`_options.gluon_persistent`).
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
-            step, ``num_stages`` slots of the q/dO ring) and the ordinary dq kernel
-            (`ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
+            step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in
+            Gluon (`_backward_launch.GLUON_DQ`; or the ordinary one, `ordinary_config`).
+            Taken by calls with 16-bit inputs, head_dim 64 or 128, a
             positive scale, causal or no mask, a soft cap or none, no dropout, and query
             rows on whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
             ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:

@@ -519,6 +519,10 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
     assert not bwd_heuristic(64, 2, False, 1, gluon=True).gluon  # slower at 64: tuning only
     assert GLUON_DKDV in bwd_search_space(64, 2, False, gluon=True)
     assert GLUON_DKDV in bwd_search_space(128, 2, True, gluon=True)
+    # With a soft cap only two slots (three spill in the loop, test_aot.py).
+    assert [c for c in bwd_search_space(128, 2, False, gluon=True, soft_cap=True) if c.gluon] == [
+        GLUON_DKDV
+    ]
     assert not any(c.gluon for c in bwd_search_space(128, 2, False))
     assert not any(c.gluon for c in bwd_search_space(256, 2, False, gluon=True))
 

@@ -287,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     if ws and itemsize == 2:  # explicit-config builds (see WS_BWD_CONFIGS)
                         space += WS_BWD_CONFIGS.get(head_dim, ())
                     if (ws or variant == "softcap") and itemsize == 2:  # what Gluon dk/dv takes
-                        space += GLUON_BWD_CONFIGS.get(head_dim, ())
+                        # (with a soft cap two slots only: three spill in the loop)
+                        gluon_bwd = GLUON_BWD_CONFIGS.get(head_dim, ())
+                        space += gluon_bwd[:1] if variant == "softcap" else gluon_bwd
                 for name in (n for n in names if n in wanted):
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;

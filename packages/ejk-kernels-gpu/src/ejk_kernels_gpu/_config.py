@@ -309,18 +309,23 @@ def fwd_search_space(
 
 
 def bwd_search_space(
-    head_dim: int, itemsize: int = 2, side_inputs: bool = True, gluon: bool = False
+    head_dim: int,
+    itemsize: int = 2,
+    side_inputs: bool = True,
+    gluon: bool = False,
+    soft_cap: bool = False,
 ) -> tuple[FlashConfig, ...]:
     """Every backward config (shared by the dq and dk/dv kernels) that fits both, and
     with ``gluon`` (the call can take the Gluon dk/dv kernel, `_options.can_run_gluon_dkdv`)
-    its configs (`GLUON_BWD_CONFIGS`).
+    its configs (`GLUON_BWD_CONFIGS`; with a ``soft_cap`` the two-slot one only: with three
+    its sm_90 build spills registers inside its loop).
 
     The warp-specialised backward is left out until its dk/dv race is fixed (see
     `bwd_heuristic`).
     """
     space = _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
     if gluon and itemsize == 2:
-        space += GLUON_BWD_CONFIGS.get(head_dim, ())
+        space += GLUON_BWD_CONFIGS.get(head_dim, ())[: 1 if soft_cap else None]
     return space
 
 

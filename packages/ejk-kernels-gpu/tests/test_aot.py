@@ -35,6 +35,11 @@ def _compile(*args: str) -> list[dict]:
     return rows
 
 
+def _compile_16_bit(*args):
+    """`_compile` once with bf16 inputs and once with fp16: both rows' lists."""
+    return [row for dtype in ("bfloat16", "float16") for row in _compile(*args, "--dtype", dtype)]
+
+
 def test_heuristic_configs_compile_for_hopper_with_every_feature():
     rows = _compile("--head-dims", "64", "--variants", "all", "--space", "heuristic")
     assert {r["kernel"] for r in rows} == {"fwd_kernel", "dq_kernel", "dkdv_kernel"}
@@ -79,12 +84,10 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     """Both Gluon configs, unmasked and causal, bf16 and fp16: three warpgroups, within
     shared memory and scratch, and no register spills (ptxas), which would serialise its
     pipelined matmuls."""
-    rows = []
-    for dtype in ("bfloat16", "float16"):
-        rows += _compile(
-            "--head-dims", "128", "--variants", "plain,causal", "--space", "heuristic",
-            "--kernels", "fwd_kernel", "--dtype", dtype,
-        )  # fmt: skip
+    rows = _compile_16_bit(
+        "--head-dims", "128", "--variants", "plain,causal", "--space", "heuristic",
+        "--kernels", "fwd_kernel",
+    )  # fmt: skip
     gluon = [r for r in rows if r["config"]["gluon"]]
     assert {(r["variant"], r["dtype"], r["config"]["num_stages"]) for r in gluon} == {
         (variant, dtype, stages)
@@ -119,12 +122,10 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     causal, head_dim 64 and 128, bf16 and fp16: three warpgroups, within shared memory and
     scratch; the dq kernel spills nothing, the dk/dv kernel at most the few prologue and
     epilogue bytes `_aot.GLUON_SPILL_BYTES` allows."""
-    rows = []
-    for dtype in ("bfloat16", "float16"):
-        rows += _compile(
-            "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
-            "--kernels", "dq_kernel,dkdv_kernel", "--dtype", dtype,
-        )  # fmt: skip
+    rows = _compile_16_bit(
+        "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
+        "--kernels", "dq_kernel,dkdv_kernel",
+    )  # fmt: skip
     gluon_dq = [r for r in rows if r["kernel"] == "gluon_dq_kernel"]
     assert {(r["variant"], r["head_dim"], r["dtype"]) for r in gluon_dq} == {
         (variant, head_dim, dtype)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 
@@ -169,7 +170,8 @@ def _emulate_gluon_dkdv(inputs, consts):
     (batch, kv head)), the query blocks `_query_blocks` gives it (causal: from the first
     that reaches its keys), each head of the group, P rebuilt from the saved lse (rows
     without mass: 0; soft-capped logits), causal on indices; dk scaled at the end, keys
-    past the end dropped.
+    past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed into a
+    float32 dq (else a one-element placeholder, as the launch's).
     A range that skips a block some key sees gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
     c = consts
@@ -178,6 +180,7 @@ def _emulate_gluon_dkdv(inputs, consts):
     bm, bn = c["BM"], c["BN"]
     dk = np.zeros(k.shape, np.float32)
     dv = np.zeros(v.shape, np.float32)
+    dq = np.zeros(q.shape if c["DQ"] else (1,), np.float32)
     for b, kh, pid_n in itertools.product(range(batch), range(kv_heads), range(-(-kv_len // bn))):
         keys = pid_n * bn + np.arange(bn)
         valid = keys < kv_len
@@ -206,9 +209,11 @@ def _emulate_gluon_dkdv(inputs, consts):
             dv_blk += p @ d_out[b, rows, n]
             ds = p * slope * (v_blk @ d_out[b, rows, n].T - delta[b, n, rows][None, :])
             dk_blk += ds @ q[b, rows, n]
+            if c["DQ"]:
+                dq[b, rows, n] += ds.T @ k_blk
         dk[b, keys[valid], kh] = dk_blk[valid] * c["SCALE"]
         dv[b, keys[valid], kh] = dv_blk[valid]
-    return dk, dv
+    return dk, dv, dq
 
 
 def _emulate_gluon_dq(inputs, consts):
@@ -254,6 +259,14 @@ def _emulate_gluon_dq(inputs, consts):
     return dq
 
 
+# The Gluon kernels' NumPy stand-ins, by kernel name.
+_EMULATIONS = {
+    "gluon_fwd_kernel": _emulate_gluon,
+    "gluon_dkdv_kernel": _emulate_gluon_dkdv,
+    "gluon_dq_kernel": _emulate_gluon_dq,
+}
+
+
 class _Launches(list):
     """Forward launches seen (the list) and the Gluon dk/dv and dq kernels' (``dkdv``, ``dq``)."""
 
@@ -270,27 +283,22 @@ def gluon_launches_fixture(on_hopper):
     seen.dkdv = []
     seen.dq = []
 
+    logs = {"gluon_fwd_kernel": seen, "gluon_dkdv_kernel": seen.dkdv, "gluon_dq_kernel": seen.dq}
+
     def record(name, grid, inputs, outs, consts, kwargs):
-        if name == "gluon_dq_kernel":
-            seen.dq.append((grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
-            q = inputs[0]
-            scratch = jnp.zeros(outs[1].shape, outs[1].dtype)
-            return jnp.asarray(_emulate_gluon_dq(inputs, consts), q.dtype), scratch
-        if name == "gluon_dkdv_kernel":
-            seen.dkdv.append((grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
-            dk, dv = _emulate_gluon_dkdv(inputs, consts)
-            k = inputs[1]
-            scratch = jnp.zeros(outs[2].shape, outs[2].dtype)
-            return jnp.asarray(dk, k.dtype), jnp.asarray(dv, k.dtype), scratch
-        if name == "gluon_fwd_kernel":
-            seen.append((name, grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs))
-            out, lse = _emulate_gluon(inputs, consts)
-            q = inputs[0]
-            scratch = jnp.zeros(outs[2].shape, outs[2].dtype)
-            return jnp.asarray(out, q.dtype), jnp.asarray(lse), scratch
         if name == "fwd_kernel":
             seen.append((name, grid, dict(consts), None, kwargs))
-        return None
+        if name not in _EMULATIONS:
+            return None
+        entry = (grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs)
+        logs[name].append((name, *entry) if name == "gluon_fwd_kernel" else entry)
+        values = _EMULATIONS[name](inputs, consts)
+        *results, scratch = outs
+        values = values if isinstance(values, tuple) else (values,)
+        return (
+            *(jnp.asarray(value, out.dtype) for value, out in zip(values, results, strict=True)),
+            jnp.zeros(scratch.shape, scratch.dtype),
+        )
 
     on_hopper(record)
     return seen
@@ -569,8 +577,9 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         if cap:
             assert consts["CAP_IN"] == pytest.approx(128**-0.5 / cap)
             assert consts["CAP_OUT"] == pytest.approx(cap * math.log2(math.e))
-        assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
-        assert outs[2][0][0] >= _jax_triton_fix.scratch_bytes(grid)
+        assert consts["DQ"] is False  # dq from the Gluon dq kernel
+        assert outs[:3] == [(k.shape, k.dtype), (v.shape, v.dtype), ((1,), jnp.float32)]
+        assert outs[3][0][0] >= _jax_triton_fix.scratch_bytes(grid)
         assert kw["num_warps"] == 4
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(
@@ -579,6 +588,36 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
         assert err < 2e-2, name
+
+
+@pytest.mark.parametrize("cap", [None, 5.0], ids=["no cap", "soft cap"])
+@pytest.mark.parametrize("causal", [False, True], ids=["unmasked", "causal"])
+def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, causal, cap):
+    """With ``atomic_dq`` its Gluon config computes dq in the dk/dv kernel (``DQ``: dS·k
+    added into a float32 buffer that starts at zero, scaled after): no dq kernel runs, and
+    the gradients match the reference through its emulation. At head_dim 64 (where its two
+    consumers' halves of dq's columns would split a shared-memory swizzle row) the call
+    runs the ordinary kernels, correctly."""
+    cfg = msgspec.structs.replace(GLUON_DKDV, atomic_dq=True)
+    for head_dim in (128, 64):
+        gluon_launches.dkdv.clear()
+        q, k, v = (
+            jnp.asarray(rng.standard_normal((2, 256, 4, head_dim)), jnp.bfloat16) for _ in range(3)
+        )
+        kwargs = dict(causal=causal, logits_soft_cap=cap)
+        grads = _loss_grads(flash_attention, q, k, v, bwd_config=cfg, **kwargs)
+        assert gluon_launches.dq == []
+        if head_dim == 128:
+            [(grid, consts, outs, _)] = gluon_launches.dkdv
+            assert grid == (2, 2 * 4) and consts["DQ"] is True
+            assert outs[2] == (q.shape, jnp.float32)
+        else:
+            assert gluon_launches.dkdv == []
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref = _loss_grads(reference_attention, *f32, **kwargs)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+            err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+            assert err < 2e-2, (head_dim, name)
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import msgspec
 
-from ._backward_launch import GLUON_DQ
 from ._config import (
     GLUON_BWD_CONFIGS,
+    GLUON_DQ_CONFIG,
     SHARED_MEMORY_LIMIT,
     WS_BWD_CONFIGS,
     FlashConfig,
@@ -47,6 +47,7 @@ from ._options import (
     dq_by_tma,
     gluon_constexprs,
     gluon_dkdv_constexprs,
+    gluon_dq_constexprs,
     kernel_constexprs,
 )
 
@@ -105,10 +106,8 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None
     if cfg.gluon and kernel == "dkdv_kernel":  # the Gluon dk/dv kernel (its own arguments)
         return dict(gluon_dkdv_constexprs(opts, q, k, cfg), INTERPRET=False)
-    if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it (`GLUON_DQ`)
-        block_k, stages = GLUON_DQ or (64, 2)
-        consts = gluon_dkdv_constexprs(opts, q, k, cfg)
-        return dict(consts, BM=128, BN=block_k, STAGES=stages, INTERPRET=False)
+    if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it
+        return dict(gluon_dq_constexprs(opts, q, k, cfg), INTERPRET=False)
     if cfg.gluon:  # the Gluon forward (its own arguments)
         return dict(gluon_constexprs(opts, q, k, sinks, cfg), INTERPRET=False)
     consts = kernel_constexprs(opts, q, k, b, sinks)
@@ -293,16 +292,17 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (n for n in names if n in wanted):
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
-                        # a Gluon config builds the Gluon dq kernel (`GLUON_DQ`), its twin
-                        # the ordinary one that can run beside the Gluon dk/dv kernel instead
-                        twin = (
+                        # beside a Gluon dk/dv config runs the Gluon dq kernel
+                        # (`GLUON_DQ_CONFIG`), or the ordinary one with its tiles
+                        ordinary = tuple(c for c in space if not c.atomic_dq and not c.gluon)
+                        beside = tuple(
                             ordinary_config(c, head_dim, itemsize, side, ("dq",))
                             for c in space
                             if c.gluon
                         )
-                        builds = tuple(
-                            dict.fromkeys((*(c for c in space if not c.atomic_dq), *twin))
-                        )
+                        if beside and GLUON_DQ_CONFIG is not None:
+                            beside += (GLUON_DQ_CONFIG,)
+                        builds = tuple(dict.fromkeys((*ordinary, *beside)))
                     for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)
     return 1 if failed else 0

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, ordinary_config
+from ._config import GLUON_DQ_CONFIG, FlashConfig, ordinary_config
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
 from ._options import (
@@ -15,18 +15,13 @@ from ._options import (
     can_run_gluon_dkdv,
     dq_by_tma,
     gluon_dkdv_constexprs,
+    gluon_dq_constexprs,
     kernel_constexprs,
     runnable_config,
 )
 from ._triton import hopper_gpu, kernels, launch
 
 __all__ = ["backward"]
-
-# The Gluon dq kernel beside the Gluon dk/dv kernel: (keys a step, ring slots), or None for
-# the ordinary dq kernel. H100, forward+backward: soft cap 277 -> 355 TFLOP/s (its tanh
-# per score overlaps the matmuls), without a cap +1-2 %; 64 and 128 keys a step level
-# (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json).
-GLUON_DQ: tuple[int, int] | None = (64, 2)
 
 
 def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
@@ -61,30 +56,35 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
     return dk, dv, dlogits, dq_sum
 
 
-def _gluon_dkdv(opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig) -> tuple[Array, Array]:
-    """(dk, dv) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds)."""
+def _gluon_dkdv(
+    opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig
+) -> tuple[Array, Array, Array | None]:
+    """(dk, dv, dq sum or None) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds);
+    with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces."""
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
-    dk, dv, _ = launch(
+    dk, dv, dq_sum, _ = launch(
         kernels().gluon_dkdv_kernel,
         grid,
         (q, k, v, d_out, *stats),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
         gluon_dkdv_constexprs(opts, q, k, cfg),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        zeroed=(False, False, cfg.atomic_dq, False),
     )
-    return dk, dv
+    return dk, dv, dq_sum if cfg.atomic_dq else None
 
 
-def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, block_k: int, stages: int) -> Array:
-    """dq from the Gluon dq kernel (128 query rows a program, ``block_k`` keys a step)."""
+def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig) -> Array:
+    """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program)."""
     batch, q_len, heads = q.shape[:3]
-    grid = (-(-q_len // 128), batch * heads)
+    grid = (-(-q_len // cfg.block_q), batch * heads)
     dq, _ = launch(
         kernels().gluon_dq_kernel,
         grid,
@@ -93,9 +93,9 @@ def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, block_k: int, stages: in
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        dict(gluon_dkdv_constexprs(opts, q, k, opts.bwd_cfg), BM=128, BN=block_k, STAGES=stages),
-        num_warps=4,
-        num_stages=stages,
+        gluon_dq_constexprs(opts, q, k, cfg),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return dq
 
@@ -147,15 +147,16 @@ def backward(
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
     if gluon:
-        dk, dv = _gluon_dkdv(opts, q, k, v, d_out, stats, opts.bwd_cfg)
-        dlogits = dq_sum = None
+        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, opts.bwd_cfg)
+        dlogits = None
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
                                         dkdv_consts, ws)  # fmt: skip
-    if gluon and GLUON_DQ is not None:
-        dq = _gluon_dq(opts, q, k, v, d_out, stats, *GLUON_DQ)
-    elif cfg.atomic_dq:
+        dq_sum = dq_sum if cfg.atomic_dq else None
+    if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
+    elif gluon and GLUON_DQ_CONFIG is not None:
+        dq = _gluon_dq(opts, q, k, v, d_out, stats, GLUON_DQ_CONFIG)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)
         dq, _ = launch(

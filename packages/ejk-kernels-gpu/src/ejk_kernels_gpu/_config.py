@@ -12,6 +12,7 @@ import itertools
 import msgspec
 
 __all__ = [
+    "GLUON_DQ_CONFIG",
     "SHARED_MEMORY_LIMIT",
     "FlashConfig",
     "bwd_heuristic",
@@ -67,7 +68,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in
-            Gluon (`_backward_launch.GLUON_DQ`; or the ordinary one, `ordinary_config`).
+            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `ordinary_config`).
             Taken by calls with 16-bit inputs, head_dim 64 or 128, a
             positive scale, causal or no mask, a soft cap or none, no dropout, and query
             rows on whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
@@ -92,10 +93,10 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         for name in ("warp_specialize", "atomic_dq", "gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FlashConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.gluon and (self.warp_specialize or self.atomic_dq):
+        if self.gluon and self.warp_specialize:
             raise ValueError(
                 "FlashConfig.gluon is a build of its own: it cannot be combined with "
-                f"warp_specialize or atomic_dq, got {self!r}"
+                f"warp_specialize, got {self!r}"
             )
         if self.gluon and (
             (self.block_q, self.num_warps) != (128, 4) or self.block_k not in (64, 128)
@@ -248,6 +249,14 @@ GLUON_BWD_CONFIGS = {
     )
     for head_dim in (64, 128)
 }
+# The Gluon dq kernel that runs beside the Gluon dk/dv kernel (`_gluon_backward_kernel.
+# gluon_dq_kernel`): 128 resident query rows, 64 keys a step, two k/v ring slots; or None
+# for the ordinary dq kernel with the dk/dv config's tiles. H100, forward+backward: soft cap
+# 277 -> 355 TFLOP/s (its tanh per score overlaps the matmuls), without a cap +1-2 %; 64
+# and 128 keys a step level (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json).
+GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
+    block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True
+)
 # Where the backward heuristic takes it: at head_dim 64 forward+backward measured 0.91x the
 # ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
 _GLUON_BWD_HEURISTIC_HEAD_DIMS = (128,)

@@ -14,7 +14,7 @@ Alg. 2, on Hopper's warpgroup matrix instructions):
 
 dq comes from `gluon_dq_kernel` below (the forward's schedule: 128 query rows a program,
 two consumer warpgroups, k and v streamed), or the ordinary dq kernel
-(`_backward_launch.GLUON_DQ`). Calls they take
+(`_config.GLUON_DQ_CONFIG`). Calls they take
 (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
 dropout, window, packing or segment ids (causal, soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole 64-row tiles (q and dO are read through one
@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, ring_slot, tanh
+from ._gluon_common import barriers, operand_layout, reduce_add, ring_slot, tanh, wgmma_layout
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -50,6 +50,7 @@ class DkdvOptions(NamedTuple):
     CAP_IN: float  # scale / soft cap: tanh's argument per q·kᵀ
     CAP_OUT: float  # soft cap · log2(e): capped logits in log2 units
     CAUSAL: bool
+    DQ: bool  # dq too, added into a float32 buffer by TMA reduce (head_dim 128)
 
 
 @gluon.jit
@@ -65,8 +66,8 @@ def _query_blocks(pid_n, F: gl.constexpr):
 def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
     """Copy the program's k and v, then q and dO of every (head of the group, query block)."""
     q_desc, do_desc, k_desc, v_desc = descs
-    q_smem, do_smem, k_smem, v_smem = smem
-    kv_ready, ready, empty = bars
+    q_smem, do_smem, k_smem, v_smem = smem[:4]
+    kv_ready, ready, empty = bars[:3]
     HALF: gl.constexpr = F.BN // 2
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
@@ -87,21 +88,62 @@ def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
 
 
 @gluon.jit
+def _add_dq(ds, i, smem, ds_ready, F: gl.constexpr, C: gl.constexpr):
+    """Issue this step's ``dQ = dS·k`` for its ``BM`` query rows over the program's 128 keys,
+    columns ``C·H/2 ..`` (``DQ``); returns the matmul's token ([BM, H/2] float32).
+
+    Each consumer puts its ``dSᵀ`` (``ds``: [its 64 keys, BM rows]) into shared memory
+    (buffer pair by step parity) and signals ``ds_ready``; once both halves are in, it
+    multiplies ``dS`` by its half of k's columns. A buffer pair is written again two steps
+    later, after the other consumer has signalled the step between, so after its matmuls
+    on it ended (each consumer waits for its matmuls before its next step).
+    """
+    k_smem, ds_smem = smem
+    HQ: gl.constexpr = F.H // 2
+    pair = (i % 2) * 2
+    ds_smem.index(pair + C).store(ds)
+    hopper.fence_async_shared()  # before the other warpgroup's matmul reads it
+    gl.thread_barrier()
+    mbarrier.arrive(ds_ready.index(i % 2), count=1)
+    mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
+    zero = gl.zeros([F.BM, HQ], gl.float32, wgmma_layout(HQ))
+    tok = hopper.warpgroup_mma(
+        ds_smem.index(pair).permute((1, 0)), k_smem.index(0).slice(C * HQ, HQ, dim=1), zero,
+        use_acc=False, is_async=True,
+    )  # fmt: skip
+    return hopper.warpgroup_mma(
+        ds_smem.index(pair + 1).permute((1, 0)), k_smem.index(1).slice(C * HQ, HQ, dim=1),
+        tok, is_async=True,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _store_dq(dq, smem, dq_desc, row, n, F: gl.constexpr, C: gl.constexpr):
+    """Add ``dq`` ([BM, H/2] float32) at (``row``, head ``n``, columns ``C·H/2 ..``) of the
+    float32 buffer by a TMA reduce, through this consumer's staging tile."""
+    HQ: gl.constexpr = F.H // 2
+    stage = smem.index(C)
+    tma.store_wait(0)  # the previous step's reduce has read the staging tile
+    gl.thread_barrier()
+    stage.store(dq)
+    hopper.fence_async_shared()
+    gl.thread_barrier()
+    reduce_add(dq_desc, [row, n * F.H + C * HQ], stage)
+
+
+@gluon.jit
 def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.constexpr):
-    """dk and dv of keys ``pid_n·BN + C·BN/2 ..`` (consumer C of two)."""
-    q_smem, do_smem, k_smem, v_smem = smem
-    kv_ready, ready, empty = bars
+    """dk and dv of keys ``pid_n·BN + C·BN/2 ..`` (consumer C of two); with ``DQ`` its
+    half of dq's columns too (`_add_dq`)."""
+    q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem = smem
+    kv_ready, ready, empty, ds_ready, done = bars
     lse_ptr, delta_ptr = stats
-    dk_desc, dv_desc, scale = dest
+    dk_desc, dv_desc, dq_desc, scale = dest
     HALF: gl.constexpr = F.BN // 2
     # Sᵀ and dPᵀ: [keys, query rows]; dK and dV: [keys, head_dim].
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BM, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.H, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(F.BM)
+    o_layout: gl.constexpr = wgmma_layout(F.H)
+    a_layout: gl.constexpr = operand_layout(o_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
@@ -145,12 +187,23 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
         dv_tok = hopper.warpgroup_mma(p16, do_s, dv, is_async=True)
         dp = hopper.warpgroup_mma_wait(1, deps=[dp_tok])
         delta = gl.load(delta_ptr + stat + cols)
-        ds = p * (dp - gl.expand_dims(delta, 0))
-        ds16 = gl.convert_layout(ds.to(dtype), a_layout)
-        dk_tok = hopper.warpgroup_mma(ds16, q_s, dk, is_async=True)
-        dv = hopper.warpgroup_mma_wait(1, deps=[dv_tok])
-        dk = hopper.warpgroup_mma_wait(0, deps=[dk_tok])
-        mbarrier.arrive(empty.index(s), count=1)
+        ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+        dk_tok = hopper.warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
+        if F.DQ:
+            row = b * F.T + row0
+            dq_tok = _add_dq(ds, i, (k_smem, ds_smem), ds_ready, F, C)
+            dv = hopper.warpgroup_mma_wait(2, deps=[dv_tok])
+            dk = hopper.warpgroup_mma_wait(2, deps=[dk_tok])
+            mbarrier.arrive(empty.index(s), count=1)
+            dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
+            _store_dq(dq, dq_smem, dq_desc, row, n, F, C)
+        else:
+            dv = hopper.warpgroup_mma_wait(1, deps=[dv_tok])
+            dk = hopper.warpgroup_mma_wait(0, deps=[dk_tok])
+            mbarrier.arrive(empty.index(s), count=1)
+    if F.DQ:  # the other consumer's last dq matmul reads this one's k: wait for it
+        mbarrier.arrive(done, count=1)
+        mbarrier.wait(done, 0)
     # k and v are no longer read: dk and dv leave through their buffers.
     key0 = pid_n * F.BN + C * HALF
     k_c.store((dk * scale).to(dtype))
@@ -164,16 +217,18 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
 @gluon.jit
 def gluon_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    dk_ptr, dv_ptr, scratch_ptr,
+    dk_ptr, dv_ptr, dq_acc_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
-    as the forward's);
+    as the forward's); with ``DQ``, ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains
+    ``dS·k`` (unscaled; head_dim 128), else it is unused;
     ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
     F: gl.constexpr = DkdvOptions(
         T=T,
@@ -189,6 +244,7 @@ def gluon_dkdv_kernel(
         CAP_IN=CAP_IN,
         CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL,
+        DQ=DQ,
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
@@ -213,16 +269,29 @@ def gluon_dkdv_kernel(
     kv_ready = barriers(1, 1).index(0)
     ready = barriers(STAGES, 1)
     empty = barriers(STAGES, 2)
+    if DQ:  # dSᵀ of both consumers (two step parities), their dq staging tiles
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BM], layout)
+        f32: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=32, rank=2
+        )
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, H // 2], f32)
+        dq_desc = tma.make_tensor_descriptor(
+            dq_acc_ptr, [B * T, N * H], [N * H, 1], [BM, H // 2], f32
+        )
+        ds_ready = barriers(2, 2)
+        done = barriers(1, 2).index(0)
+    else:  # unused
+        ds_smem, dq_smem, dq_desc, ds_ready, done = q_smem, q_smem, dk_desc, ready, kv_ready
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
-    smem = (q_smem, do_smem, k_smem, v_smem)
-    bars = (kv_ready, ready, empty)
+    smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem)
+    bars = (kv_ready, ready, empty, ds_ready, done)
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, SCALE), b, kh,
-                         pid_n, F, 0)),
-            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, SCALE), b, kh,
-                         pid_n, F, 1)),
+            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, dq_desc, SCALE),
+                         b, kh, pid_n, F, 0)),
+            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, dq_desc, SCALE),
+                         b, kh, pid_n, F, 1)),
             (_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, kh, pid_n, F)),
         ],
         [4, 1],
@@ -284,13 +353,9 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
     dq_desc, scale = dest
     HALF: gl.constexpr = BM // 2
     H: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BN, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(F.BN)
+    o_layout: gl.constexpr = wgmma_layout(H)
+    a_layout: gl.constexpr = operand_layout(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype

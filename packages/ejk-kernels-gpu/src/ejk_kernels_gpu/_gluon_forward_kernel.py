@@ -46,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, ring_slot, tanh
+from ._gluon_common import barriers, operand_layout, ring_slot, tanh, wgmma_layout
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -321,18 +321,11 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     k_ready, k_empty, v_ready, v_empty = kv_bars
     o_desc, lse_ptr = dest
     HALF: gl.constexpr = F.BM // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.BN, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, F.H, 16]
-    )
+    s_layout: gl.constexpr = wgmma_layout(F.BN)
+    o_layout: gl.constexpr = wgmma_layout(F.H)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    layouts: gl.constexpr = (
-        orow_layout,
-        gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2),
-    )
+    layouts: gl.constexpr = (orow_layout, operand_layout(o_layout))
     row_tabs, key_tabs = tabs
     ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
     b, n, bn, pid_m = _tile(tile, n_m, F)

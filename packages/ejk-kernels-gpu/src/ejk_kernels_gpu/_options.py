@@ -164,9 +164,10 @@ GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, glu
 def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
     """Whether a backward may run the Gluon dk/dv kernel (`_gluon_backward_kernel`) with
     ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps): what `offer_gluon`
-    asks, head_dim 64 or 128, causal or no mask and a soft cap or none (no window, packing
-    or segment ids; sinks live in the lse), and query rows on whole steps (one descriptor spans
-    every (batch, head) of q and dO)."""
+    asks, head_dim 64 or 128 (128 with dq in it, ``atomic_dq``: each consumer takes half of
+    dq's columns), causal or no mask and a soft cap or none (no window, packing or segment
+    ids; sinks live in the lse), and query rows on whole steps (one descriptor spans every
+    (batch, head) of q and dO)."""
     return (
         cfg.gluon
         and cfg.block_q == 128
@@ -174,7 +175,7 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
         and offer_gluon(
             itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
-        and q.shape[3] in (64, 128)
+        and q.shape[3] in ((128,) if cfg.atomic_dq else (64, 128))
         and opts.window is None
         and not (opts.varlen or opts.has_seg)
         and q.shape[1] > 0
@@ -183,16 +184,29 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     )
 
 
-def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
-    """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`."""
+def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
+    """The constexpr arguments the Gluon dk/dv and dq kernels share (all but the tiles)."""
     batch, q_len, heads, head_dim = q.shape
     return dict(
         B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
         SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), SOFT_CAP=float(opts.soft_cap),
         CAP_IN=float(opts.scale / opts.soft_cap) if opts.soft_cap > 0.0 else 0.0,
         CAP_OUT=float(opts.soft_cap * LOG2E), CAUSAL=opts.causal,
-        BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages,
     )  # fmt: skip
+
+
+def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
+    """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
+    resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``."""
+    tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
+    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles)
+
+
+def gluon_dq_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
+    """The constexpr arguments of `_gluon_backward_kernel.gluon_dq_kernel`: ``block_q``
+    resident query rows (BM), ``block_k`` keys a step (BN)."""
+    tiles = dict(BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages)
+    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles)
 
 
 def runnable_config(

@@ -65,7 +65,10 @@ def _recording():
                 {
                     "kernel": _kernel_name(kernel),
                     "ws": bool(constexprs.get("WS", False)),
-                    "atomic_dq": bool(constexprs.get("DQ_ATOMIC", False)),
+                    # dq added by atomics (ordinary dk/dv) or TMA reduces (Gluon dk/dv, DQ)
+                    "atomic_dq": bool(
+                        constexprs.get("DQ_ATOMIC", False) or constexprs.get("DQ", False)
+                    ),
                     "warps": kw.get("num_warps"),
                     "stages": kw.get("num_stages"),
                 }
@@ -85,6 +88,7 @@ def _recording():
 def _builds(launches: list[dict]) -> dict:
     """Which forward and backward builds the recorded launches were."""
     fwd = bwd = None
+    atomic_dq = any(launch["atomic_dq"] for launch in launches)
     for launch in launches:
         if launch["kernel"] == "gluon_fwd_kernel":
             fwd = "gluon"
@@ -94,7 +98,7 @@ def _builds(launches: list[dict]) -> dict:
             bwd = "gluon"
         elif launch["kernel"] == "dkdv_kernel":
             bwd = "ws" if launch["ws"] else ("atomic" if launch["atomic_dq"] else "ordinary")
-    return {"fwd": fwd, "bwd": bwd}
+    return {"fwd": fwd, "bwd": bwd, "atomic_dq": atomic_dq}
 
 
 def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
@@ -164,9 +168,10 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
     slots = kw.pop("gluon_bwd", 0)
-    if slots:  # the Gluon dk/dv kernel asked for (with this many ring slots)
+    dq_inside = kw.pop("dq_inside", False)
+    if slots:  # the Gluon dk/dv kernel asked for (this many ring slots; dq in it or not)
         kw["bwd_config"] = FlashConfig(
-            block_q=128, block_k=64, num_warps=4, num_stages=slots, gluon=True
+            block_q=128, block_k=64, num_warps=4, num_stages=slots, gluon=True, atomic_dq=dq_inside
         )
     if kw.pop("ordinary", False):
         kw.update(config=ORDINARY, bwd_config=ORDINARY_BWD)
@@ -198,11 +203,12 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         errs[n] = _rel(g, r)
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, *got_g))
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
-    # dq from atomic adds (FlashConfig.atomic_dq) may differ in its last bits between runs.
+    # dq from atomic adds or TMA reduces (FlashConfig.atomic_dq) may differ in its last
+    # bits between runs.
     same["out"] = bool(jnp.all(got_o == again_o))
     same["lse"] = bool(jnp.all(got_l == again_l))
     differ = sorted(n for n, v in same.items() if not v)
-    det = not [n for n in differ if n != "dq" or builds["bwd"] != "atomic"]
+    det = not [n for n in differ if n != "dq" or not builds["atomic_dq"]]
     builds_ok = _builds_ok(builds, expect, hopper)
     ok = not nan and det and builds_ok and max(errs.values()) <= BF16_TOL
     shape = f"B{B} T{T} S{S} N{N} K{K} H{H}"
@@ -344,6 +350,11 @@ CASES = [
     ("gluon bwd 3 slots mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, gluon_bwd=3)),
     ("gluon bwd fp16 causal T>S", 1, 1536, 1000, 8, 4, 128, GG, dict(causal=True, dtype=jnp.float16)),
     ("gluon bwd softcap fp16 mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=20.0, dtype=jnp.float16)),
+    # dq in the Gluon dk/dv kernel (TMA reduces): the heuristic's for MHA (causal T>S with
+    # sinks, fp16 keys off the tile), and asked for with groups, two slots and a soft cap.
+    ("gluon dq inside causal T>S sinks", 1, 1536, 1000, 8, 8, 128, GG, dict(causal=True, sinks=True)),
+    ("gluon dq inside fp16 keys off tile", 2, 1024, 1000, 8, 8, 128, GG, dict(dtype=jnp.float16)),
+    ("gluon dq inside gqa cap 2 slots", 2, 1024, 1024, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=20.0, gluon_bwd=2, dq_inside=True)),
 ]  # fmt: skip
 
 

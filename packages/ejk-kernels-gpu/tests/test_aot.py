@@ -118,10 +118,10 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
 
 
 def test_the_gluon_backward_kernels_build_for_hopper():
-    """The Gluon dk/dv kernel (both ring depths) and the Gluon dq kernel, unmasked and
-    causal, head_dim 64 and 128, bf16 and fp16: three warpgroups, within shared memory and
-    scratch; the dq kernel spills nothing, the dk/dv kernel at most the few prologue and
-    epilogue bytes `_aot.GLUON_SPILL_BYTES` allows."""
+    """The Gluon dk/dv kernel (both ring depths; at head_dim 128 also computing dq) and the
+    Gluon dq kernel, unmasked and causal, head_dim 64 and 128, bf16 and fp16: three
+    warpgroups, within shared memory and scratch; the dq kernel spills nothing, the dk/dv
+    kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
         "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",
@@ -135,14 +135,17 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     }
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
     gluon = [r for r in rows if r["kernel"] == "gluon_dkdv_kernel"]
-    assert {
-        (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"]) for r in gluon
-    } == {
-        (variant, head_dim, dtype, stages)
+    built = {
+        (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"], r["config"]["atomic_dq"])
+        for r in gluon
+    }  # fmt: skip
+    assert built == {
+        (variant, head_dim, dtype, stages, with_dq)
         for variant in ("plain", "causal")
         for head_dim in (64, 128)
         for dtype in ("bfloat16", "float16")
         for stages in (2, 3)
+        for with_dq in ((False, True) if head_dim == 128 else (False,))
     }
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
 

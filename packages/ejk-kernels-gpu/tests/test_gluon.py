@@ -36,7 +36,6 @@ GLUON256 = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon
     [
         (dict(gluon=1), TypeError, "gluon must be a bool"),
         (dict(gluon=True, warp_specialize=True), ValueError, "cannot be combined"),
-        (dict(gluon=True, atomic_dq=True), ValueError, "cannot be combined"),
         (dict(gluon=True, block_q=64), ValueError, "128-row query tiles"),
         (dict(gluon=True, block_k=32), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_warps=8), ValueError, "128-row query tiles"),
@@ -522,6 +521,12 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
     from ejk_kernels_gpu._config import bwd_heuristic, bwd_search_space
 
     assert bwd_heuristic(128, 2, False, 4, gluon=True) == GLUON_DKDV
+    # MHA without a soft cap: dq in it, three slots; with a cap dq beside it
+    with_dq = msgspec.structs.replace(GLUON_DKDV, num_stages=3, atomic_dq=True)
+    assert bwd_heuristic(128, 2, False, 1, gluon=True) == with_dq
+    assert bwd_heuristic(128, 2, False, 1, soft_cap=True, gluon=True) == GLUON_DKDV
+    assert with_dq in bwd_search_space(128, 2, False, gluon=True)
+    assert not any(c.atomic_dq and c.gluon for c in bwd_search_space(64, 2, False, gluon=True))
     assert not bwd_heuristic(128, 2, False, 4).gluon
     assert not bwd_heuristic(128, 4, False, 1, gluon=True).gluon  # float32
     assert not bwd_heuristic(64, 2, False, 1, gluon=True).gluon  # slower at 64: tuning only
@@ -559,17 +564,23 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
     grads = _loss_grads(
         flash_attention, q, k, v, causal=causal, softmax_sinks=s, logits_soft_cap=cap
     )
+    # dq: in the dk/dv kernel for MHA without a cap, else from the Gluon dq kernel beside it
+    dq_inside = kv_heads == heads and not cap
     if q_len % 64:  # rows off the 64-row steps: the ordinary kernels
         assert gluon_launches.dkdv == gluon_launches.dq == []
     else:
-        [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq  # and the Gluon dq kernel
-        assert dq_grid == (-(-q_len // 128), 2 * heads)
-        assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 2)
-        assert dq_outs[0] == (q.shape, q.dtype)
+        if dq_inside:
+            assert gluon_launches.dq == []
+        else:
+            [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq
+            assert dq_grid == (-(-q_len // 128), 2 * heads)
+            assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 2)
+            assert dq_outs[0] == (q.shape, q.dtype)
         [(grid, consts, outs, kw)] = gluon_launches.dkdv
         assert grid == (-(-kv_len // 128), 2 * kv_heads)
         assert {n: consts[n] for n in ("B", "T", "S", "N", "G", "H", "CAUSAL", "BM", "BN", "STAGES")} == dict(
-            B=2, T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, BM=64, BN=128, STAGES=2
+            B=2, T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, BM=64, BN=128,
+            STAGES=3 if dq_inside else 2,
         )  # fmt: skip
         assert consts["SCALE"] == pytest.approx(128**-0.5)
         assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
@@ -577,8 +588,9 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         if cap:
             assert consts["CAP_IN"] == pytest.approx(128**-0.5 / cap)
             assert consts["CAP_OUT"] == pytest.approx(cap * math.log2(math.e))
-        assert consts["DQ"] is False  # dq from the Gluon dq kernel
-        assert outs[:3] == [(k.shape, k.dtype), (v.shape, v.dtype), ((1,), jnp.float32)]
+        assert consts["DQ"] is dq_inside
+        dq_out = (q.shape if dq_inside else (1,), jnp.float32)
+        assert outs[:3] == [(k.shape, k.dtype), (v.shape, v.dtype), dq_out]
         assert outs[3][0][0] >= _jax_triton_fix.scratch_bytes(grid)
         assert kw["num_warps"] == 4
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]

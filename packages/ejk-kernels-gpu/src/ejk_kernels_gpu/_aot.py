@@ -223,11 +223,16 @@ def spill_stores(ptx: str) -> int | None:
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
-# Spilled bytes a Gluon build may have (none for the forward). The dk/dv kernel's consumers
-# hold dk, dv (128 registers) and their step's four tiles: ptxas keeps a few values of the
-# prologue and epilogue in local memory (28 bytes at head_dim 128, causal; its loop has no
-# spill: checked in the SASS, 2026-11-25).
-GLUON_SPILL_BYTES = {"gluon_dkdv_kernel": 64}
+# Spilled bytes a Gluon build may have (none for the forward and the dq kernel), by kernel
+# and whether it computes dq (``atomic_dq``). The dk/dv kernel's consumers hold dk, dv (128
+# registers) and their step's four tiles: ptxas keeps a few values of the prologue and
+# epilogue in local memory (28 bytes at head_dim 128, causal; its loop has no spill:
+# checked in the SASS, 2026-11-25). With dq in it, ptxas also spills scalars (addresses,
+# indices) inside the loop: 60-72 bytes unmasked, 224-308 causal (the causal build holds
+# the query rows' indices). It measured faster than the kernels without it all the same
+# (docs/gpu-runs/2026-11-25-h100-gluon-dq-inside-3965c04.json); removing those spills is
+# open work.
+GLUON_SPILL_BYTES = {("gluon_dkdv_kernel", False): 64, ("gluon_dkdv_kernel", True): 320}
 
 
 def _report(name: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str) -> bool:
@@ -235,7 +240,8 @@ def _report(name: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str
     a Gluon kernel, spills more registers than it may: `GLUON_SPILL_BYTES`)."""
     try:
         row = compile_kernel(name, cfg, head_dim, dtype, variant, spills=cfg.gluon)
-        if (row["spill_stores"] or 0) > GLUON_SPILL_BYTES.get(row["kernel"], 0):
+        allowed = GLUON_SPILL_BYTES.get((row["kernel"], cfg.atomic_dq), 0)
+        if (row["spill_stores"] or 0) > allowed:
             row["error"] = f"ptxas spills {row['spill_stores']} bytes"
     except Exception as exc:  # report every failure, then fail the run
         row = dict(kernel=name, variant=variant, head_dim=head_dim, config=str(cfg),
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                         beside = tuple(
                             ordinary_config(c, head_dim, itemsize, side, ("dq",))
                             for c in space
-                            if c.gluon
+                            if c.gluon and not c.atomic_dq
                         )
                         if beside and GLUON_DQ_CONFIG is not None:
                             beside += (GLUON_DQ_CONFIG,)

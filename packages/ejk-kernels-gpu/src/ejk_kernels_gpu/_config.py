@@ -241,13 +241,22 @@ _GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 # The Gluon dk/dv kernel (`FlashConfig.gluon` as a backward config): 128 resident keys, 64
 # query rows a step; two and three q/dO ring slots measured within 2 % of each other (H100,
 # forward+backward on four head_dim-128 shapes, docs/gpu-runs/2026-11-25-h100-gluon-dkdv-
-# stages-2e88ccb.json): the heuristic takes the first, two.
+# stages-2e88ccb.json): the heuristic takes the first, two. At head_dim 128 it also computes
+# dq itself (``atomic_dq``: TMA reduces into float32; 2 and 3 slots): with MHA that
+# measured faster than the Gluon dq kernel beside it, with groups or a soft cap slower
+# (forward+backward TFLOP/s, H100, docs/gpu-runs/2026-11-25-h100-gluon-dq-inside-3965c04.
+# json: 455 -> 497 unmasked, 403 -> 409 causal, 478 -> 511 at T16384 causal with three
+# slots; GQA causal 419 -> 373, soft cap 352 -> 327).
+_GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+_GLUON_BWD_DQ = msgspec.structs.replace(_GLUON_BWD, num_stages=3, atomic_dq=True)
 GLUON_BWD_CONFIGS = {
-    head_dim: (
-        FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),
-        FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3, gluon=True),
-    )
-    for head_dim in (64, 128)
+    64: (_GLUON_BWD, msgspec.structs.replace(_GLUON_BWD, num_stages=3)),
+    128: (
+        _GLUON_BWD,
+        msgspec.structs.replace(_GLUON_BWD, num_stages=3),
+        msgspec.structs.replace(_GLUON_BWD, atomic_dq=True),
+        _GLUON_BWD_DQ,
+    ),
 }
 # The Gluon dq kernel that runs beside the Gluon dk/dv kernel (`_gluon_backward_kernel.
 # gluon_dq_kernel`): 128 resident query rows, 64 keys a step, two k/v ring slots; or None
@@ -398,10 +407,12 @@ def bwd_heuristic(
     forward+backward; `docs/gpu-runs/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
     256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
     ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
-    at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`).
+    at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
+    slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
+    `GLUON_BWD_CONFIGS`).
     """
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
-        return GLUON_BWD_CONFIGS[head_dim][0]
+        return _GLUON_BWD_DQ if group == 1 and not soft_cap else _GLUON_BWD
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
     if head_dim <= 128 and itemsize <= 2 and soft_cap:

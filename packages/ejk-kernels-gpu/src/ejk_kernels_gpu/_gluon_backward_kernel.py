@@ -88,30 +88,23 @@ def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
 
 
 @gluon.jit
-def _share_ds(ds, i, ds_smem, ds_ready, C: gl.constexpr):
-    """Put this consumer's ``dSᵀ`` of step ``i`` (``ds``: [its 64 keys, BM rows]) into shared
-    memory, for both consumers' dq (`_issue_dq`) and its own dK matmul, and signal
-    ``ds_ready``; returns its buffer. Buffer pairs alternate by step parity."""
-    buf = ds_smem.index((i % 2) * 2 + C)
-    buf.store(ds)
-    hopper.fence_async_shared()  # before the matmuls (async proxy) read it
-    gl.thread_barrier()
-    mbarrier.arrive(ds_ready.index(i % 2), count=1)
-    return buf
+def _add_dq(ds, i, smem, ds_ready, F: gl.constexpr, C: gl.constexpr):
+    """Issue this step's ``dQ = dS·k`` for its ``BM`` query rows over the program's 128 keys,
+    columns ``C·H/2 ..`` (``DQ``); returns the matmul's token ([BM, H/2] float32).
 
-
-@gluon.jit
-def _issue_dq(i, k_smem, ds_smem, ds_ready, F: gl.constexpr, C: gl.constexpr):
-    """Issue step ``i``'s ``dQ = dS·k`` for its ``BM`` query rows over the program's 128 keys,
-    columns ``C·H/2 ..`` (``DQ``), once both consumers' ``dSᵀ`` are in (`_share_ds`);
-    returns the matmul's token ([BM, H/2] float32).
-
-    A buffer pair is written again two steps later, after the other consumer has signalled
-    the step between, so after its matmuls on it ended (each consumer waits for its
-    matmuls before its next step).
+    Each consumer puts its ``dSᵀ`` (``ds``: [its 64 keys, BM rows]) into shared memory
+    (buffer pair by step parity) and signals ``ds_ready``; once both halves are in, it
+    multiplies ``dS`` by its half of k's columns. A buffer pair is written again two steps
+    later, after the other consumer has signalled the step between, so after its matmuls
+    on it ended (each consumer waits for its matmuls before its next step).
     """
+    k_smem, ds_smem = smem
     HQ: gl.constexpr = F.H // 2
     pair = (i % 2) * 2
+    ds_smem.index(pair + C).store(ds)
+    hopper.fence_async_shared()  # before the other warpgroup's matmul reads it
+    gl.thread_barrier()
+    mbarrier.arrive(ds_ready.index(i % 2), count=1)
     mbarrier.wait(ds_ready.index(i % 2), (i // 2) & 1)
     zero = gl.zeros([F.BM, HQ], gl.float32, wgmma_layout(HQ))
     tok = hopper.warpgroup_mma(
@@ -195,18 +188,16 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
         dp = hopper.warpgroup_mma_wait(1, deps=[dp_tok])
         delta = gl.load(delta_ptr + stat + cols)
         ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
-        if F.DQ:  # dSᵀ through shared memory: the A operand of dK and (both halves) of dQ
-            ds_buf = _share_ds(ds, i, ds_smem, ds_ready, C)
-            dk_tok = hopper.warpgroup_mma(ds_buf, q_s, dk, is_async=True)
-            dq_tok = _issue_dq(i, k_smem, ds_smem, ds_ready, F, C)
+        dk_tok = hopper.warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
+        if F.DQ:
             row = b * F.T + row0
+            dq_tok = _add_dq(ds, i, (k_smem, ds_smem), ds_ready, F, C)
             dv = hopper.warpgroup_mma_wait(2, deps=[dv_tok])
             dk = hopper.warpgroup_mma_wait(2, deps=[dk_tok])
             mbarrier.arrive(empty.index(s), count=1)
             dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
             _store_dq(dq, dq_smem, dq_desc, row, n, F, C)
         else:
-            dk_tok = hopper.warpgroup_mma(gl.convert_layout(ds, a_layout), q_s, dk, is_async=True)
             dv = hopper.warpgroup_mma_wait(1, deps=[dv_tok])
             dk = hopper.warpgroup_mma_wait(0, deps=[dk_tok])
             mbarrier.arrive(empty.index(s), count=1)

@@ -29,15 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import (
-    barriers,
-    exp2_split,
-    operand_layout,
-    reduce_add,
-    ring_slot,
-    tanh,
-    wgmma_layout,
-)
+from ._gluon_common import barriers, operand_layout, reduce_add, ring_slot, tanh, wgmma_layout
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -390,8 +382,7 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
         s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
         if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap); dS takes their slope 1 - tanh²
             t = tanh(s_ij * F.CAP_IN)
-            # exp2 shares the MUFU with the FMA units (the tanh takes it once per score too)
-            p = exp2_split(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
+            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
         else:
             p = gl.exp2(s_ij * F.QK - gl.expand_dims(lse, 1))
         keys = j * F.BN + gl.arange(0, F.BN, layout=key_layout)

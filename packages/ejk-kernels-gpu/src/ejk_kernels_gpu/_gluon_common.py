@@ -55,37 +55,3 @@ def reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(
         ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
     )
-
-
-# exp2 of a pair of floats: the first by the MUFU (``ex2.approx``), the second on the FMA
-# units (FlashAttention-4's software exp2): n = round(x) by the 1.5·2^23 trick, 2^(x - n)
-# by a degree-3 polynomial on [-0.5, 0.5] (relative error below 7.5e-5, under the 16-bit
-# P's rounding), n added to its exponent bits; x < -125 gives 0 (masked scores are -inf).
-_EXP2_PAIR = gl.constexpr("""
-{
-.reg .b32 t, n, f, p;
-.reg .pred small;
-ex2.approx.ftz.f32 $0, $2;
-setp.lt.f32 small, $3, 0fC2FA0000;
-max.f32 t, $3, 0fC2FA0000;
-add.rn.f32 n, t, 0f4B400000;
-sub.rn.f32 f, n, 0f4B400000;
-sub.rn.f32 f, t, f;
-fma.rn.f32 p, f, 0f3D61FB90, 0f3E786F11;
-fma.rn.f32 p, p, f, 0f3F31798E;
-fma.rn.f32 p, p, f, 0f3F7FFB49;
-shl.b32 n, n, 23;
-add.s32 p, p, n;
-selp.b32 $1, 0, p, small;
-}
-""")
-
-
-@gluon.jit
-def exp2_split(x):
-    """2^x with half the elements on the MUFU and half on the FMA units (`_EXP2_PAIR`):
-    where the MUFU is the bottleneck (a soft cap's tanh takes it too) the two pipes share
-    the work."""
-    return gl.inline_asm_elementwise(
-        _EXP2_PAIR, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2
-    )

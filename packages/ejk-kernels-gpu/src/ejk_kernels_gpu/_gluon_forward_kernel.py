@@ -46,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, exp2_split, operand_layout, ring_slot, tanh, wgmma_layout
+from ._gluon_common import barriers, operand_layout, ring_slot, tanh, wgmma_layout
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -263,10 +263,7 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     m_use = m_new
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if F.SOFT_CAP > 0.0:  # the tanh took the MUFU once per score: exp2 shares it with FMAs
-        p = exp2_split(x * LOG2 - gl.expand_dims(m_use, 1))
-    else:
-        p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
+    p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     # With masks beyond causal or the persistent tile loop (EARLY_P16) p leaves in the inputs'
     # 16-bit type: it waits for its p·v matmul across the next block's q·kᵀ, and 16-bit

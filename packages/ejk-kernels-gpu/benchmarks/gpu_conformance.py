@@ -138,6 +138,9 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     k = jax.random.normal(keys[1], (B, S, K, H), dtype)
     v = jax.random.normal(keys[2], (B, S, K, H), dtype)
     d_out = jax.random.normal(keys[3], (B, T, N, H), jnp.float32)
+    aligned = kw.pop("aligned", 0.0)
+    if aligned:  # q = aligned · (-k of the same position): some logits far below -cap
+        q = (q + aligned * -jnp.repeat(k[:, :T], N // K, axis=2)).astype(dtype)
     bias = sinks = None
     if kw.pop("bias", False):
         bias = jax.random.normal(keys[4], (1, N, T, S), dtype)
@@ -355,6 +358,11 @@ CASES = [
     ("gluon dq inside causal T>S sinks", 1, 1536, 1000, 8, 8, 128, GG, dict(causal=True, sinks=True)),
     ("gluon dq inside fp16 keys off tile", 2, 1024, 1000, 8, 8, 128, GG, dict(dtype=jnp.float16)),
     ("gluon dq inside gqa cap 2 slots", 2, 1024, 1024, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=20.0, gluon_bwd=2, dq_inside=True)),
+    # The Gluon forward's soft cap with a fixed shift (cap <= 54, no sinks) where logits
+    # reach -cap (q against -k of its own position; causal rows with few keys), and above
+    # that cap with the running max.
+    ("gluon softcap 50 logits at -cap", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=50.0, aligned=8.0)),
+    ("gluon softcap 60 gqa", 2, 1024, 1024, 16, 4, 128, GG, dict(logits_soft_cap=60.0)),
 ]  # fmt: skip
 
 

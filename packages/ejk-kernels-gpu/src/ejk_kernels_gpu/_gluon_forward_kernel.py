@@ -76,16 +76,6 @@ class GluonOptions(NamedTuple):
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
-    FIXED_MAX: bool  # soft cap: p = 2^(x·CAP_OUT - CAP_SHIFT), no running max (`_softmax`)
-
-
-# With a soft cap the logits in log2 units lie in [-CAP_OUT, CAP_OUT]. Where CAP_OUT is at
-# most _FIXED_MAX_CAP (a soft cap up to 54) and no sink brings a logit of its own, the
-# softmax subtracts the constant CAP_OUT - 32 instead of the running row max: every p is
-# at most 2^32 (row sums below 2^63 for 2^31 keys), the row's largest at least
-# 2^(32 - 2·CAP_OUT) >= 2^-124, a normal float (smaller ones are below its float32
-# precision). No max per score, no rescaling of the accumulator per block.
-_FIXED_MAX_CAP = gl.constexpr(78.0)
 
 
 @gluon.jit
@@ -269,12 +259,6 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
         x = tanh(s * F.CAP_IN)
     if MASK:
         x = _visible(x, j, row_info, b, key_tabs, F)
-    if F.FIXED_MAX:  # m stays CAP_OUT - 32 (see _FIXED_MAX_CAP); alpha is not used
-        p = gl.exp2(x * LOG2 - (F.CAP_OUT - 32.0))
-        l_new = l_i + gl.sum(p, axis=1)
-        if F.EARLY_P16:
-            p = p.to(DTYPE)
-        return p, l_i, m_i, l_new
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
     m_use = m_new
     if MASK:
@@ -297,12 +281,10 @@ def _issue_qk(q, k_smem, zero_s):
 
 
 @gluon.jit
-def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr, F: gl.constexpr):
-    """Issue acc·alpha + p·v (asynchronous; p 16-bit; no alpha with ``FIXED_MAX``);
-    ``acc`` must be complete."""
+def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
+    """Issue acc·alpha + p·v (asynchronous; p 16-bit); ``acc`` must be complete."""
     orow_layout, p_layout = layouts
-    if not F.FIXED_MAX:
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     return hopper.warpgroup_mma(p16, v_smem, acc, is_async=True)
 
@@ -319,7 +301,7 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     mbarrier.wait(k_ready.index(ks), kph)
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
-    o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts, F)
+    o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, masks, F, MASK, k_smem.dtype)
@@ -356,9 +338,8 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E
         m_i = gl.full([HALF], 0.0, gl.float32, row_layout) + sink
         l_i = gl.full([HALF], 1.0, gl.float32, row_layout)
-    else:  # no key seen yet (with FIXED_MAX: the constant shift, see `_softmax`)
-        m_i = gl.full([HALF], F.CAP_OUT - 32.0 if F.FIXED_MAX else float("-inf"), gl.float32,
-                      row_layout)  # fmt: skip
+    else:
+        m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
         l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
     acc = gl.zeros([HALF, F.H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
@@ -383,7 +364,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         last, lph = ring_slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
         acc = hopper.warpgroup_mma_wait(
-            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts, F)]
+            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
         )
         mbarrier.arrive(v_empty.index(last), count=1)
     # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
@@ -448,7 +429,6 @@ def gluon_fwd_kernel(
         HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
         N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT,
-        FIXED_MAX=SOFT_CAP > 0.0 and CAP_OUT <= _FIXED_MAX_CAP and not HAS_SINKS,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G

@@ -12,9 +12,12 @@ Alg. 2, on Hopper's warpgroup matrix instructions):
   issue ``dV += Pᵀ·dO``, form ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` while that runs, then issue
   ``dK += dSᵀ·q``. ``Pᵀ`` and ``dSᵀ`` stay in registers as the matmuls' first operand.
 
-dq comes from `gluon_dq_kernel` below (the forward's schedule: 128 query rows a program,
-two consumer warpgroups, k and v streamed), or the ordinary dq kernel
-(`_config.GLUON_DQ_CONFIG`). Calls they take
+With ``DQ`` (a config with ``atomic_dq``, head_dim 128) the kernel computes dq too: both
+consumers' ``dSᵀ`` go through shared memory, each multiplies ``dS`` by its half of k's
+columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
+`_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
+query rows a program, two consumer warpgroups, k and v streamed), or the ordinary dq
+kernel (`_config.GLUON_DQ_CONFIG`). Calls they take
 (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
 dropout, window, packing or segment ids (causal, soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole 64-row tiles (q and dO are read through one

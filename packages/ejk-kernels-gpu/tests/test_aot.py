@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from ejk_kernels_gpu._aot import GLUON_SPILL_BYTES
 from ejk_kernels_gpu._config import SHARED_MEMORY_LIMIT
 
 
@@ -99,11 +100,13 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
 
 
-def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
+def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():
     """The Gluon forward's masked builds (window, soft cap, documents as segment ids, keys
     off the tile; packed sequences at head_dim 128) at head_dim 64, 128 and 256: three
-    warpgroups, within shared memory, no register spills. (Every mask at once, and packed
-    sequences at head_dim 256, spill a few dozen bytes: not offered here as clean.)"""
+    warpgroups, within shared memory, no register spills beyond the one value the
+    persistent builds with per-block masks reload (`_aot.GLUON_SPILL_BYTES`; the unmasked
+    and causal builds above spill nothing). (Every mask at once, and packed sequences at
+    head_dim 256, spill a few dozen bytes: not offered here as clean.)"""
     rows = _compile(
         "--head-dims", "64,128,256", "--variants", "window,softcap,documents,tail",
         "--space", "heuristic", "--kernels", "fwd_kernel",
@@ -114,7 +117,10 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_without_spills():
     gluon = [r for r in rows if r["config"]["gluon"]]
     built = {(r["variant"], r["head_dim"]) for r in gluon}
     assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128)}  # fmt: skip
-    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
+    assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
+    allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
+    assert all(r["spill_stores"] <= allowed for r in gluon), gluon
+    assert all(r["spill_stores"] == 0 for r in gluon if r["variant"] in ("softcap", "tail")), gluon
 
 
 def test_the_gluon_backward_kernels_build_for_hopper():

@@ -28,7 +28,7 @@ def _gluon_forward(
     batch, q_len, heads, _ = q.shape
     consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
-    out, lse, _ = launch(
+    out, lse, _, _ = launch(
         kernels().gluon_fwd_kernel,
         grid,
         (
@@ -42,11 +42,13 @@ def _gluon_forward(
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),  # the persistent programs' tile counter
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
         consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        zeroed=(False, False, consts["PERSISTENT"], False),
     )
     return out, lse
 

@@ -178,20 +178,40 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
 
 
 @gluon.jit
-def _tile_phase(tile):
-    """Phase of q's barriers for a tile: the parity of this program's tile number."""
-    return ((tile - gl.program_id(0)) // gl.num_programs(0)) & 1
+def _publish_tile(tile, it, sched):
+    """Tell the consumers the program's ``it``-th tile (slot ``it % 2`` of the schedule ring,
+    once both consumers read what it held before)."""
+    tiles, tile_ready, tile_empty = sched
+    slot, phase = ring_slot(it, 2)
+    mbarrier.wait(tile_empty.index(slot), phase ^ 1)  # a slot's first use waits for nothing
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # the producer's one warp
+    tiles.index(slot).store(gl.full([1], tile, gl.int32, one))
+    gl.thread_barrier()  # the warp's store before its arrival
+    mbarrier.arrive(tile_ready.index(slot), count=1)
 
 
 @gluon.jit
-def _producer(descs, smem, bars, ranges_ptr, first_blocks, total, n_m, F: gl.constexpr):
-    """Copy each tile's q and k and v, in the consumers' order (`_produce_tile`)."""
+def _producer(descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr, total, n_m,
+              F: gl.constexpr):  # fmt: skip
+    """Copy each tile's q and k and v, in the consumers' order (`_produce_tile`).
+
+    Persistent programs take tiles from a counter: each its program id first, then
+    ``num_programs + atomic_add(counter, 1)`` until past the last, so that programs whose
+    tiles hold less work take more of them (causal tiles, documents); the tile order keeps
+    a head's query blocks together (they share k and v in L2). Each tile id is passed to
+    the consumers through the schedule ring (`_publish_tile`); ``total`` ends them."""
     if F.PERSISTENT:
         count = 0  # key blocks copied by this program
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        it = 0  # tiles taken by this program
+        tile = gl.program_id(0)
+        while tile < total:
+            _publish_tile(tile, it, sched)
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
-            count = _produce_tile(tile, count, _tile_phase(tile), blocks, descs, smem, bars, n_m, F)
+            count = _produce_tile(tile, count, it & 1, blocks, descs, smem, bars, n_m, F)
+            tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)
+            it += 1
+        _publish_tile(total, it, sched)
     else:
         _produce_tile(gl.program_id(0), 0, 0, first_blocks, descs, smem, bars, n_m, F)
 
@@ -388,16 +408,35 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m, tabs,
+def _read_tile(it, sched):
+    """The program's ``it``-th tile, as the producer published it (`_publish_tile`); frees
+    its slot once this consumer's four warps have read it."""
+    tiles, tile_ready, tile_empty = sched
+    slot, phase = ring_slot(it, 2)
+    mbarrier.wait(tile_ready.index(slot), phase)
+    four: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a consumer's warpgroup
+    tile = gl.max(tiles.index(slot).load(four), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total, n_m, tabs,
               F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
-    """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`)."""
+    """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`); persistent
+    programs take the tiles the producer publishes (`_producer`) until ``total``."""
     if F.PERSISTENT:
         count = 0  # key blocks consumed by this program
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        it = 0  # tiles taken by this program
+        tile = _read_tile(it, sched)
+        while tile < total:
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
-            count = _consume_tile(tile, count, _tile_phase(tile), blocks, smem, bars, dest,
+            count = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
                                   sinks_ptr, n_m, tabs, F, HAS_SINKS, C)  # fmt: skip
+            it += 1
+            tile = _read_tile(it, sched)
     else:  # the one tile's key range, read before the partitions split the registers
         _consume_tile(gl.program_id(0), 0, 0, first_blocks, smem, bars, dest, sinks_ptr, n_m,
                       tabs, F, HAS_SINKS, C)  # fmt: skip
@@ -407,7 +446,7 @@ def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m,
 def gluon_fwd_kernel(
     q_ptr, k_ptr, v_ptr, sinks_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
-    o_ptr, lse_ptr, scratch_ptr,
+    o_ptr, lse_ptr, counter_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr,
     QK: gl.constexpr, SOFT_CAP: gl.constexpr, CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr,
@@ -418,10 +457,11 @@ def gluon_fwd_kernel(
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
-    segment ids); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
+    segment ids); ``counter_ptr``: one int32, zero on entry, the persistent programs' tile
+    counter (`_producer`); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
     INTERPRET is unused. A one-dimensional grid: one program per tile, or with
-    ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over every
-    ``num_programs``-th tile, so that a tile's first copies overlap the previous one's
+    ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it
+    takes from the counter, so that a tile's first copies overlap the previous one's
     epilogue."""
     F: gl.constexpr = GluonOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
@@ -474,6 +514,9 @@ def gluon_fwd_kernel(
     q_empty = barriers(1, 2).index(0)
     kv_bars = (barriers(STAGES, 1), barriers(STAGES, 2), barriers(STAGES, 1),
                barriers(STAGES, 2))  # fmt: skip
+    # The schedule ring: tile ids from the producer to the consumers (persistent programs).
+    tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sched = (tiles, barriers(2, 1), barriers(2, 2))
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
     smem = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, kv_bars)
@@ -487,11 +530,12 @@ def gluon_fwd_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m,
-                         tabs, F, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, total, n_m,
-                         tabs, F, HAS_SINKS, 1)),
-            (_producer, (descs, smem, bars, ranges_ptr, first_blocks, total, n_m, F)),
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total,
+                         n_m, tabs, F, HAS_SINKS, 0)),
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total,
+                         n_m, tabs, F, HAS_SINKS, 1)),
+            (_producer, (descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr,
+                         total, n_m, F)),
         ],
         [4, 1],
         [240, 24],

@@ -9,7 +9,6 @@ and `gluon_constexprs` are the kernels' compile-time arguments, by name.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from ejk_sequtils import AttentionRequest, dropout_threshold
@@ -302,33 +301,17 @@ def gluon_persistent(
     opts: CallOptions, q_shape: tuple[int, ...], kv_len: int, cfg: FlashConfig
 ) -> bool:
     """Whether the Gluon forward runs one program per SM over all tiles (each tile's first
-    copies then overlap the previous tile's epilogue; H100: window (1024, 0) 1.18x, soft
-    cap 1.06x, causal B4 T4096 1.05x).
+    copies then overlap the previous tile's epilogue; H100: window (1024, 0) 1.26x, causal
+    B4 T4096 1.17x, 8 packed documents 1.17x, B1 T16384 causal 1.02x; docs/gpu-runs/
+    2026-11-25-h100-tile-counter-draft.json).
 
     Its descriptors span every (batch, head), so rows past T or S would be another one's:
-    whole tiles only. Segment ids, packed sequences and head_dim 256 keep one program a
-    tile: with the tile loop's registers their builds spill (`tests/test_aot.py`).
-
-    Causal tiles differ in work, and program p takes tiles p, p + P, ... (query blocks of
-    one head consecutive, heaviest first): its query blocks step by P modulo the blocks a
-    head has, so every program sees each kind of block only if it takes a whole cycle of
-    them. Otherwise (H100, B1 T16384 N16: 0.73x cuDNN persistent, 1.04x not) causal calls
-    keep one program a tile, which the hardware hands out as SMs free up.
+    whole tiles only; and head_dim 128 at most (256 keeps one program a tile). Programs
+    take tiles from a counter (`_gluon_forward_kernel._producer`), so tiles of unequal work
+    (causal, windows, documents of any lengths) balance.
     """
-    batch, q_len, heads, head_dim = q_shape
-    if not (
-        q_len % cfg.block_q == 0
-        and kv_len % cfg.block_k == 0
-        and head_dim <= 128
-        and not (opts.has_seg or opts.varlen)
-    ):
-        return False
-    if not opts.causal or opts.window is not None:
-        return True  # every tile has about the same work
-    blocks = q_len // cfg.block_q
-    tiles = blocks * batch * heads
-    (programs,) = gluon_grid(q_shape, cfg, persistent=True)
-    return tiles // programs >= blocks // math.gcd(programs, blocks)
+    _, q_len, _, head_dim = q_shape
+    return q_len % cfg.block_q == 0 and kv_len % cfg.block_k == 0 and head_dim <= 128
 
 
 def gluon_grid(q_shape: tuple[int, ...], cfg: FlashConfig, *, persistent: bool) -> tuple[int]:

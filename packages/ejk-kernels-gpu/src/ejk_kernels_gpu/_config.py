@@ -64,7 +64,8 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             forward heuristic picks it wherever it can run at head_dim 128 and 256 (H100:
             0.95x cuDNN unmasked at 128, docs/performance.md step 10); at 64 it is in the
             tuning space only (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
-            and balance it runs persistent, one program per SM (`_options.gluon_persistent`).
+            (head_dim <= 128) it runs persistent, one program per SM taking tiles from a
+            counter (`_options.gluon_persistent`).
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in

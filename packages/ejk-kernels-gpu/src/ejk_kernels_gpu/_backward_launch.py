@@ -25,9 +25,9 @@ __all__ = ["backward"]
 
 
 def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
-          consts: dict, ws: bool) -> tuple[Array, Array, Array, Array]:  # fmt: skip
-    """(dk, dv, the logits' gradient (with a bias), dq sum (atomic dq)) from the ordinary
-    (or warp-specialised) dk/dv kernel."""
+          consts: dict, ws: bool) -> tuple[Array, Array, Array, Array | None]:  # fmt: skip
+    """(dk, dv, the logits' gradient (with a bias), dq sum or None (atomic dq)) from the
+    ordinary (or warp-specialised) dk/dv kernel."""
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     bias_in = dummy(q.dtype) if bias is None else bias
@@ -53,7 +53,7 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
         # into dq: both must start at zero.
         zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
     )
-    return dk, dv, dlogits, dq_sum
+    return dk, dv, dlogits, dq_sum if cfg.atomic_dq else None
 
 
 def _gluon_dkdv(
@@ -152,7 +152,6 @@ def backward(
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
                                         dkdv_consts, ws)  # fmt: skip
-        dq_sum = dq_sum if cfg.atomic_dq else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     elif gluon and GLUON_DQ_CONFIG is not None:

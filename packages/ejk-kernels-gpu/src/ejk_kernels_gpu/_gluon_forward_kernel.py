@@ -24,8 +24,9 @@ as FlashAttention-3 does), in log2 units like the rest of the softmax.
 
 A tile is one query block of one (batch, head). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
-atomic counter (`_producer`; the query blocks of a head consecutive, so the programs at work
-share k and v in L2, and programs with lighter tiles take more): the producer copies the next tile's first k/v
+atomic counter (`_producer`; the query blocks of a head consecutive, so the programs at
+work share k and v in L2, and programs with lighter tiles take more): the producer copies
+the next tile's first k/v
 blocks and then its q while the consumers finish the previous tile's epilogue, and the
 ring's slots and phases run on across tiles (``count``). Other calls run one program a
 tile through the same per-tile bodies (`_produce_tile`, `_consume_tile`).

@@ -288,7 +288,7 @@ def versions() -> dict:
 # The heuristics' choice at H=128, 16-bit, unmasked/causal: the Gluon forward and the
 # ordinary backward (the warp-specialised dk/dv kernel has a race: asked for explicitly only).
 GW = {"fwd": "gluon"}
-GG = {"fwd": "gluon", "bwd": "gluon"}  # and the Gluon dk/dv kernel (head_dim 128, causal or none)
+GG = {"fwd": "gluon", "bwd": "gluon"}  # and the Gluon dk/dv kernel (head_dim 128, 16-bit)
 WF = {"fwd": "ws"}  # the warp-specialised forward asked for, the heuristic's backward
 WG = {"fwd": "ws", "bwd": "gluon"}  # the same where the heuristic's backward is Gluon's
 WW = {"fwd": "ws", "bwd": "ws"}  # both asked for
@@ -300,12 +300,12 @@ CASES = [
     ("cross h256 T!=S", 1, 777, 1500, 8, 2, 256, GW, {}),
     ("window+cap+sinks h80", 2, 1024, 1024, 8, 2, 80, ORD, dict(sliding_window=(128, 32), logits_soft_cap=20.0, sinks=True)),
     ("bias h96", 1, 512, 640, 8, 8, 96, ORD, dict(bias=True)),
-    ("segments h128", 2, 1024, 1024, 8, 8, 128, GW, dict(segments=True, causal=True)),
+    ("segments h128", 2, 1024, 1024, 8, 8, 128, GG, dict(segments=True, causal=True)),
     # Documents as segment ids: blocks of other documents skipped, blocks inside one run
     # unmasked; an id that comes back in a later run keeps its span masked.
-    ("documents causal gqa h128", 2, 2048, 2048, 8, 2, 128, GW, dict(documents=True, causal=True)),
+    ("documents causal gqa h128", 2, 2048, 2048, 8, 2, 128, GG, dict(documents=True, causal=True)),
     ("documents repeat fp16 h64", 2, 1024, 1024, 8, 8, 64, GW, dict(documents="repeat", dtype=jnp.float16, gluon=True)),
-    ("packed causal h128", 1, 4096, 4096, 8, 2, 128, GW, dict(packed=True, causal=True)),
+    ("packed causal h128", 1, 4096, 4096, 8, 2, 128, GG, dict(packed=True, causal=True)),
     ("dropout h64", 2, 1024, 1024, 8, 8, 64, ORD, dict(dropout_rate=0.1, dropout_seed=3)),
     # Fully visible, H=128, S % 128 == 0: the warp-specialised TMA forward;
     # T % 128 != 0 exercises TMA's zero fill and clipped stores, K < N the GQA offsets.
@@ -338,14 +338,14 @@ CASES = [
     ("sinks [N,3] gqa h128", 2, 1024, 1024, 16, 4, 128, GG, dict(sinks=3, causal=True)),
     # The Gluon forward's masks (block tables, masks per score in the edge blocks), soft cap
     # (tanh.approx) and its head_dim 64 / 256 tiles.
-    ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GW, dict(causal=True, sliding_window=(256, 0))),
+    ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, sliding_window=(256, 0))),
     ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50), gluon=True)),
     ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
     ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GW, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
     ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
-    ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GW, dict(documents=True, causal=True, logits_soft_cap=30.0)),
+    ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GG, dict(documents=True, causal=True, logits_soft_cap=30.0)),
     # The Gluon dk/dv kernel: keys off its 128-key tile (zero-filled, clipped stores) with
     # sinks, head_dim 64 asked for (not the heuristic's there), three ring slots, fp16 T>S.
     ("gluon bwd keys off tile sinks", 2, 1024, 1000, 8, 2, 128, GG, dict(sinks=True)),
@@ -363,6 +363,11 @@ CASES = [
     # that cap with the running max.
     ("gluon softcap 50 logits at -cap", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=50.0, aligned=8.0)),
     ("gluon softcap 60 gqa", 2, 1024, 1024, 16, 4, 128, GG, dict(logits_soft_cap=60.0)),
+    # The Gluon dk/dv kernel on the dk/dv block table (windows, packing, segment ids):
+    # with dq inside (MHA) and beside it (the ordinary dq kernel, GQA), keys off the tile.
+    ("gluon bwd packed window mha", 1, 4096, 4096, 8, 8, 128, GG, dict(packed=True, causal=True, sliding_window=(300, 0))),
+    ("gluon bwd documents repeat fp16 mha", 2, 2048, 2048, 8, 8, 128, GG, dict(documents="repeat", dtype=jnp.float16)),
+    ("gluon bwd window 2-sided gqa S!=T", 2, 1024, 1000, 16, 4, 128, GG, dict(sliding_window=(100, 50), sinks=True)),
 ]  # fmt: skip
 
 

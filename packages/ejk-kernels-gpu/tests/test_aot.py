@@ -156,6 +156,31 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
 
 
+def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
+    """The Gluon dk/dv kernel (two and three slots) and the Gluon dq kernel with windows,
+    documents as segment ids and packed sequences (the block tables' paths) at head_dim
+    64 and 128: three warpgroups, within shared memory; the dq kernel spills nothing, the
+    dk/dv kernel at most its allowance (`_aot.GLUON_SPILL_BYTES`)."""
+    rows = _compile(
+        "--head-dims", "64,128", "--variants", "window,documents,packed", "--space", "heuristic",
+        "--kernels", "dq_kernel,dkdv_kernel",
+    )  # fmt: skip
+    gluon = [r for r in rows if r["config"]["gluon"]]
+    built = {(r["kernel"], r["variant"], r["head_dim"], r["config"]["num_stages"]) for r in gluon}
+    variants = ("window", "documents", "packed")
+    assert built == {
+        (kernel, variant, head_dim, stages)
+        for variant in variants
+        for head_dim in (64, 128)
+        for kernel, stages in (("gluon_dq_kernel", 2), ("gluon_dkdv_kernel", 2), ("gluon_dkdv_kernel", 3))
+    }  # fmt: skip
+    assert not any(r["config"]["atomic_dq"] for r in gluon)  # not offered with these masks
+    assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
+    allowed = GLUON_SPILL_BYTES["gluon_dkdv_kernel", False]
+    assert all(r["spill_stores"] <= allowed for r in gluon), gluon
+    assert all(r["spill_stores"] == 0 for r in gluon if r["kernel"] == "gluon_dq_kernel"), gluon
+
+
 def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():
     """The warp-specialised config compiles for causal calls into three warpgroups (a mask
     Triton could not specialise would fall back silently to one, `.reqntid 128`)."""

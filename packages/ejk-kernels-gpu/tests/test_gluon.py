@@ -83,6 +83,31 @@ def test_ordinary_config_keeps_the_tiles():
     assert ordinary_config(GLUON2, 128, 2, side_inputs=False) == twin
 
 
+def _visible(c, b, rows, keys, tabs, lengths):
+    """The Gluon kernels' mask rule (`_gluon_common.visible`) in NumPy: ``[rows, keys]``,
+    True where row sees key (keys past the end, other packed sequences or segments,
+    outside causal or the window on positions hidden). ``tabs``: the launch's mask tables
+    (q/k sequence ids, q/k positions, q/k segment ids)."""
+    qsid, ksid, qpos, kpos, qseg, kseg = tabs
+    q_len, kv_len = lengths
+    qr, kk = np.minimum(rows, q_len - 1), np.minimum(keys, kv_len - 1)
+    vis = np.broadcast_to((keys < kv_len)[None, :], (len(rows), len(keys))).copy()
+    pos_q, pos_k = rows, keys
+    if c["VARLEN"]:
+        vis &= (np.where(rows < q_len, qsid[qr], -1)[:, None] ==
+                np.where(keys < kv_len, ksid[kk], -2)[None, :])  # fmt: skip
+        pos_q, pos_k = qpos[qr], kpos[kk]
+    if c["CAUSAL"]:
+        vis &= pos_k[None, :] <= pos_q[:, None]
+    if c["WINDOW_LEFT"] >= 0:
+        vis &= pos_k[None, :] >= pos_q[:, None] - c["WINDOW_LEFT"]
+        vis &= pos_k[None, :] <= pos_q[:, None] + c["WINDOW_RIGHT"]
+    if c["HAS_SEG"]:
+        qs = np.where(rows < q_len, qseg[b, qr], -1)[:, None]
+        vis &= (qs == np.where(keys < kv_len, kseg[b, kk], -1)[None, :]) & (qs >= 0)
+    return vis
+
+
 def _emulate_gluon(inputs, consts):
     """The Gluon forward's algorithm in NumPy (float32): per query block, the key blocks of
     its table row (unmasked and causal-only calls: the range from its rows) walked as the
@@ -131,22 +156,8 @@ def _emulate_gluon(inputs, consts):
             s = q_rows @ k_blk.T
             x = np.tanh(s * c["CAP_IN"]) * c["CAP_OUT"] if cap > 0 else s * qk
             if masked:
-                vis = np.broadcast_to((keys < kv_len)[None, :], x.shape).copy()
-                qr = np.minimum(rows, q_len - 1)
-                pos_q, pos_k = rows, keys
-                if c["VARLEN"]:
-                    vis &= (np.where(rows < q_len, qsid[qr], -1)[:, None] ==
-                            np.where(keys < kv_len, ksid[kk], -2)[None, :])  # fmt: skip
-                    pos_q, pos_k = qpos[qr], kpos[kk]
-                if c["CAUSAL"]:
-                    vis &= pos_k[None, :] <= pos_q[:, None]
-                if c["WINDOW_LEFT"] >= 0:
-                    vis &= pos_k[None, :] >= pos_q[:, None] - c["WINDOW_LEFT"]
-                    vis &= pos_k[None, :] <= pos_q[:, None] + c["WINDOW_RIGHT"]
-                if c["HAS_SEG"]:
-                    qs = np.where(rows < q_len, qseg[b, qr], -1)[:, None]
-                    vis &= (qs == np.where(keys < kv_len, kseg[b, kk], -1)[None, :]) & (qs >= 0)
-                x = np.where(vis, x, -np.inf)
+                tabs = (qsid, ksid, qpos, kpos, qseg, kseg)
+                x = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)), x, -np.inf)
             m_new = np.maximum(m, x.max(1))
             m_use = np.where(m_new == -np.inf, 0.0, m_new) if masked else m_new
             p = np.exp2(x - m_use[:, None])
@@ -166,14 +177,18 @@ def _emulate_gluon(inputs, consts):
 
 def _emulate_gluon_dkdv(inputs, consts):
     """The Gluon dk/dv kernel's algorithm in NumPy (float32): per program (``BN`` keys of one
-    (batch, kv head)), the query blocks `_query_blocks` gives it (causal: from the first
-    that reaches its keys), each head of the group, P rebuilt from the saved lse (rows
-    without mass: 0; soft-capped logits), causal on indices; dk scaled at the end, keys
-    past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed into a
-    float32 dq (else a one-element placeholder, as the launch's).
-    A range that skips a block some key sees gives a wrong gradient here."""
-    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
+    (batch, kv head)), the query blocks `_query_blocks` gives it (with a window, packing or
+    segment ids the dk/dv table's range, masked outside its full range; causal alone: from
+    the first block that reaches its keys, causal on indices), each head of the group, P
+    rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the
+    end, keys past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed
+    into a float32 dq (else a one-element placeholder, as the launch's).
+    A range that skips a block some key sees, or a full range that holds a hidden pair,
+    gives a wrong gradient here."""
+    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
+    tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
     c = consts
+    table = c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]
     batch, q_len = q.shape[:2]
     kv_len, kv_heads = k.shape[1], k.shape[2]
     bm, bn = c["BM"], c["BN"]
@@ -189,9 +204,11 @@ def _emulate_gluon_dkdv(inputs, consts):
         dk_blk = np.zeros_like(k_blk)
         dv_blk = np.zeros_like(v_blk)
         first = min(pid_n * bn // bm, q_len // bm) if c["CAUSAL"] else 0
-        for n, m in itertools.product(
-            range(kh * c["G"], (kh + 1) * c["G"]), range(first, q_len // bm)
-        ):
+        full, end = (0, 0), q_len // bm
+        if table:
+            lo, full_lo, full_hi, hi = ranges[b, pid_n] if c["HAS_SEG"] else ranges[pid_n]
+            first, full, end = lo // bm, (full_lo // bm, full_hi // bm), -(-hi // bm)
+        for n, m in itertools.product(range(kh * c["G"], (kh + 1) * c["G"]), range(first, end)):
             rows = m * bm + np.arange(bm)
             lse2 = lse[b, n, rows] * math.log2(math.e)
             lse2 = np.where(lse2 == -np.inf, np.inf, lse2)
@@ -203,7 +220,9 @@ def _emulate_gluon_dkdv(inputs, consts):
                 slope = 1.0 - t * t
             else:
                 p = np.exp2(s * c["QK"] - lse2[None, :])
-            if c["CAUSAL"]:
+            if table and not full[0] <= m < full[1]:
+                p = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)).T, p, 0.0)
+            elif not table and c["CAUSAL"]:
                 p = np.where(keys[:, None] <= rows[None, :], p, 0.0)
             dv_blk += p @ d_out[b, rows, n]
             ds = p * slope * (v_blk @ d_out[b, rows, n].T - delta[b, n, rows][None, :])
@@ -217,11 +236,14 @@ def _emulate_gluon_dkdv(inputs, consts):
 
 def _emulate_gluon_dq(inputs, consts):
     """The Gluon dq kernel's algorithm in NumPy (float32): per program (``BM`` query rows of
-    one (batch, head)), the key blocks it visits (causal: up to its last row's key), P from
-    the saved lse (soft-capped logits, their slope in dS), causal on indices and keys past
-    the end masked; dq scaled at the end."""
-    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs)
+    one (batch, head)), the key blocks it visits (with a window, packing or segment ids the
+    dq table's range, masked outside its full range; else causal up to its last row's key,
+    causal on indices and keys past the end masked), P from the saved lse (soft-capped
+    logits, their slope in dS); dq scaled at the end."""
+    q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
+    tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
     c = consts
+    table = c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]
     batch, q_len, heads, _ = q.shape
     kv_len = k.shape[1]
     bm, bn = c["BM"], c["BN"]
@@ -236,8 +258,12 @@ def _emulate_gluon_dq(inputs, consts):
         lse2 = np.where(lse2 == -np.inf, np.inf, lse2)
         dlt = np.where(valid, delta[b, n, rr], 0.0)
         end = -(-min((pid_m + 1) * bm, kv_len) // bn) if c["CAUSAL"] else -(-kv_len // bn)
+        first, full = 0, (0, 0)
+        if table:
+            lo, full_lo, full_hi, hi = ranges[b, pid_m] if c["HAS_SEG"] else ranges[pid_m]
+            first, full, end = lo // bn, (full_lo // bn, full_hi // bn), -(-hi // bn)
         acc = np.zeros_like(q_blk)
-        for j in range(end):
+        for j in range(first, end):
             keys = j * bn + np.arange(bn)
             kk = np.minimum(keys, kv_len - 1)
             k_blk = np.where((keys < kv_len)[:, None], k[b, kk, n // c["G"]], 0.0)
@@ -250,9 +276,12 @@ def _emulate_gluon_dq(inputs, consts):
                 slope = 1.0 - t * t
             else:
                 p = np.exp2(s * c["QK"] - lse2[:, None])
-            if c["CAUSAL"]:
-                p = np.where(keys[None, :] <= rows[:, None], p, 0.0)
-            p = np.where((keys < kv_len)[None, :], p, 0.0)
+            if table and not full[0] <= j < full[1]:
+                p = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)), p, 0.0)
+            elif not table:
+                if c["CAUSAL"]:
+                    p = np.where(keys[None, :] <= rows[:, None], p, 0.0)
+                p = np.where((keys < kv_len)[None, :], p, 0.0)
             acc += (p * slope * (do_blk @ v_blk.T - dlt[:, None])) @ k_blk
         dq[b, rows[valid], n] = acc[valid] * c["SCALE"]
     return dq
@@ -539,6 +568,13 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
     ]
     assert not any(c.gluon for c in bwd_search_space(128, 2, False))
     assert not any(c.gluon for c in bwd_search_space(256, 2, False, gluon=True))
+    # Masks beyond causal: dq beside it (three slots, two with a soft cap), never inside.
+    three = msgspec.structs.replace(GLUON_DKDV, num_stages=3)
+    assert bwd_heuristic(128, 2, True, 1, gluon=True, tables=True) == three
+    assert bwd_heuristic(128, 2, True, 4, gluon=True, tables=True) == three
+    assert bwd_heuristic(128, 2, True, 1, soft_cap=True, gluon=True, tables=True) == GLUON_DKDV
+    tabled = [c for c in bwd_search_space(128, 2, True, gluon=True, tables=True) if c.gluon]
+    assert tabled == [GLUON_DKDV, three]
 
 
 def _loss_grads(attn, q, k, v, **kwargs):
@@ -633,25 +669,93 @@ def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, c
             assert err < 2e-2, (head_dim, name)
 
 
+TABLED_BACKWARDS = [
+    ("window", dict(causal=True, sliding_window=(100, 0))),
+    ("two-sided window", dict(sliding_window=(70, 150))),
+    ("documents", dict(causal=True, documents="plain")),
+    ("repeated ids", dict(documents="repeat")),
+    ("packed", dict(causal=True, packed=True)),
+    ("documents, soft cap", dict(causal=True, documents="plain", logits_soft_cap=5.0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), "dq inside"], ids=["MHA", "GQA", "dq inside"])
+@pytest.mark.parametrize("case", TABLED_BACKWARDS, ids=[c[0] for c in TABLED_BACKWARDS])
+def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
+    gluon_launches, rng, case, heads
+):
+    """Windows, packed sequences and documents as segment ids (repeated ids, padding rows
+    that see nothing, documents across the 128-key and 64-row tiles) run the Gluon dk/dv
+    kernel by default, walking the dk/dv block table (its launch gets the table and the
+    mask constexprs), and the Gluon dq kernel beside it, walking the dq block table; asked
+    for with dq inside (``atomic_dq``), the dk/dv kernel computes dq too. The gradients,
+    through the emulations fed the launches' own tables, match the reference."""
+    _, kwargs = case
+    kwargs = dict(kwargs)
+    dq_inside = heads == "dq inside"
+    if dq_inside:
+        kwargs["bwd_config"] = msgspec.structs.replace(GLUON_DKDV, atomic_dq=True)
+    heads, kv_heads = (4, 4) if dq_inside else heads
+    batch, q_len = 2, 384
+    if kwargs.pop("packed", False):
+        batch = 1
+        cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    documents = kwargs.pop("documents", None)
+    if documents:
+        ids = random_document_ids(
+            rng, batch, q_len, min_len=20, max_len=150, padding=5, repeat=documents == "repeat"
+        )
+        kwargs["segment_ids"] = jnp.asarray(ids)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 128)), jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 128)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    grads = _loss_grads(flash_attention, q, k, v, **kwargs)
+    [(grid, consts, _, _)] = gluon_launches.dkdv
+    assert grid == (3, batch * kv_heads)
+    left, right = kwargs.get("sliding_window", (-1, -1))
+    assert (consts["WINDOW_LEFT"], consts["WINDOW_RIGHT"]) == (left, right)
+    assert consts["VARLEN"] == ("cu_seqlens_q" in kwargs)
+    assert consts["HAS_SEG"] == ("segment_ids" in kwargs)
+    assert consts["DQ"] == dq_inside
+    if dq_inside:
+        assert gluon_launches.dq == []
+    else:
+        [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
+        assert dq_grid == (3, batch * heads)
+        assert {n: dq_consts[n] for n in ("WINDOW_LEFT", "VARLEN", "HAS_SEG")} == {
+            n: consts[n] for n in ("WINDOW_LEFT", "VARLEN", "HAS_SEG")
+        }
+    kwargs.pop("bwd_config", None)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _loss_grads(reference_attention, *f32, **kwargs)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert err < 2e-2, name
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(causal=True, sliding_window=(50, 0)),
-        dict(causal=True, segments=True),
         dict(dtype=jnp.float32),
         dict(head_dim=256),
+        dict(causal=True, segments=True, q_len=96),
     ],
-    ids=["window", "segment ids", "float32", "head_dim 256"],
+    ids=["float32", "head_dim 256", "rows off the steps"],
 )
 def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
-    """The Gluon dk/dv kernel has no window, segment ids, float32 or head_dim 256:
-    such calls (even with its config asked for) run the ordinary kernels, correctly."""
+    """The Gluon dk/dv kernel has no float32 or head_dim 256 and needs query rows on whole
+    64-row steps: such calls (even with its config asked for) run the ordinary kernels,
+    correctly."""
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", jnp.bfloat16)
     head_dim = kwargs.pop("head_dim", 128)
-    q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 2, head_dim)), dtype) for _ in range(3))
+    q_len = kwargs.pop("q_len", 128)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, q_len, 2, head_dim)), dtype) for _ in range(3))
     if kwargs.pop("segments", False):
-        kwargs["segment_ids"] = jnp.asarray(np.repeat([[0, 1]], 64, axis=1), jnp.int32)
+        kwargs["segment_ids"] = jnp.asarray(np.repeat([[0, 1]], q_len // 2, axis=1), jnp.int32)
     grads = _loss_grads(flash_attention, q, k, v, bwd_config=GLUON_DKDV, **kwargs)
     assert gluon_launches.dkdv == gluon_launches.dq == []
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]

@@ -236,9 +236,13 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 # ids, packing) keep one loop-invariant value in local memory since programs take tiles
 # from a counter: one load a key block (12-24 bytes in all; read in the SASS, 2026-11-25),
 # and those calls measured 1.17x faster persistent all the same.
+# The dk/dv kernel's builds with masks beyond causal (window, segment ids, packing; the
+# heuristic's, without dq in it) spill 64-120 bytes at head_dim 128 (none at 64): they
+# measured faster than the ordinary backward all the same (`_config.bwd_heuristic`).
+# Every mask and the soft cap at once spills ~800 bytes: not offered here as clean.
 GLUON_SPILL_BYTES = {
     ("gluon_fwd_kernel", False): 32,
-    ("gluon_dkdv_kernel", False): 64,
+    ("gluon_dkdv_kernel", False): 128,
     ("gluon_dkdv_kernel", True): 320,
 }
 
@@ -294,15 +298,18 @@ def main(argv: list[str] | None = None) -> int:
                     # fits, and the warp-specialised one where the call could take it
                     cap = "soft_cap" in VARIANTS[variant]
                     cfg = bwd_heuristic(head_dim, itemsize, side, soft_cap=cap)
+                    tables = any(VARIANTS[variant].get(f) for f in ("window", "has_seg", "varlen"))
                     twin = msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq)
                     fits = fits_shared_memory("dkdv", twin, head_dim, itemsize, side)
                     space = (cfg, twin) if fits else (cfg,)
                     if ws and itemsize == 2:  # explicit-config builds (see WS_BWD_CONFIGS)
                         space += WS_BWD_CONFIGS.get(head_dim, ())
-                    if (ws or variant == "softcap") and itemsize == 2:  # what Gluon dk/dv takes
-                        # (with a soft cap two slots only: three spill in the loop)
+                    if gluon and itemsize == 2:  # what Gluon dk/dv takes (no bias or
+                        # dropout; with a soft cap two slots only: three spill in the loop)
+                        # (masks beyond causal: none with dq inside, see bwd_search_space)
                         gluon_bwd = GLUON_BWD_CONFIGS.get(head_dim, ())
-                        space += gluon_bwd[:1] if variant == "softcap" else gluon_bwd
+                        gluon_bwd = tuple(c for c in gluon_bwd if not (tables and c.atomic_dq))
+                        space += gluon_bwd[:1] if cap else gluon_bwd
                 for name in (n for n in names if n in wanted):
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;

@@ -57,7 +57,7 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
 
 
 def _gluon_dkdv(
-    opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig
+    opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig
 ) -> tuple[Array, Array, Array | None]:
     """(dk, dv, dq sum or None) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds);
     with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces."""
@@ -66,7 +66,7 @@ def _gluon_dkdv(
     dk, dv, dq_sum, _ = launch(
         kernels().gluon_dkdv_kernel,
         grid,
-        (q, k, v, d_out, *stats),
+        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -81,14 +81,15 @@ def _gluon_dkdv(
     return dk, dv, dq_sum if cfg.atomic_dq else None
 
 
-def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, cfg: FlashConfig) -> Array:
-    """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program)."""
+def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig) -> Array:
+    """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program; with a window,
+    packing or segment ids it walks the dq block table, built for the same tiles)."""
     batch, q_len, heads = q.shape[:3]
     grid = (-(-q_len // cfg.block_q), batch * heads)
     dq, _ = launch(
         kernels().gluon_dq_kernel,
         grid,
-        (q, k, v, d_out, *stats),
+        (q, k, v, d_out, *stats, *tables.masking(), tables.dq_ranges),
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
@@ -147,7 +148,7 @@ def backward(
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
     if gluon:
-        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, opts.bwd_cfg)
+        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, tables, opts.bwd_cfg)
         dlogits = None
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
@@ -155,7 +156,7 @@ def backward(
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     elif gluon and GLUON_DQ_CONFIG is not None:
-        dq = _gluon_dq(opts, q, k, v, d_out, stats, GLUON_DQ_CONFIG)
+        dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, GLUON_DQ_CONFIG)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)
         dq, _ = launch(

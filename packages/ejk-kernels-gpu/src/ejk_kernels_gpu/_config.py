@@ -69,11 +69,11 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in
-            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `ordinary_config`).
-            Taken by calls with 16-bit inputs, head_dim 64 or 128, a
-            positive scale, causal or no mask, a soft cap or none, no dropout, and query
-            rows on whole 64-row steps (`_options.can_run_gluon_dkdv`); any other call runs the
-            ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
+            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
+            positive scale, no bias or dropout, and query rows on whole 64-row steps
+            (`_options.can_run_gluon_dkdv`); every mask (windows, packed sequences and
+            segment ids through the dk/dv block table), soft cap and sinks run in it; any
+            other call runs the ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
             forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
@@ -249,12 +249,13 @@ _GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 # json: 455 -> 497 unmasked, 403 -> 409 causal, 478 -> 511 at T16384 causal with three
 # slots; GQA causal 419 -> 373, soft cap 352 -> 327).
 _GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+_GLUON_BWD_3 = msgspec.structs.replace(_GLUON_BWD, num_stages=3)
 _GLUON_BWD_DQ = msgspec.structs.replace(_GLUON_BWD, num_stages=3, atomic_dq=True)
 GLUON_BWD_CONFIGS = {
-    64: (_GLUON_BWD, msgspec.structs.replace(_GLUON_BWD, num_stages=3)),
+    64: (_GLUON_BWD, _GLUON_BWD_3),
     128: (
         _GLUON_BWD,
-        msgspec.structs.replace(_GLUON_BWD, num_stages=3),
+        _GLUON_BWD_3,
         msgspec.structs.replace(_GLUON_BWD, atomic_dq=True),
         _GLUON_BWD_DQ,
     ),
@@ -264,6 +265,8 @@ GLUON_BWD_CONFIGS = {
 # for the ordinary dq kernel with the dk/dv config's tiles. H100, forward+backward: soft cap
 # 277 -> 355 TFLOP/s (its tanh per score overlaps the matmuls), without a cap +1-2 %; 64
 # and 128 keys a step level (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json).
+# Its tiles are the Gluon dk/dv configs' (128, 64): the dq block table built for those
+# serves it with a window, packing or segment ids.
 GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
     block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True
 )
@@ -333,18 +336,23 @@ def bwd_search_space(
     side_inputs: bool = True,
     gluon: bool = False,
     soft_cap: bool = False,
+    tables: bool = False,
 ) -> tuple[FlashConfig, ...]:
     """Every backward config (shared by the dq and dk/dv kernels) that fits both, and
     with ``gluon`` (the call can take the Gluon dk/dv kernel, `_options.can_run_gluon_dkdv`)
     its configs (`GLUON_BWD_CONFIGS`; with a ``soft_cap`` the two-slot one only: with three
-    its sm_90 build spills registers inside its loop).
+    its sm_90 build spills registers inside its loop; with ``tables``, masks beyond causal,
+    none with dq inside: those builds spill 350-860 bytes and measured 7-19 % slower,
+    see `bwd_heuristic`).
 
     The warp-specialised backward is left out until its dk/dv race is fixed (see
     `bwd_heuristic`).
     """
     space = _space(("dq", "dkdv"), _BWD_AXES, head_dim, itemsize, side_inputs)
     if gluon and itemsize == 2:
-        space += GLUON_BWD_CONFIGS.get(head_dim, ())[: 1 if soft_cap else None]
+        configs = GLUON_BWD_CONFIGS.get(head_dim, ())
+        configs = tuple(c for c in configs if not (tables and c.atomic_dq))
+        space += configs[: 1 if soft_cap else None]
     return space
 
 
@@ -386,6 +394,7 @@ def bwd_heuristic(
     group: int = 1,
     soft_cap: bool = False,
     gluon: bool = False,
+    tables: bool = False,
 ) -> FlashConfig:
     """A good backward config without timing (block_q resident, block_k streamed).
 
@@ -410,9 +419,16 @@ def bwd_heuristic(
     ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
     at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
     slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
-    `GLUON_BWD_CONFIGS`).
+    `GLUON_BWD_CONFIGS`). ``tables``: the call's masks go beyond causal (a window, packing,
+    segment ids; `_options.CallOptions.tabled`): there dq beside it, three slots without a
+    soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100: ordinary
+    backward 1.96, Gluon dk/dv 1.66 with two slots, 1.62 with three, 1.73 with dq inside;
+    as ``cu_seqlens`` 1.73, 1.60, 1.60, 1.91; docs/gpu-runs/2026-11-26-h100-gluon-bwd-
+    tables.json).
     """
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
+        if tables:
+            return _GLUON_BWD if soft_cap else _GLUON_BWD_3
         return _GLUON_BWD_DQ if group == 1 and not soft_cap else _GLUON_BWD
     if head_dim <= 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)

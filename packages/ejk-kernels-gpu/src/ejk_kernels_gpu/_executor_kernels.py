@@ -114,7 +114,9 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         opts = call_options(request, None, None)
         kv_len = request.k.shape[1]
         gluon = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, GLUON_DKDV)
-        return bwd_search_space(*_shape_info(inv, 4), gluon=gluon, soft_cap=opts.soft_cap > 0.0)
+        return bwd_search_space(
+            *_shape_info(inv, 4), gluon=gluon, soft_cap=opts.soft_cap > 0.0, tables=opts.tabled()
+        )
 
 
 def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:

@@ -2,7 +2,11 @@
 
 One program owns ``BN`` = 128 keys of one (batch, kv head) and visits every query block
 that can see them, for each query head of the group (FlashAttention-2's dk/dv loop,
-Alg. 2, on Hopper's warpgroup matrix instructions):
+Alg. 2, on Hopper's warpgroup matrix instructions). With a window, packed sequences or
+segment ids the query blocks come from the dk/dv block table (`_masks.block_table`,
+``(lo, full_lo, full_hi, hi)`` in query rows): blocks outside ``[lo, hi)`` are never
+loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide pairs by
+the forward's rule (`_gluon_common.visible`); causal alone needs no table.
 
 - a producer warp copies the program's k and v once, then q and dO of each visited
   query block into a ring of ``STAGES`` slots by TMA (``ready``: the copy landed;
@@ -17,12 +21,13 @@ consumers' ``dSᵀ`` go through shared memory, each multiplies ``dS`` by its hal
 columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
 `_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
 query rows a program, two consumer warpgroups, k and v streamed), or the ordinary dq
-kernel (`_config.GLUON_DQ_CONFIG`). Calls they take
-(`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias,
-dropout, window, packing or segment ids (causal, soft cap and sinks are fine: the sinks
-live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole 64-row tiles (q and dO are read through one
-descriptor over every (batch, head)). Keys past the end are zero-filled on load and
-clipped on store.
+kernel (`_config.GLUON_DQ_CONFIG`). Calls the
+dk/dv kernel takes (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a
+positive scale, no bias or dropout (every mask, the soft cap and sinks are fine: the sinks
+live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole
+64-row tiles (q and dO are read through one descriptor over every (batch, head)); the
+Gluon dq kernel takes the same masks (through the dq block table). Keys past the end are zero-filled on load
+and clipped on store.
 """
 
 from typing import NamedTuple
@@ -32,7 +37,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, operand_layout, reduce_add, ring_slot, tanh, wgmma_layout
+from ._gluon_common import (
+    barriers,
+    operand_layout,
+    reduce_add,
+    ring_slot,
+    tanh,
+    token_info,
+    visible,
+    wgmma_layout,
+)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -53,20 +67,33 @@ class DkdvOptions(NamedTuple):
     CAP_IN: float  # scale / soft cap: tanh's argument per q·kᵀ
     CAP_OUT: float  # soft cap · log2(e): capped logits in log2 units
     CAUSAL: bool
+    WINDOW_LEFT: int  # -1: no window
+    WINDOW_RIGHT: int
+    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    HAS_SEG: bool  # segment ids per (batch, token)
+    TABLE: bool  # query ranges from the block table (window, packing, segment ids)
     DQ: bool  # dq too, added into a float32 buffer by TMA reduce (head_dim 128)
 
 
 @gluon.jit
-def _query_blocks(pid_n, F: gl.constexpr):
-    """(first, end) query block a program's keys are visible from: causal programs skip
-    the blocks wholly before their first key."""
+def _query_blocks(pid_n, b, ranges_ptr, F: gl.constexpr):
+    """(first, full_lo, full_hi, end) query blocks of a program's keys: it visits
+    ``[first, end)`` and needs no mask in ``[full_lo, full_hi)``. From the block table
+    (``TABLE``), else causal programs skip the blocks wholly before their first key (and
+    mask every block they visit: the full range is unused)."""
     n_m: gl.constexpr = F.T // F.BM
-    first = (pid_n * F.BN) // F.BM if F.CAUSAL else 0
-    return gl.minimum(first, n_m), n_m
+    if F.TABLE:
+        n_n: gl.constexpr = (F.S + F.BN - 1) // F.BN
+        table = ranges_ptr + ((b * n_n + pid_n) * 4 if F.HAS_SEG else pid_n * 4)
+        first = gl.load(table) // F.BM
+        end = gl.cdiv(gl.load(table + 3), F.BM)
+        return first, gl.load(table + 1) // F.BM, gl.load(table + 2) // F.BM, end
+    first = gl.minimum((pid_n * F.BN) // F.BM, n_m) if F.CAUSAL else 0
+    return first, first, first, n_m
 
 
 @gluon.jit
-def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
+def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     """Copy the program's k and v, then q and dO of every (head of the group, query block)."""
     q_desc, do_desc, k_desc, v_desc = descs
     q_smem, do_smem, k_smem, v_smem = smem[:4]
@@ -77,7 +104,7 @@ def _producer(descs, smem, bars, b, kh, pid_n, F: gl.constexpr):
         key = pid_n * F.BN + c * HALF
         tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
-    first, end = _query_blocks(pid_n, F)
+    first, _, _, end = _query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
@@ -135,12 +162,14 @@ def _store_dq(dq, smem, dq_desc, row, n, F: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.constexpr):
+def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: gl.constexpr):
     """dk and dv of keys ``pid_n·BN + C·BN/2 ..`` (consumer C of two); with ``DQ`` its
-    half of dq's columns too (`_add_dq`)."""
+    half of dq's columns too (`_add_dq`). ``tabs``: the rows' and keys' mask tables and
+    the block table."""
     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, ready, empty, ds_ready, done = bars
     lse_ptr, delta_ptr = stats
+    row_tabs, key_tabs, ranges_ptr = tabs
     dk_desc, dv_desc, dq_desc, scale = dest
     HALF: gl.constexpr = F.BN // 2
     # Sᵀ and dPᵀ: [keys, query rows]; dK and dV: [keys, head_dim].
@@ -156,8 +185,9 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
     dv = gl.zeros([HALF, F.H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, F.BM], gl.float32, s_layout)
     keys = pid_n * F.BN + C * HALF + gl.arange(0, HALF, layout=key_layout)
+    key_info = token_info(keys, F.S, b, key_tabs, F, -2)  # what the masks read per key
     cols = gl.arange(0, F.BM, layout=col_layout)
-    first, end = _query_blocks(pid_n, F)
+    first, full_lo, full_hi, end = _query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):
@@ -182,7 +212,11 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
             p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 0))
         else:
             p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
-        if F.CAUSAL:
+        if F.TABLE:
+            if (m < full_lo) | (m >= full_hi):  # a block some pair of which is hidden
+                row_info = token_info(row0 + cols, F.T, b, row_tabs, F, -1)
+                p = gl.where(visible(row_info, key_info, 1, F), p, 0.0)
+        elif F.CAUSAL:
             p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
         p16 = gl.convert_layout(p.to(dtype), a_layout)
         if F.SOFT_CAP > 0.0:  # dS takes the logits' slope 1 - tanh²: folded in now, so
@@ -220,19 +254,24 @@ def _consumer(smem, bars, stats, dest, b, kh, pid_n, F: gl.constexpr, C: gl.cons
 @gluon.jit
 def gluon_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
     dk_ptr, dv_ptr, dq_acc_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr,
-    INTERPRET: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+    DQ: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
-    as the forward's); with ``DQ``, ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains
-    ``dS·k`` (unscaled; head_dim 128), else it is unused;
-    ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET is unused."""
+    as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
+    keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
+    4]`` with segment ids), as the ordinary dk/dv kernel's; with ``DQ``, ``dq_acc_ptr``
+    [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled; head_dim 128), else it
+    is unused; ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET
+    is unused."""
     F: gl.constexpr = DkdvOptions(
         T=T,
         S=S,
@@ -247,6 +286,11 @@ def gluon_dkdv_kernel(
         CAP_IN=CAP_IN,
         CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL,
+        WINDOW_LEFT=WINDOW_LEFT,
+        WINDOW_RIGHT=WINDOW_RIGHT,
+        VARLEN=VARLEN,
+        HAS_SEG=HAS_SEG,
+        TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         DQ=DQ,
     )
     HALF: gl.constexpr = BN // 2
@@ -288,14 +332,16 @@ def gluon_dkdv_kernel(
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
     smem = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem)
     bars = (kv_ready, ready, empty, ds_ready, done)
+    stats = (lse_ptr, delta_ptr)
+    tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr), ranges_ptr)
+    dest = (dk_desc, dv_desc, dq_desc, SCALE)
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, dq_desc, SCALE),
-                         b, kh, pid_n, F, 0)),
-            (_consumer, (smem, bars, (lse_ptr, delta_ptr), (dk_desc, dv_desc, dq_desc, SCALE),
-                         b, kh, pid_n, F, 1)),
-            (_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, kh, pid_n, F)),
+            (_consumer, (smem, bars, stats, tabs, dest, b, kh, pid_n, F, 0)),
+            (_consumer, (smem, bars, stats, tabs, dest, b, kh, pid_n, F, 1)),
+            (_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, ranges_ptr, b, kh,
+                         pid_n, F)),
         ],
         [4, 1],
         [240, 24],
@@ -315,19 +361,32 @@ class DqOptions(NamedTuple):
     CAP_IN: float  # scale / soft cap
     CAP_OUT: float  # soft cap · log2(e)
     CAUSAL: bool
+    WINDOW_LEFT: int  # -1: no window
+    WINDOW_RIGHT: int
+    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    HAS_SEG: bool  # segment ids per (batch, token)
+    TABLE: bool  # key ranges from the block table (window, packing, segment ids)
 
 
 @gluon.jit
-def _dq_key_blocks(pid_m, BM: gl.constexpr, F: gl.constexpr):
-    """Key blocks a program of query rows ``pid_m·BM ..`` visits: causal ones stop at the
-    block of its last row's key."""
+def _dq_key_blocks(b, pid_m, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
+    """(first, full_lo, full_hi, end) key blocks of a program of query rows ``pid_m·BM ..``:
+    it visits ``[first, end)`` and needs no mask in ``[full_lo, full_hi)``. From the dq
+    block table (``TABLE``), else causal ones stop at the block of its last row's key (and
+    the full range is unused)."""
+    if F.TABLE:
+        n_m: gl.constexpr = (F.T + BM - 1) // BM
+        table = ranges_ptr + ((b * n_m + pid_m) * 4 if F.HAS_SEG else pid_m * 4)
+        first = gl.load(table) // F.BN
+        end = gl.cdiv(gl.load(table + 3), F.BN)
+        return first, gl.load(table + 1) // F.BN, gl.load(table + 2) // F.BN, end
     if F.CAUSAL:
-        return gl.cdiv(gl.minimum((pid_m + 1) * BM, F.S), F.BN)
-    return gl.cdiv(F.S, F.BN)
+        return 0, 0, 0, gl.cdiv(gl.minimum((pid_m + 1) * BM, F.S), F.BN)
+    return 0, 0, 0, gl.cdiv(F.S, F.BN)
 
 
 @gluon.jit
-def _dq_producer(descs, smem, bars, pid_m, BM: gl.constexpr, F: gl.constexpr):
+def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
     """Copy the program's q and dO (one half per consumer), then k and v of each key block."""
     q_desc, do_desc, k_desc, v_desc = descs
     q_smem, do_smem, k_smem, v_smem = smem
@@ -338,8 +397,9 @@ def _dq_producer(descs, smem, bars, pid_m, BM: gl.constexpr, F: gl.constexpr):
         row = pid_m * BM + c * HALF
         tma.async_copy_global_to_shared(q_desc, [row, 0], row_ready.index(c), q_smem.index(c))
         tma.async_copy_global_to_shared(do_desc, [row, 0], row_ready.index(c), do_smem.index(c))
-    for j in range(_dq_key_blocks(pid_m, BM, F)):
-        s, phase = ring_slot(j, F.STAGES)
+    first, _, _, end = _dq_key_blocks(b, pid_m, ranges_ptr, BM, F)
+    for j in range(first, end):
+        s, phase = ring_slot(j - first, F.STAGES)
         mbarrier.wait(empty.index(s), phase ^ 1)  # a slot's first use waits for nothing
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [j * F.BN, 0], ready.index(s), k_smem.index(s))
@@ -347,12 +407,14 @@ def _dq_producer(descs, smem, bars, pid_m, BM: gl.constexpr, F: gl.constexpr):
 
 
 @gluon.jit
-def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constexpr,
+def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: gl.constexpr,
                  C: gl.constexpr):  # fmt: skip
-    """dq of rows ``pid_m·BM + C·BM/2 ..`` (consumer C of two)."""
+    """dq of rows ``pid_m·BM + C·BM/2 ..`` (consumer C of two); ``tabs``: the rows' and
+    keys' mask tables and the block table."""
     q_smem, do_smem, k_smem, v_smem = smem
     row_ready, ready, empty = bars
     lse_ptr, delta_ptr = stats
+    row_tabs, key_tabs, ranges_ptr = tabs
     dq_desc, scale = dest
     HALF: gl.constexpr = BM // 2
     H: gl.constexpr = q_smem.shape[2]
@@ -366,6 +428,7 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
     do_c = do_smem.index(C)
     row0 = pid_m * BM + C * HALF
     rows = row0 + gl.arange(0, HALF, layout=row_layout)
+    row_info = token_info(rows, F.T, b, row_tabs, F, -1)  # what the masks read per row
     ok = rows < F.T
     # Rows past the end or without mass have P = 0: +inf keeps exp2 at 0.
     lse = gl.load(lse_ptr + rows, mask=ok, other=float("inf")) * _LOG2E
@@ -373,9 +436,10 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
     delta = gl.load(delta_ptr + rows, mask=ok, other=0.0)
     dq = gl.zeros([HALF, H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
+    first, full_lo, full_hi, end = _dq_key_blocks(b, pid_m, ranges_ptr, BM, F)
     mbarrier.wait(row_ready.index(C), 0)
-    for j in range(_dq_key_blocks(pid_m, BM, F)):
-        s, phase = ring_slot(j, F.STAGES)
+    for j in range(first, end):
+        s, phase = ring_slot(j - first, F.STAGES)
         mbarrier.wait(ready.index(s), phase)
         k_s = k_smem.index(s)
         s_tok = hopper.warpgroup_mma(q_c, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -389,10 +453,16 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
         else:
             p = gl.exp2(s_ij * F.QK - gl.expand_dims(lse, 1))
         keys = j * F.BN + gl.arange(0, F.BN, layout=key_layout)
-        if F.CAUSAL:
-            p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
-        if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
-            p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
+        if F.TABLE:
+            if (j < full_lo) | (j >= full_hi):  # a block some pair of which is hidden (keys
+                # past the end among them: zero-filled k would add to dq)
+                key_info = token_info(keys, F.S, b, key_tabs, F, -2)
+                p = gl.where(visible(row_info, key_info, 0, F), p, 0.0)
+        else:
+            if F.CAUSAL:
+                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+            if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
+                p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
         dp = hopper.warpgroup_mma_wait(0, deps=[dp_tok])
         ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
         dq_tok = hopper.warpgroup_mma(ds16, k_s, dq, is_async=True)
@@ -407,20 +477,26 @@ def _dq_consumer(smem, bars, stats, dest, pid_m, BM: gl.constexpr, F: gl.constex
 @gluon.jit
 def gluon_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
     dq_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
-    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INTERPRET: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
-    """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T];
+    """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T],
+    the mask tables and ``ranges_ptr``, the dq block table (``[query blocks, 4]``,
+    ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
     grid (query blocks of BM, B·N), causal programs heaviest first. Two consumer
     warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
     STAGES slots (the forward's schedule, `_gluon_forward_kernel`, without its pipelining
     across steps); rows and keys past the ends are zero-filled on load, clipped on store."""
     F: gl.constexpr = DqOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN,
-        CAP_OUT=CAP_OUT, CAUSAL=CAUSAL,
+        CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
+        VARLEN=VARLEN, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -449,12 +525,14 @@ def gluon_dq_kernel(
     smem = (q_smem, do_smem, k_smem, v_smem)
     bars = (row_ready, ready, empty)
     stats = (lse_ptr + bn.to(gl.int64) * T, delta_ptr + bn.to(gl.int64) * T)
+    tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr), ranges_ptr)
     # fmt: off
     gl.warp_specialize(
         [
-            (_dq_consumer, (smem, bars, stats, (dq_desc, SCALE), pid_m, BM, F, 0)),
-            (_dq_consumer, (smem, bars, stats, (dq_desc, SCALE), pid_m, BM, F, 1)),
-            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, pid_m, BM, F)),
+            (_dq_consumer, (smem, bars, stats, tabs, (dq_desc, SCALE), b, pid_m, BM, F, 0)),
+            (_dq_consumer, (smem, bars, stats, tabs, (dq_desc, SCALE), b, pid_m, BM, F, 1)),
+            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, pid_m,
+                            ranges_ptr, BM, F)),
         ],
         [4, 1],
         [240, 24],

@@ -1,4 +1,7 @@
-"""Helpers the Gluon kernels share (the forward, the dk/dv and the dq kernel)."""
+"""Helpers the Gluon kernels share (the forward, the dk/dv and the dq kernel): barriers and
+ring slots, the MUFU tanh, wgmma layouts, the TMA reduce, and the masks' rule per score
+(`token_info`, `visible`), which the forward and the dk/dv kernel apply to tiles of
+opposite orientation."""
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -43,6 +46,53 @@ def operand_layout(acc_layout):
     """The layout of a 16-bit wgmma first operand held in registers, for a matmul whose
     accumulator has ``acc_layout``."""
     return gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+
+@gluon.jit
+def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.constexpr):
+    """What the masks read per token ``idx`` (a vector of query rows or of keys of batch row
+    ``b``), loaded once: (in range, sequence id, position, segment id). ``tabs``: the
+    axis's (sequence ids, positions, segment ids) pointers; ``length``: its T or S; tokens
+    past it get sequence id ``SID_PAD`` and segment id -1 (they match nothing). Without a
+    table ``idx`` stands in (unused by `visible`)."""
+    sid_ptr, pos_ptr, seg_ptr = tabs
+    ok = idx < length
+    sid = idx
+    pos = idx
+    seg = idx
+    if F.VARLEN:
+        sid = gl.load(sid_ptr + idx, mask=ok, other=SID_PAD)
+        pos = gl.load(pos_ptr + idx, mask=ok, other=0)
+    if F.HAS_SEG:
+        seg = gl.load(seg_ptr + b * length + idx, mask=ok, other=-1)
+    return ok, sid, pos, seg
+
+
+@gluon.jit
+def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr):
+    """Which (query, key) pairs of a tile the call's masks let through: ``rows`` and ``keys``
+    from `token_info`, rows along axis ``ROW_AXIS`` of the tile (0: the forward's S, 1: the
+    dk/dv kernel's Sᵀ); keys past the end, another packed sequence or segment, outside
+    causal or the window (on the tokens' positions) are hidden, as
+    `_kernel_common.visibility` decides for the ordinary kernels. ``F`` names CAUSAL,
+    WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN and HAS_SEG."""
+    KEY_AXIS: gl.constexpr = 1 - ROW_AXIS
+    # Each vector gains the other axis's dimension and broadcasts over it.
+    ok = gl.expand_dims(keys[0], ROW_AXIS)
+    pos_q = gl.expand_dims(rows[2], KEY_AXIS)
+    pos_k = gl.expand_dims(keys[2], ROW_AXIS)
+    vis = ok
+    if F.VARLEN:
+        vis = vis & (gl.expand_dims(rows[1], KEY_AXIS) == gl.expand_dims(keys[1], ROW_AXIS))
+    if F.CAUSAL:
+        vis = vis & (pos_k <= pos_q)
+    if F.WINDOW_LEFT >= 0:
+        vis = vis & (pos_k >= pos_q - F.WINDOW_LEFT) & (pos_k <= pos_q + F.WINDOW_RIGHT)
+    if F.HAS_SEG:
+        # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
+        seg_q = gl.expand_dims(rows[3], KEY_AXIS)
+        vis = vis & (seg_q == gl.expand_dims(keys[3], ROW_AXIS)) & (seg_q >= 0)
+    return vis
 
 
 @builtin

@@ -18,9 +18,10 @@ The key blocks a program visits come from the same per-query-block table as the 
 kernel's (`_masks.block_table`: ``(lo, full_lo, full_hi, hi)``): blocks outside
 ``[lo, hi)`` are never loaded (causal, window, packed sequences, documents given as segment
 ids), blocks inside ``[full_lo, full_hi)`` run without a mask, the others evaluate the
-call's masks per score (`_visible`: causal and window on positions, packed-sequence ids,
-segment ids, keys past the end). A soft cap is one ``tanh.approx`` per score (one MUFU op,
-as FlashAttention-3 does), in log2 units like the rest of the softmax.
+call's masks per score (`_visible`, by `_gluon_common.visible`: causal and window on
+positions, packed-sequence ids, segment ids, keys past the end). A soft cap is one
+``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
+rest of the softmax.
 
 A tile is one query block of one (batch, head). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
@@ -48,7 +49,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_common import barriers, operand_layout, ring_slot, tanh, wgmma_layout
+from ._gluon_common import (
+    barriers,
+    operand_layout,
+    ring_slot,
+    tanh,
+    token_info,
+    visible,
+    wgmma_layout,
+)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -219,49 +228,12 @@ def _producer(descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr, t
 
 
 @gluon.jit
-def _row_info(rows, b, row_tabs, F: gl.constexpr):
-    """What the masks read per query row, loaded once: (sequence id, position, segment id)
-    (``rows`` themselves where the call has no such table)."""
-    qsid_ptr, qpos_ptr, qseg_ptr = row_tabs
-    ok = rows < F.T
-    sid = rows
-    pos = rows
-    seg = rows
-    if F.VARLEN:
-        sid = gl.load(qsid_ptr + rows, mask=ok, other=-1)
-        pos = gl.load(qpos_ptr + rows, mask=ok, other=0)
-    if F.HAS_SEG:
-        seg = gl.load(qseg_ptr + b * F.T + rows, mask=ok, other=-1)
-    return sid, pos, seg
-
-
-@gluon.jit
 def _visible(x, j, row_info, b, key_tabs, F: gl.constexpr):
-    """``x`` (a [rows, BN] tile of key block j) with -inf where the key is hidden: past the
-    keys' end, another packed sequence or segment, outside causal or the window (on the
-    tokens' positions), as `_kernel_common.visibility` decides for the ordinary kernel."""
-    ksid_ptr, kpos_ptr, kseg_ptr = key_tabs
-    sid, pos_q, seg = row_info
+    """``x`` (a [rows, BN] tile of key block j) with -inf where the key is hidden
+    (`_gluon_common.visible`); ``row_info``: the rows' `token_info`."""
     keys = j * F.BN + gl.arange(0, F.BN, layout=gl.SliceLayout(0, x.type.layout))
-    ok = keys < F.S
-    visible = gl.expand_dims(ok, 0)  # [1, BN], broadcast over the rows
-    pos_k = keys
-    if F.VARLEN:
-        ksid = gl.load(ksid_ptr + keys, mask=ok, other=-2)
-        pos_k = gl.load(kpos_ptr + keys, mask=ok, other=0)
-        visible = visible & (gl.expand_dims(sid, 1) == gl.expand_dims(ksid, 0))
-    pk = gl.expand_dims(pos_k, 0)
-    pq = gl.expand_dims(pos_q, 1)
-    if F.CAUSAL:
-        visible = visible & (pk <= pq)
-    if F.WINDOW_LEFT >= 0:
-        visible = visible & (pk >= pq - F.WINDOW_LEFT) & (pk <= pq + F.WINDOW_RIGHT)
-    if F.HAS_SEG:
-        # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
-        kseg = gl.load(kseg_ptr + b * F.S + keys, mask=ok, other=-1)
-        qs = gl.expand_dims(seg, 1)
-        visible = visible & (qs == gl.expand_dims(kseg, 0)) & (qs >= 0)
-    return gl.where(visible, x, float("-inf"))
+    key_info = token_info(keys, F.S, b, key_tabs, F, -2)
+    return gl.where(visible(row_info, key_info, 0, F), x, float("-inf"))
 
 
 @gluon.jit
@@ -355,7 +327,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     q = q_smem.index(C)
     row_c = pid_m * F.BM + C * HALF
     rows = row_c + gl.arange(0, HALF, layout=row_layout)
-    masks = (_row_info(rows, b, row_tabs, F), b, key_tabs)
+    masks = (token_info(rows, F.T, b, row_tabs, F, -1), b, key_tabs)
     if HAS_SINKS:  # the sink is a key of logit `sink` and no value (mass 1 at m = sink)
         sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E
         m_i = gl.full([HALF], 0.0, gl.float32, row_layout) + sink

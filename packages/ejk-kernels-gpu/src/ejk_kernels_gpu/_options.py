@@ -66,6 +66,11 @@ class CallOptions:
         shared memory too: the heuristics and `ordinary_config` leave room for them."""
         return bias is not None or self.has_seg or self.varlen or self.dropout_rate > 0.0
 
+    def tabled(self) -> bool:
+        """Whether the call's masks go beyond causal (a window, packed sequences, segment
+        ids): the Gluon backward then walks the dk/dv block table."""
+        return self.window is not None or self.has_seg or self.varlen
+
     def ws_masks(self) -> bool:
         """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""
         return self.fully_visible() or (
@@ -104,7 +109,10 @@ def call_options(
     if bwd_config is None or (bwd_config.gluon and not gluon_bwd):
         group = heads // kv_heads
         cap = opts.soft_cap > 0.0
-        bwd = bwd_heuristic(head_dim, itemsize, side_inputs, group, soft_cap=cap, gluon=gluon_bwd)
+        bwd = bwd_heuristic(
+            head_dim, itemsize, side_inputs, group, soft_cap=cap, gluon=gluon_bwd,
+            tables=opts.tabled(),
+        )  # fmt: skip
         opts = dataclasses.replace(opts, bwd_cfg=bwd)
     return opts
 
@@ -164,9 +172,9 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     """Whether a backward may run the Gluon dk/dv kernel (`_gluon_backward_kernel`) with
     ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps): what `offer_gluon`
     asks, head_dim 64 or 128 (128 with dq in it, ``atomic_dq``: each consumer takes half of
-    dq's columns), causal or no mask and a soft cap or none (no window, packing or segment
-    ids; sinks live in the lse), and query rows on whole steps (one descriptor spans every
-    (batch, head) of q and dO)."""
+    dq's columns), and query rows on whole steps (one descriptor spans every (batch, head)
+    of q and dO). Every mask runs in it (beyond causal through the dk/dv block table, built
+    for these tiles), a soft cap and sinks (they live in the lse)."""
     return (
         cfg.gluon
         and cfg.block_q == 128
@@ -175,8 +183,6 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
             itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
         and q.shape[3] in ((128,) if cfg.atomic_dq else (64, 128))
-        and opts.window is None
-        and not (opts.varlen or opts.has_seg)
         and q.shape[1] > 0
         and q.shape[1] % cfg.block_k == 0
         and kv_len > 0
@@ -186,7 +192,9 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
 def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
     """The constexpr arguments the Gluon dk/dv and dq kernels share (all but the tiles)."""
     batch, q_len, heads, head_dim = q.shape
+    left, right = opts.window if opts.window is not None else (-1, -1)
     return dict(
+        WINDOW_LEFT=left, WINDOW_RIGHT=right, VARLEN=opts.varlen, HAS_SEG=opts.has_seg,
         B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
         SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), SOFT_CAP=float(opts.soft_cap),
         CAP_IN=float(opts.scale / opts.soft_cap) if opts.soft_cap > 0.0 else 0.0,

@@ -421,10 +421,12 @@ def bwd_heuristic(
     slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
     `GLUON_BWD_CONFIGS`). ``tables``: the call's masks go beyond causal (a window, packing,
     segment ids; `_options.CallOptions.tabled`): there dq beside it, three slots without a
-    soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100: ordinary
-    backward 1.96, Gluon dk/dv 1.66 with two slots, 1.62 with three, 1.73 with dq inside;
-    as ``cu_seqlens`` 1.73, 1.60, 1.60, 1.91; docs/gpu-runs/2026-11-26-h100-gluon-bwd-
-    tables.json).
+    soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100, with the
+    ordinary dq kernel beside: ordinary backward 1.96, Gluon dk/dv 1.66 with two slots,
+    1.62 with three, 1.73 with dq inside; as ``cu_seqlens`` 1.73, 1.60, 1.60, 1.91;
+    docs/gpu-runs/2026-11-25-h100-gluon-bwd-tables-draft.json; with the Gluon dq kernel
+    beside, three slots: 1.87 -> 1.60 and 1.76 -> 1.56; window (1024, 0) GQA level, 2.56
+    -> 2.60, ...-tables-1ca09f3.json).
     """
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
         if tables:

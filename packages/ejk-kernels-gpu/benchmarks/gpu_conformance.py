@@ -172,10 +172,12 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         kw["bwd_config"] = WS_BWD
     slots = kw.pop("gluon_bwd", 0)
     dq_inside = kw.pop("dq_inside", False)
-    if slots:  # the Gluon dk/dv kernel asked for (this many ring slots; dq in it or not)
+    if slots:  # the Gluon dk/dv kernel asked for (this many ring slots; dq in it or not;
+        # 64 resident keys at head_dim 256)
         kw["bwd_config"] = FlashConfig(
-            block_q=128, block_k=64, num_warps=4, num_stages=slots, gluon=True, atomic_dq=dq_inside
-        )
+            block_q=64 if H == 256 else 128, block_k=64, num_warps=4, num_stages=slots,
+            gluon=True, atomic_dq=dq_inside,
+        )  # fmt: skip
     if kw.pop("ordinary", False):
         kw.update(config=ORDINARY, bwd_config=ORDINARY_BWD)
     ref_kw = {n: x for n, x in kw.items() if n not in ("config", "bwd_config")}
@@ -368,6 +370,10 @@ CASES = [
     ("gluon bwd packed window mha", 1, 4096, 4096, 8, 8, 128, GG, dict(packed=True, causal=True, sliding_window=(300, 0))),
     ("gluon bwd documents repeat fp16 mha", 2, 2048, 2048, 8, 8, 128, GG, dict(documents="repeat", dtype=jnp.float16)),
     ("gluon bwd window 2-sided gqa S!=T", 2, 1024, 1000, 16, 4, 128, GG, dict(sliding_window=(100, 50), sinks=True)),
+    # head_dim 256: the column-split Gluon dk/dv kernel (64 resident keys), dq beside it.
+    ("gluon bwd h256 causal gqa", 2, 2048, 2048, 16, 8, 256, GG, dict(causal=True, gluon_bwd=2)),
+    ("gluon bwd h256 documents fp16 keys off tile", 2, 1024, 1000, 8, 4, 256, GG, dict(documents=True, dtype=jnp.float16, gluon_bwd=2)),
+    ("gluon bwd h256 window softcap sinks", 1, 2048, 2048, 8, 8, 256, GG, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, sinks=True, gluon_bwd=2)),
 ]  # fmt: skip
 
 

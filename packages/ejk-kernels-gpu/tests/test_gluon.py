@@ -36,7 +36,7 @@ GLUON256 = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon
     [
         (dict(gluon=1), TypeError, "gluon must be a bool"),
         (dict(gluon=True, warp_specialize=True), ValueError, "cannot be combined"),
-        (dict(gluon=True, block_q=64), ValueError, "128-row query tiles"),
+        (dict(gluon=True, block_q=32), ValueError, "128-row query tiles"),
         (dict(gluon=True, block_k=32), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_warps=8), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_stages=4), ValueError, "num_stages 2 or 3"),
@@ -75,6 +75,9 @@ def test_gluon_fits_the_tiles_to_the_head_dim():
     assert not gluon_fits(GLUON256, 96)  # no tiles for 96
     assert not gluon_fits(FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3,
                                       gluon=True), 256)  # shared memory  # fmt: skip
+    # 64 resident rows: the head_dim 256 backward's keys, no forward tiles
+    assert not gluon_fits(FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2,
+                                      gluon=True), 256)  # fmt: skip
 
 
 def test_ordinary_config_keeps_the_tiles():
@@ -291,6 +294,7 @@ def _emulate_gluon_dq(inputs, consts):
 _EMULATIONS = {
     "gluon_fwd_kernel": _emulate_gluon,
     "gluon_dkdv_kernel": _emulate_gluon_dkdv,
+    "gluon_dkdv_wide_kernel": _emulate_gluon_dkdv,  # the same algorithm, 64 keys a program
     "gluon_dq_kernel": _emulate_gluon_dq,
 }
 
@@ -311,7 +315,12 @@ def gluon_launches_fixture(on_hopper):
     seen.dkdv = []
     seen.dq = []
 
-    logs = {"gluon_fwd_kernel": seen, "gluon_dkdv_kernel": seen.dkdv, "gluon_dq_kernel": seen.dq}
+    logs = {
+        "gluon_fwd_kernel": seen,
+        "gluon_dkdv_kernel": seen.dkdv,
+        "gluon_dkdv_wide_kernel": seen.dkdv,
+        "gluon_dq_kernel": seen.dq,
+    }
 
     def record(name, grid, inputs, outs, consts, kwargs):
         if name == "fwd_kernel":
@@ -567,7 +576,8 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
         GLUON_DKDV
     ]
     assert not any(c.gluon for c in bwd_search_space(128, 2, False))
-    assert not any(c.gluon for c in bwd_search_space(256, 2, False, gluon=True))
+    wide = [c for c in bwd_search_space(256, 2, False, gluon=True) if c.gluon]
+    assert wide == [GLUON_DKDV_256]  # the column-split kernel
     # Masks beyond causal: dq beside it (three slots, two with a soft cap), never inside.
     three = msgspec.structs.replace(GLUON_DKDV, num_stages=3)
     assert bwd_heuristic(128, 2, True, 1, gluon=True, tables=True) == three
@@ -803,3 +813,47 @@ def test_context_blocks_with_offsets_take_the_gluon_backward(gluon_launches, rng
     for name, got, ref in zip(("dk", "dv"), grads[1:], want, strict=True):
         err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
         assert err < 2e-2, name
+
+
+GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(causal=True), dict(), dict(causal=True, documents=True), dict(sliding_window=(70, 20))],
+    ids=["causal", "unmasked", "documents", "window"],
+)
+def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, rng, kwargs):
+    """At head_dim 256 its config (64 resident keys) runs the column-split Gluon dk/dv
+    kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the ordinary dq kernel
+    beside it; the gradients, through its emulation, match the reference. Its config with
+    dq inside, or at another head_dim, gives way to the heuristic's backward."""
+    kwargs = dict(kwargs)
+    batch, q_len, heads, kv_heads = 2, 320, 4, 2
+    if kwargs.pop("documents", False):
+        ids = random_document_ids(rng, batch, q_len, min_len=20, max_len=150, padding=5)
+        kwargs["segment_ids"] = jnp.asarray(ids)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 256)), jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 256)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    grads = _loss_grads(flash_attention, q, k, v, bwd_config=GLUON_DKDV_256, **kwargs)
+    [(grid, consts, outs, _)] = gluon_launches.dkdv
+    assert grid == (5, batch * kv_heads) and (consts["BN"], consts["BM"]) == (64, 64)
+    assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
+    assert gluon_launches.dq == []  # dq: the ordinary kernel
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _loss_grads(reference_attention, *f32, **kwargs)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert err < 2e-2, name
+    # Asked for where it cannot run, the heuristic's backward runs instead: with dq inside
+    # the ordinary kernels; at head_dim 128 the Gluon dk/dv kernel of 128 keys.
+    gluon_launches.dkdv.clear()
+    inside = msgspec.structs.replace(GLUON_DKDV_256, atomic_dq=True)
+    _loss_grads(flash_attention, q, k, v, bwd_config=inside, **kwargs)
+    assert gluon_launches.dkdv == []
+    small = [x[..., :128] for x in (q, k, v)]
+    _loss_grads(flash_attention, *small, bwd_config=GLUON_DKDV_256, **kwargs)
+    assert [c["BN"] for _, c, _, _ in gluon_launches.dkdv] == [128]

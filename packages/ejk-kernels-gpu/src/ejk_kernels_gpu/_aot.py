@@ -148,7 +148,7 @@ def compile_kernel(
     if kernel == "fwd_kernel" and cfg.gluon:
         kernel = "gluon_fwd_kernel"
     if kernel == "dkdv_kernel" and cfg.gluon:
-        kernel = "gluon_dkdv_kernel"
+        kernel = "gluon_dkdv_wide_kernel" if head_dim == 256 else "gluon_dkdv_kernel"
     if kernel == "dq_kernel" and cfg.gluon:
         kernel = "gluon_dq_kernel"
     by_name = {
@@ -157,6 +157,7 @@ def compile_kernel(
         "dq_kernel": module.dq_kernel,
         "dkdv_kernel": module.dkdv_kernel,
         "gluon_dkdv_kernel": module.gluon_dkdv_kernel,
+        "gluon_dkdv_wide_kernel": module.gluon_dkdv_wide_kernel,
         "gluon_dq_kernel": module.gluon_dq_kernel,
     }
     fn = by_name[kernel]
@@ -244,6 +245,8 @@ GLUON_SPILL_BYTES = {
     ("gluon_fwd_kernel", False): 32,
     ("gluon_dkdv_kernel", False): 128,
     ("gluon_dkdv_kernel", True): 320,
+    # head_dim 256 (column split): none, but 28 bytes with segment ids
+    ("gluon_dkdv_wide_kernel", False): 32,
 }
 
 
@@ -321,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                             for c in space
                             if c.gluon and not c.atomic_dq
                         )
-                        if beside and GLUON_DQ_CONFIG is not None:
+                        if beside and GLUON_DQ_CONFIG is not None and head_dim <= 128:
                             beside += (GLUON_DQ_CONFIG,)
                         builds = tuple(dict.fromkeys((*ordinary, *beside)))
                     for cfg in builds:

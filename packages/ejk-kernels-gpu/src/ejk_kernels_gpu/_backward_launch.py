@@ -63,8 +63,10 @@ def _gluon_dkdv(
     with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces."""
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    # head_dim 256: the consumers split dK's and dV's columns (`_gluon_backward_wide`)
+    wide = q.shape[3] == 256
     dk, dv, dq_sum, _ = launch(
-        kernels().gluon_dkdv_kernel,
+        kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel,
         grid,
         (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges),
         (
@@ -155,7 +157,8 @@ def backward(
                                         dkdv_consts, ws)  # fmt: skip
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
-    elif gluon and GLUON_DQ_CONFIG is not None:
+    elif gluon and GLUON_DQ_CONFIG is not None and head_dim <= 128:
+        # (at head_dim 256 its rows and k/v ring would not fit shared memory)
         dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, GLUON_DQ_CONFIG)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)

@@ -100,11 +100,12 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"warp_specialize, got {self!r}"
             )
         if self.gluon and (
-            (self.block_q, self.num_warps) != (128, 4) or self.block_k not in (64, 128)
+            self.block_q not in (64, 128) or self.num_warps != 4 or self.block_k not in (64, 128)
         ):
             raise ValueError(
-                "FlashConfig.gluon runs 128-row query tiles with 4 warps per warpgroup and "
-                f"64 or 128 keys a step: block_q=128, num_warps=4, block_k 64 or 128, got {self!r}"
+                "FlashConfig.gluon runs 128-row query tiles (64 resident keys: the head_dim "
+                "256 backward) with 4 warps per warpgroup and 64 or 128 keys a step: "
+                f"block_q 64 or 128, num_warps=4, block_k 64 or 128, got {self!r}"
             )
         if self.gluon and self.num_stages not in (2, 3):
             raise ValueError(
@@ -139,6 +140,8 @@ def gluon_fits(cfg: FlashConfig, head_dim: int) -> bool:
     128·128 scores-by-columns a step (head_dim 256 takes 64-key tiles: its float32
     accumulator alone is 128 registers a thread)."""
     if not cfg.gluon or head_dim not in (64, 128, 256) or cfg.block_k * head_dim > 128 * 128:
+        return False
+    if cfg.block_q != 128:  # 64 is the head_dim 256 backward's resident keys
         return False
     shared = (cfg.block_q + 2 * cfg.num_stages * cfg.block_k) * head_dim * 2 + 1024
     return shared <= SHARED_MEMORY_LIMIT
@@ -250,6 +253,9 @@ _GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 # slots; GQA causal 419 -> 373, soft cap 352 -> 327).
 _GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_3 = msgspec.structs.replace(_GLUON_BWD, num_stages=3)
+# head_dim 256 (`_gluon_backward_wide`): 64 resident keys, the consumers splitting dK's and
+# dV's columns; two slots (three do not fit shared memory), dq beside it.
+_GLUON_BWD_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_DQ = msgspec.structs.replace(_GLUON_BWD, num_stages=3, atomic_dq=True)
 GLUON_BWD_CONFIGS = {
     64: (_GLUON_BWD, _GLUON_BWD_3),
@@ -259,6 +265,7 @@ GLUON_BWD_CONFIGS = {
         msgspec.structs.replace(_GLUON_BWD, atomic_dq=True),
         _GLUON_BWD_DQ,
     ),
+    256: (_GLUON_BWD_256,),
 }
 # The Gluon dq kernel that runs beside the Gluon dk/dv kernel (`_gluon_backward_kernel.
 # gluon_dq_kernel`): 128 resident query rows, 64 keys a step, two k/v ring slots; or None

@@ -40,7 +40,13 @@ from ._backward_launch import backward
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
 from ._forward_launch import forward
 from ._masks import Tables, dummy, range_tables
-from ._options import GLUON_DKDV, CallOptions, call_options, can_run_gluon_dkdv, offer_gluon
+from ._options import (
+    CallOptions,
+    call_options,
+    can_run_gluon_dkdv,
+    gluon_dkdv_tiles,
+    offer_gluon,
+)
 
 __all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
 
@@ -99,7 +105,7 @@ def block_options(
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:  # on Hopper the Gluon backward, walking the block tables
         group = q.shape[2] // k.shape[2]
-        gluon = can_run_gluon_dkdv(opts, None, q, k.shape[1], GLUON_DKDV)
+        gluon = can_run_gluon_dkdv(opts, None, q, k.shape[1], gluon_dkdv_tiles(head_dim))
         cap = opts.soft_cap > 0.0
         bwd = bwd_heuristic(head_dim, itemsize, True, group, soft_cap=cap, gluon=gluon, tables=True)
         opts = dataclasses.replace(opts, bwd_cfg=bwd)

@@ -21,9 +21,9 @@ from ejk_sequtils import AttentionRequest, validate_attention
 from ._api import flash_attention
 from ._config import FlashConfig, bwd_search_space, fwd_heuristic, fwd_search_space
 from ._options import (
-    GLUON_DKDV,
     call_options,
     can_run_gluon_dkdv,
+    gluon_dkdv_tiles,
     offer_gluon,
     offer_warp_specialize,
 )
@@ -113,7 +113,8 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         request = _bwd_request(inv)
         opts = call_options(request, None, None)
         kv_len = request.k.shape[1]
-        gluon = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, GLUON_DKDV)
+        tiles = gluon_dkdv_tiles(request.q.shape[3])
+        gluon = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, tiles)
         return bwd_search_space(
             *_shape_info(inv, 4), gluon=gluon, soft_cap=opts.soft_cap > 0.0, tables=opts.tabled()
         )

@@ -8,6 +8,7 @@ from ._backward_kernels import dq_kernel as dq_kernel
 from ._forward_kernel import fwd_kernel as fwd_kernel
 from ._gluon_backward_kernel import gluon_dkdv_kernel as gluon_dkdv_kernel
 from ._gluon_backward_kernel import gluon_dq_kernel as gluon_dq_kernel
+from ._gluon_backward_wide import gluon_dkdv_wide_kernel as gluon_dkdv_wide_kernel
 from ._gluon_forward_kernel import gluon_fwd_kernel as gluon_fwd_kernel
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)

@@ -103,10 +103,15 @@ def call_options(
     if config is None:
         fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
-    gluon_bwd = can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, GLUON_DKDV)
+    gluon_bwd = can_run_gluon_dkdv(
+        opts, request.bias, request.q, kv_len, gluon_dkdv_tiles(head_dim)
+    )
     # The heuristic's backward, or its pick where a Gluon config was asked for and the
-    # Gluon dk/dv kernel cannot run (its ordinary twin may not fit, at head_dim 256).
-    if bwd_config is None or (bwd_config.gluon and not gluon_bwd):
+    # Gluon dk/dv kernel cannot run it (its ordinary twin may not fit, at head_dim 256).
+    asked = bwd_config is not None and bwd_config.gluon
+    if bwd_config is None or (
+        asked and not can_run_gluon_dkdv(opts, request.bias, request.q, kv_len, bwd_config)
+    ):
         group = heads // kv_heads
         cap = opts.soft_cap > 0.0
         bwd = bwd_heuristic(
@@ -164,25 +169,36 @@ def can_run_gluon(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashC
     )
 
 
-# The Gluon dk/dv kernel's tiles (`can_run_gluon_dkdv` asks nothing else of a config).
+# The Gluon dk/dv kernel's tiles (`can_run_gluon_dkdv` asks nothing else of a config),
+# and the head_dim 256 one's (`_gluon_backward_wide`: 64 resident keys).
 GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
+
+
+def gluon_dkdv_tiles(head_dim: int) -> FlashConfig:
+    """The Gluon dk/dv tiles a call of ``head_dim`` would take (`can_run_gluon_dkdv`)."""
+    return GLUON_DKDV_256 if head_dim == 256 else GLUON_DKDV
 
 
 def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
     """Whether a backward may run the Gluon dk/dv kernel (`_gluon_backward_kernel`) with
-    ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps): what `offer_gluon`
-    asks, head_dim 64 or 128 (128 with dq in it, ``atomic_dq``: each consumer takes half of
-    dq's columns), and query rows on whole steps (one descriptor spans every (batch, head)
+    ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps; or 64 resident keys at
+    head_dim 256): what `offer_gluon` asks, head_dim 64 or 128 (128 with dq in it,
+    ``atomic_dq``: each consumer takes half of dq's columns) or 256, and query rows on whole steps (one descriptor spans every (batch, head)
     of q and dO). Every mask runs in it (beyond causal through the dk/dv block table, built
     for these tiles), a soft cap and sinks (they live in the lse)."""
+    head_dim = q.shape[3]
+    if cfg.block_q == 64:  # the head_dim 256 kernel (`_gluon_backward_wide`), dq beside
+        tiles = head_dim == 256 and not cfg.atomic_dq
+    else:
+        tiles = cfg.block_q == 128 and head_dim in ((128,) if cfg.atomic_dq else (64, 128))
     return (
         cfg.gluon
-        and cfg.block_q == 128
+        and tiles
         and cfg.block_k == 64
         and offer_gluon(
             itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
-        and q.shape[3] in ((128,) if cfg.atomic_dq else (64, 128))
         and q.shape[1] > 0
         and q.shape[1] % cfg.block_k == 0
         and kv_len > 0

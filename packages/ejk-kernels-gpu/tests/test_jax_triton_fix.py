@@ -65,3 +65,18 @@ def test_install_refuses_other_versions(versions, triton, jax_triton):
 def test_the_known_versions_pass(versions):
     versions("3.6.0", "0.3.1")
     _jax_triton_fix.check_versions()
+
+
+def test_every_kernel_with_a_scratch_argument_is_redirected():
+    """A kernel whose last explicit pointer is ``scratch_ptr`` gets its PTX redirected
+    (`SCRATCH_KERNELS`): one left out reads its TMA descriptors' scratch from a null
+    pointer on the GPU (an illegal address, with no error at compile time)."""
+    from ejk_kernels_gpu import _jit_kernels
+
+    with_scratch = {
+        name
+        for name, fn in vars(_jit_kernels).items()
+        if "scratch_ptr" in getattr(fn, "arg_names", ())
+    }
+    assert {"gluon_fwd_kernel", "gluon_dkdv_wide_kernel"} <= with_scratch
+    assert with_scratch <= _jax_triton_fix.SCRATCH_KERNELS

@@ -12,9 +12,10 @@ of one (batch, kv head), and consumer C owns columns ``C·128 ..`` of their dK a
   exchange for this head_dim) and signal an mbarrier; once both halves are in, each
   issues ``dV[:, C] += Pᵀ·dO[:, C]`` and ``dK[:, C] += dSᵀ·q[:, C]`` over the 64 rows.
 
-A producer warp copies k and v once and q and dO of each visited query block by TMA, each
-as two column halves (128 columns: one 16-byte-aligned box each), into a ring of
-``STAGES`` slots. The query blocks visited and the masks come from `_query_blocks`
+A producer warp copies k and v once (as two column halves) and q and dO of each visited
+query block by TMA into a ring of ``STAGES`` slots, each as four ``[32 rows, 128
+columns]`` boxes (a consumer's rows by a column half): every matmul operand is a whole
+buffer (a row slice of a 128-column swizzled tile makes a wrong matrix descriptor). The query blocks visited and the masks come from `_query_blocks`
 (the block table with a window, packing or segment ids). dq comes from the ordinary dq
 kernel beside it. Keys past the end are zero-filled on load and clipped on store.
 """
@@ -33,8 +34,9 @@ _COLS = gl.constexpr(128)  # columns of a half (of head_dim 256)
 
 @gluon.jit
 def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
-    """Copy the program's k and v, then q and dO of every (head of the group, query block),
-    each as two column halves (slot s holds halves ``2s`` and ``2s + 1``)."""
+    """Copy the program's k and v (two column halves), then q and dO of every (head of the
+    group, query block), each as four boxes: slot s holds rows half r, columns half h in
+    buffer ``4s + 2r + h``."""
     q_desc, do_desc, k_desc, v_desc = descs
     q_smem, do_smem, k_smem, v_smem = smem[:4]
     kv_ready, ready, empty = bars[:3]
@@ -54,17 +56,17 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
         s, phase = ring_slot(i, F.STAGES)
         mbarrier.wait(empty.index(s), phase ^ 1)  # a slot's first use waits for nothing
         mbarrier.expect(
-            ready.index(s), 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes
+            ready.index(s), 4 * q_desc.block_type.nbytes + 4 * do_desc.block_type.nbytes
         )
-        row = b * F.T + m * F.BM
-        for h in gl.static_range(2):
-            col = n * F.H + h * _COLS
-            tma.async_copy_global_to_shared(
-                q_desc, [row, col], ready.index(s), q_smem.index(2 * s + h)
-            )
-            tma.async_copy_global_to_shared(
-                do_desc, [row, col], ready.index(s), do_smem.index(2 * s + h)
-            )
+        for r in gl.static_range(2):
+            row = b * F.T + m * F.BM + r * (F.BM // 2)
+            for h in gl.static_range(2):
+                col = n * F.H + h * _COLS
+                x = 4 * s + 2 * r + h
+                tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(s), q_smem.index(x))
+                tma.async_copy_global_to_shared(
+                    do_desc, [row, col], ready.index(s), do_smem.index(x)
+                )
 
 
 @gluon.jit
@@ -118,12 +120,12 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
         s_tok = zero_s
         dp_tok = zero_s
         for h in gl.static_range(2):
-            q_rows = q_smem.index(2 * s + h).slice(C * R, R, dim=0).permute((1, 0))
+            q_rows = q_smem.index(4 * s + 2 * C + h).permute((1, 0))
             s_tok = hopper.warpgroup_mma(
                 k_smem.index(h), q_rows, s_tok, use_acc=h > 0, is_async=True
             )
         for h in gl.static_range(2):
-            do_rows = do_smem.index(2 * s + h).slice(C * R, R, dim=0).permute((1, 0))
+            do_rows = do_smem.index(4 * s + 2 * C + h).permute((1, 0))
             dp_tok = hopper.warpgroup_mma(
                 v_smem.index(h), do_rows, dp_tok, use_acc=h > 0, is_async=True
             )
@@ -152,15 +154,13 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
         ds16 = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
         base = _exchange(p16, ds16, i, x_smem, x_ready, C)
         # dV[:, C] += Pᵀ·dO[:, C] and dK[:, C] += dSᵀ·q[:, C] over both consumers' rows.
-        do_c = do_smem.index(2 * s + C)
-        q_c = q_smem.index(2 * s + C)
         dv_tok = dv
         dk_tok = dk
         for half in gl.static_range(2):
-            rows = do_c.slice(half * R, R, dim=0)
+            rows = do_smem.index(4 * s + 2 * half + C)  # consumer half's rows, my columns
             dv_tok = hopper.warpgroup_mma(x_smem.index(base + half), rows, dv_tok, is_async=True)
         for half in gl.static_range(2):
-            rows = q_c.slice(half * R, R, dim=0)
+            rows = q_smem.index(4 * s + 2 * half + C)
             dk_tok = hopper.warpgroup_mma(
                 x_smem.index(base + 2 + half), rows, dk_tok, is_async=True
             )
@@ -211,15 +211,15 @@ def gluon_dkdv_wide_kernel(
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:
     # this program's (batch, kv head), zero-filled and clipped past S. Boxes of 128 columns.
-    q_desc = tma.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [BM, _COLS], layout)
-    do_desc = tma.make_tensor_descriptor(do_ptr, [B * T, N * H], [N * H, 1], [BM, _COLS], layout)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [R, _COLS], layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr, [B * T, N * H], [N * H, 1], [R, _COLS], layout)
     kv_base = b.to(gl.int64) * S * K * H + kh * H
     k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
     v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
     dk_desc = tma.make_tensor_descriptor(dk_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
     dv_desc = tma.make_tensor_descriptor(dv_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BM, _COLS], layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BM, _COLS], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BN, _COLS], layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BN, _COLS], layout)
     # Pᵀ and dSᵀ halves of both consumers, two step parities: [keys, R rows] each.

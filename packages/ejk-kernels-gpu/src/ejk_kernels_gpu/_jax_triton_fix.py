@@ -65,6 +65,7 @@ SCRATCH_KERNELS: set[str] = {
     "dkdv_kernel",
     "gluon_fwd_kernel",
     "gluon_dkdv_kernel",
+    "gluon_dkdv_wide_kernel",
     "gluon_dq_kernel",
 }
 

@@ -94,7 +94,7 @@ def _builds(launches: list[dict]) -> dict:
             fwd = "gluon"
         elif launch["kernel"] == "fwd_kernel":
             fwd = "ws" if launch["ws"] else "ordinary"
-        elif launch["kernel"] == "gluon_dkdv_kernel":
+        elif launch["kernel"] in ("gluon_dkdv_kernel", "gluon_dkdv_wide_kernel"):
             bwd = "gluon"
         elif launch["kernel"] == "dkdv_kernel":
             bwd = "ws" if launch["ws"] else ("atomic" if launch["atomic_dq"] else "ordinary")
@@ -371,9 +371,9 @@ CASES = [
     ("gluon bwd documents repeat fp16 mha", 2, 2048, 2048, 8, 8, 128, GG, dict(documents="repeat", dtype=jnp.float16)),
     ("gluon bwd window 2-sided gqa S!=T", 2, 1024, 1000, 16, 4, 128, GG, dict(sliding_window=(100, 50), sinks=True)),
     # head_dim 256: the column-split Gluon dk/dv kernel (64 resident keys), dq beside it.
-    ("gluon bwd h256 causal gqa", 2, 2048, 2048, 16, 8, 256, GG, dict(causal=True, gluon_bwd=2)),
-    ("gluon bwd h256 documents fp16 keys off tile", 2, 1024, 1000, 8, 4, 256, GG, dict(documents=True, dtype=jnp.float16, gluon_bwd=2)),
-    ("gluon bwd h256 window softcap sinks", 1, 2048, 2048, 8, 8, 256, GG, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, sinks=True, gluon_bwd=2)),
+    ("gluon bwd h256 causal gqa", 2, 2048, 2048, 16, 8, 256, GG, dict(causal=True)),
+    ("gluon bwd h256 documents fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents=True, dtype=jnp.float16)),
+    ("gluon bwd h256 window softcap sinks", 1, 2048, 2048, 8, 8, 256, GG, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, sinks=True)),
 ]  # fmt: skip
 
 

@@ -577,7 +577,9 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
     ]
     assert not any(c.gluon for c in bwd_search_space(128, 2, False))
     wide = [c for c in bwd_search_space(256, 2, False, gluon=True) if c.gluon]
-    assert wide == [GLUON_DKDV_256]  # the column-split kernel
+    assert wide == [GLUON_DKDV_256]  # the column-split kernel, the heuristic's too
+    assert bwd_heuristic(256, 2, False, 2, gluon=True) == GLUON_DKDV_256
+    assert bwd_heuristic(256, 2, True, 1, soft_cap=True, gluon=True, tables=True) == GLUON_DKDV_256
     # Masks beyond causal: dq beside it (three slots, two with a soft cap), never inside.
     three = msgspec.structs.replace(GLUON_DKDV, num_stages=3)
     assert bwd_heuristic(128, 2, True, 1, gluon=True, tables=True) == three
@@ -750,14 +752,14 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     "kwargs",
     [
         dict(dtype=jnp.float32),
-        dict(head_dim=256),
+        dict(head_dim=96),
         dict(causal=True, segments=True, q_len=96),
     ],
-    ids=["float32", "head_dim 256", "rows off the steps"],
+    ids=["float32", "head_dim 96", "rows off the steps"],
 )
 def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
-    """The Gluon dk/dv kernel has no float32 or head_dim 256 and needs query rows on whole
-    64-row steps: such calls (even with its config asked for) run the ordinary kernels,
+    """The Gluon dk/dv kernels have no float32 or head_dim 96 and need query rows on whole
+    64-row steps: such calls (even with their config asked for) run the ordinary kernels,
     correctly."""
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", jnp.bfloat16)
@@ -827,7 +829,8 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     """At head_dim 256 its config (64 resident keys) runs the column-split Gluon dk/dv
     kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the ordinary dq kernel
     beside it; the gradients, through its emulation, match the reference. Its config with
-    dq inside, or at another head_dim, gives way to the heuristic's backward."""
+    dq inside, or at another head_dim, gives way to the heuristic's backward (this one
+    at head_dim 256)."""
     kwargs = dict(kwargs)
     batch, q_len, heads, kv_heads = 2, 320, 4, 2
     if kwargs.pop("documents", False):
@@ -849,11 +852,12 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
         err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
         assert err < 2e-2, name
     # Asked for where it cannot run, the heuristic's backward runs instead: with dq inside
-    # the ordinary kernels; at head_dim 128 the Gluon dk/dv kernel of 128 keys.
+    # this kernel with dq beside; at head_dim 128 the Gluon dk/dv kernel of 128 keys.
     gluon_launches.dkdv.clear()
     inside = msgspec.structs.replace(GLUON_DKDV_256, atomic_dq=True)
     _loss_grads(flash_attention, q, k, v, bwd_config=inside, **kwargs)
-    assert gluon_launches.dkdv == []
+    assert [c["BN"] for _, c, _, _ in gluon_launches.dkdv] == [64]
+    gluon_launches.dkdv.clear()
     small = [x[..., :128] for x in (q, k, v)]
     _loss_grads(flash_attention, *small, bwd_config=GLUON_DKDV_256, **kwargs)
     assert [c["BN"] for _, c, _, _ in gluon_launches.dkdv] == [128]

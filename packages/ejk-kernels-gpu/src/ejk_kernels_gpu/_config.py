@@ -279,7 +279,10 @@ GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
 )
 # Where the backward heuristic takes it: at head_dim 64 forward+backward measured 0.91x the
 # ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
-_GLUON_BWD_HEURISTIC_HEAD_DIMS = (128,)
+# At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the
+# ordinary backward's causal, 1.46x unmasked (B2 T4096 N16 K8, H100, 4.95 -> 3.38 and
+# 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; docs/gpu-runs/2026-11-25-h100-gluon-bwd-256-da77bc2.json).
+_GLUON_BWD_HEURISTIC_HEAD_DIMS = (128, 256)
 
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
 # dk/dv, queries in dq, 64 per consumer warpgroup; 64 streamed): its dk/dv kernel has a
@@ -426,7 +429,8 @@ def bwd_heuristic(
     ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
     at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
     slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
-    `GLUON_BWD_CONFIGS`). ``tables``: the call's masks go beyond causal (a window, packing,
+    `GLUON_BWD_CONFIGS`); at head_dim 256 its column-split kernel (`_GLUON_BWD_256`,
+    dq beside it from the ordinary kernel). ``tables``: the call's masks go beyond causal (a window, packing,
     segment ids; `_options.CallOptions.tabled`): there dq beside it, three slots without a
     soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100, with the
     ordinary dq kernel beside: ordinary backward 1.96, Gluon dk/dv 1.66 with two slots,
@@ -436,6 +440,8 @@ def bwd_heuristic(
     -> 2.60, ...-tables-1ca09f3.json).
     """
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
+        if head_dim == 256:  # its one config: dq beside, two slots
+            return _GLUON_BWD_256
         if tables:
             return _GLUON_BWD if soft_cap else _GLUON_BWD_3
         return _GLUON_BWD_DQ if group == 1 and not soft_cap else _GLUON_BWD

@@ -69,8 +69,11 @@ def test_the_soft_cap_and_head_dim_256_backward_builds_compile_for_hopper():
         "--head-dims", "128,256", "--variants", "softcap", "--space", "heuristic",
         "--kernels", "dkdv_kernel",
     )  # fmt: skip
+    ordinary = [r for r in rows if not r["config"]["gluon"]]  # (the Gluon builds: below)
     heuristic = {
-        r["head_dim"]: r["config"] for r in rows if r["config"]["atomic_dq"] or r["head_dim"] == 256
+        r["head_dim"]: r["config"]
+        for r in ordinary
+        if r["config"]["atomic_dq"] or r["head_dim"] == 256
     }
     assert heuristic[128]["block_k"] == 32 and heuristic[128]["atomic_dq"], rows
     assert (heuristic[256]["block_q"], heuristic[256]["block_k"], heuristic[256]["num_warps"]) == (
@@ -179,6 +182,24 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     allowed = GLUON_SPILL_BYTES["gluon_dkdv_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon
     assert all(r["spill_stores"] == 0 for r in gluon if r["kernel"] == "gluon_dq_kernel"), gluon
+
+
+def test_the_head_dim_256_gluon_dkdv_kernel_builds_for_hopper():
+    """The column-split Gluon dk/dv kernel (`_gluon_backward_wide`) unmasked, causal, with a
+    window, segment ids and a soft cap: three warpgroups, within shared memory and scratch,
+    within its spill allowance (none unmasked, causal or windowed)."""
+    rows = _compile(
+        "--head-dims", "256", "--variants", "plain,causal,window,documents,softcap",
+        "--space", "heuristic", "--kernels", "dkdv_kernel",
+    )  # fmt: skip
+    wide = [r for r in rows if r["kernel"] == "gluon_dkdv_wide_kernel"]
+    assert {r["variant"] for r in wide} == {"plain", "causal", "window", "documents", "softcap"}
+    assert all(r["threads"] == 384 and r["fits"] for r in wide), wide
+    allowed = GLUON_SPILL_BYTES["gluon_dkdv_wide_kernel", False]
+    assert all(r["spill_stores"] <= allowed for r in wide), wide
+    assert all(
+        r["spill_stores"] == 0 for r in wide if r["variant"] in ("plain", "causal", "window")
+    )
 
 
 def test_causal_calls_get_a_warp_specialised_forward_build_for_hopper():

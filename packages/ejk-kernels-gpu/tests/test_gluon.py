@@ -180,7 +180,7 @@ def _emulate_gluon(inputs, consts):
 
 def _emulate_gluon_dkdv(inputs, consts):
     """The Gluon dk/dv kernel's algorithm in NumPy (float32): per program (``BN`` keys of one
-    (batch, kv head)), the query blocks `_query_blocks` gives it (with a window, packing or
+    (batch, kv head)), the query blocks `query_blocks` gives it (with a window, packing or
     segment ids the dk/dv table's range, masked outside its full range; causal alone: from
     the first block that reaches its keys, causal on indices), each head of the group, P
     rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the

@@ -245,7 +245,8 @@ GLUON_SPILL_BYTES = {
     ("gluon_fwd_kernel", False): 32,
     ("gluon_dkdv_kernel", False): 128,
     ("gluon_dkdv_kernel", True): 320,
-    # head_dim 256 (column split): none, but 28 bytes with segment ids
+    # head_dim 256 (column split): none unmasked, causal or windowed; 16-28 bytes with
+    # segment ids or a soft cap
     ("gluon_dkdv_wide_kernel", False): 32,
 }
 

@@ -76,7 +76,7 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
-def _query_blocks(pid_n, b, ranges_ptr, F: gl.constexpr):
+def query_blocks(pid_n, b, ranges_ptr, F: gl.constexpr):
     """(first, full_lo, full_hi, end) query blocks of a program's keys: it visits
     ``[first, end)`` and needs no mask in ``[full_lo, full_hi)``. From the block table
     (``TABLE``), else causal programs skip the blocks wholly before their first key (and
@@ -104,7 +104,7 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
         key = pid_n * F.BN + c * HALF
         tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
         tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
-    first, _, _, end = _query_blocks(pid_n, b, ranges_ptr, F)
+    first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
@@ -187,7 +187,7 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     keys = pid_n * F.BN + C * HALF + gl.arange(0, HALF, layout=key_layout)
     key_info = token_info(keys, F.S, b, key_tabs, F, -2)  # what the masks read per key
     cols = gl.arange(0, F.BM, layout=col_layout)
-    first, full_lo, full_hi, end = _query_blocks(pid_n, b, ranges_ptr, F)
+    first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):

@@ -14,10 +14,11 @@ of one (batch, kv head), and consumer C owns columns ``C·128 ..`` of their dK a
 
 A producer warp copies k and v once (as two column halves) and q and dO of each visited
 query block by TMA into a ring of ``STAGES`` slots, each as four ``[32 rows, 128
-columns]`` boxes (a consumer's rows by a column half): every matmul operand is a whole
-buffer (a row slice of a 128-column swizzled tile makes a wrong matrix descriptor). The query blocks visited and the masks come from `_query_blocks`
-(the block table with a window, packing or segment ids). dq comes from the ordinary dq
-kernel beside it. Keys past the end are zero-filled on load and clipped on store.
+columns]`` boxes (a consumer's rows by a column half), so every matmul operand is a whole
+buffer, no row slice of a swizzled tile. The query blocks visited and the masks come from
+`query_blocks` (the block table with a window, packing or segment ids). dq comes from the
+ordinary dq kernel beside it. Keys past the end are zero-filled on load and clipped on
+store.
 """
 
 from triton.experimental import gluon
@@ -25,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_backward_kernel import DkdvOptions, _query_blocks
+from ._gluon_backward_kernel import DkdvOptions, query_blocks
 from ._gluon_common import barriers, ring_slot, tanh, token_info, visible, wgmma_layout
 
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -48,7 +49,7 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
         tma.async_copy_global_to_shared(
             v_desc, [pid_n * F.BN, h * _COLS], kv_ready, v_smem.index(h)
         )
-    first, _, _, end = _query_blocks(pid_n, b, ranges_ptr, F)
+    first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
@@ -108,7 +109,7 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     keys = pid_n * F.BN + gl.arange(0, F.BN, layout=key_layout)
     key_info = token_info(keys, F.S, b, key_tabs, F, -2)  # what the masks read per key
     cols = gl.arange(0, R, layout=col_layout)
-    first, full_lo, full_hi, end = _query_blocks(pid_n, b, ranges_ptr, F)
+    first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
     mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):

@@ -184,9 +184,10 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     """Whether a backward may run the Gluon dk/dv kernel (`_gluon_backward_kernel`) with
     ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps; or 64 resident keys at
     head_dim 256): what `offer_gluon` asks, head_dim 64 or 128 (128 with dq in it,
-    ``atomic_dq``: each consumer takes half of dq's columns) or 256, and query rows on whole steps (one descriptor spans every (batch, head)
-    of q and dO). Every mask runs in it (beyond causal through the dk/dv block table, built
-    for these tiles), a soft cap and sinks (they live in the lse)."""
+    ``atomic_dq``: each consumer takes half of dq's columns) or 256, and query rows on
+    whole steps (one descriptor spans every (batch, head) of q and dO). Every mask runs in
+    it (beyond causal through the dk/dv block table, built for these tiles), a soft cap
+    and sinks (they live in the lse)."""
     head_dim = q.shape[3]
     if cfg.block_q == 64:  # the head_dim 256 kernel (`_gluon_backward_wide`), dq beside
         tiles = head_dim == 256 and not cfg.atomic_dq

@@ -93,6 +93,48 @@ def query_blocks(pid_n, b, ranges_ptr, F: gl.constexpr):
 
 
 @gluon.jit
+def probabilities(s_t, lse_rows, m, full, masks, F: gl.constexpr):
+    """``Pᵀ`` of step ``m`` (query block) from its logits ``s_t`` ([keys, rows]) and the
+    rows' saved lse (``lse_rows``: a pointer to them, natural log, one per column of
+    ``s_t``): ``(p, t)``, the call's masks applied, ``t`` the soft cap's tanh whose slope
+    ``1 - t²`` dS takes (``s_t`` itself without a cap: unused). ``full``: the step range
+    that needs no mask (``TABLE``); ``masks``: (keys, their `token_info`, the rows' first
+    index, the columns' offsets, batch row, the rows' mask tables). The dk/dv kernels'
+    shared step (`gluon_dkdv_kernel`, `_gluon_backward_wide`)."""
+    keys, key_info, row0, cols, b, row_tabs = masks
+    # Rows without mass (lse -inf) have P = 0: +inf keeps exp2 at 0 instead of NaN.
+    lse = gl.load(lse_rows + cols) * _LOG2E
+    lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    t = s_t
+    if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap)
+        t = tanh(s_t * F.CAP_IN)
+        p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 0))
+    else:
+        p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
+    if F.TABLE:
+        if (m < full[0]) | (m >= full[1]):  # a block some pair of which is hidden
+            row_info = token_info(row0 + cols, F.T, b, row_tabs, F, -1)
+            p = gl.where(visible(row_info, key_info, 1, F), p, 0.0)
+    elif F.CAUSAL:
+        p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
+    return p, t
+
+
+@gluon.jit
+def store_dkdv(dk, dv, bufs, dests, coord):
+    """Store ``dk`` (times the scale) and ``dv`` through the buffers ``bufs`` (k's and v's,
+    no longer read) to the descriptors of ``dests`` = (dk's, dv's, scale) at ``coord``."""
+    k_buf, v_buf = bufs
+    dk_desc, dv_desc, scale = dests
+    k_buf.store((dk * scale).to(k_buf.dtype))
+    v_buf.store(dv.to(v_buf.dtype))
+    hopper.fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, coord, k_buf)
+    tma.async_copy_shared_to_global(dv_desc, coord, v_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     """Copy the program's k and v, then q and dO of every (head of the group, query block)."""
     q_desc, do_desc, k_desc, v_desc = descs
@@ -204,20 +246,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
         row0 = m * F.BM
         stat = (b * F.N + n).to(gl.int64) * F.T + row0  # lse and delta of these rows
         s_t = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-        # Rows without mass (lse -inf) have P = 0: +inf keeps exp2 at 0 instead of NaN.
-        lse = gl.load(lse_ptr + stat + cols) * _LOG2E
-        lse = gl.where(lse == float("-inf"), float("inf"), lse)
-        if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap)
-            t = tanh(s_t * F.CAP_IN)
-            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 0))
-        else:
-            p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
-        if F.TABLE:
-            if (m < full_lo) | (m >= full_hi):  # a block some pair of which is hidden
-                row_info = token_info(row0 + cols, F.T, b, row_tabs, F, -1)
-                p = gl.where(visible(row_info, key_info, 1, F), p, 0.0)
-        elif F.CAUSAL:
-            p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
+        masks = (keys, key_info, row0, cols, b, row_tabs)
+        p, t = probabilities(s_t, lse_ptr + stat, m, (full_lo, full_hi), masks, F)
         p16 = gl.convert_layout(p.to(dtype), a_layout)
         if F.SOFT_CAP > 0.0:  # dS takes the logits' slope 1 - tanh²: folded in now, so
             p = p * (1.0 - t * t)  # that t is not held across the matmuls
@@ -242,13 +272,7 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, 0)
     # k and v are no longer read: dk and dv leave through their buffers.
-    key0 = pid_n * F.BN + C * HALF
-    k_c.store((dk * scale).to(dtype))
-    v_c.store(dv.to(dtype))
-    hopper.fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [key0, 0], k_c)
-    tma.async_copy_shared_to_global(dv_desc, [key0, 0], v_c)
-    tma.store_wait(0)
+    store_dkdv(dk, dv, (k_c, v_c), (dk_desc, dv_desc, scale), [pid_n * F.BN + C * HALF, 0])
 
 
 @gluon.jit

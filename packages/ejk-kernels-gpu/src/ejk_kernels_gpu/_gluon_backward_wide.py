@@ -26,10 +26,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_backward_kernel import DkdvOptions, query_blocks
-from ._gluon_common import barriers, ring_slot, tanh, token_info, visible, wgmma_layout
+from ._gluon_backward_kernel import DkdvOptions, probabilities, query_blocks, store_dkdv
+from ._gluon_common import barriers, ring_slot, token_info, wgmma_layout
 
-_LOG2E = gl.constexpr(1.4426950408889634)
 _COLS = gl.constexpr(128)  # columns of a half (of head_dim 256)
 
 
@@ -95,7 +94,6 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     kv_ready, ready, empty, x_ready, done = bars
     lse_ptr, delta_ptr = stats
     row_tabs, key_tabs, ranges_ptr = tabs
-    dk_desc, dv_desc, scale = dest
     R: gl.constexpr = F.BM // 2  # rows of a step this consumer scores
     # Sᵀ and dPᵀ: [keys, R rows]; dK and dV: [keys, 128 columns].
     s_layout: gl.constexpr = wgmma_layout(R)
@@ -133,20 +131,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
         row0 = m * F.BM + C * R
         stat = (b * F.N + n).to(gl.int64) * F.T + row0  # lse and delta of these rows
         s_t = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-        # Rows without mass (lse -inf) have P = 0: +inf keeps exp2 at 0 instead of NaN.
-        lse = gl.load(lse_ptr + stat + cols) * _LOG2E
-        lse = gl.where(lse == float("-inf"), float("inf"), lse)
-        if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap)
-            t = tanh(s_t * F.CAP_IN)
-            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 0))
-        else:
-            p = gl.exp2(s_t * F.QK - gl.expand_dims(lse, 0))
-        if F.TABLE:
-            if (m < full_lo) | (m >= full_hi):  # a block some pair of which is hidden
-                row_info = token_info(row0 + cols, F.T, b, row_tabs, F, -1)
-                p = gl.where(visible(row_info, key_info, 1, F), p, 0.0)
-        elif F.CAUSAL:
-            p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
+        masks = (keys, key_info, row0, cols, b, row_tabs)
+        p, t = probabilities(s_t, lse_ptr + stat, m, (full_lo, full_hi), masks, F)
         p16 = p.to(dtype)
         if F.SOFT_CAP > 0.0:  # dS takes the logits' slope 1 - tanh²
             p = p * (1.0 - t * t)
@@ -172,14 +158,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)
     # k and v are no longer read: dk and dv leave through their buffers.
-    k_c = k_smem.index(C)
-    v_c = v_smem.index(C)
-    k_c.store((dk * scale).to(dtype))
-    v_c.store(dv.to(dtype))
-    hopper.fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [pid_n * F.BN, C * _COLS], k_c)
-    tma.async_copy_shared_to_global(dv_desc, [pid_n * F.BN, C * _COLS], v_c)
-    tma.store_wait(0)
+    bufs = (k_smem.index(C), v_smem.index(C))
+    store_dkdv(dk, dv, bufs, dest, [pid_n * F.BN, C * _COLS])
 
 
 @gluon.jit

@@ -398,6 +398,25 @@ MASKED_CALLS = [
 ]  # fmt: skip
 
 
+def _documents_or_packing(rng, kwargs, batch, q_len, max_len):
+    """Turn a case's ``packed`` / ``documents`` keywords into the call's side inputs (in
+    place): packed sequences of 90, 1, 159 and the rest of ``q_len`` tokens but 3 padding
+    ones (batch 1), or documents of 20-``max_len`` tokens with 5 padding rows at the end
+    (``"repeat"``: ids that come back in a later run). Returns the batch size."""
+    if kwargs.pop("packed", False):
+        batch = 1
+        cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    documents = kwargs.pop("documents", False)
+    if documents:
+        ids = random_document_ids(
+            rng, batch, q_len, min_len=20, max_len=max_len, padding=5,
+            repeat=documents == "repeat",
+        )  # fmt: skip
+        kwargs["segment_ids"] = jnp.asarray(ids)
+    return batch
+
+
 @pytest.mark.parametrize("case", MASKED_CALLS, ids=[c[0] for c in MASKED_CALLS])
 def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, case):
     """Windows, soft caps, documents (repeated ids, padding rows that see nothing), packed
@@ -406,18 +425,9 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     interpreted backward) gradients."""
     _, head_dim, q_len, kv_len, kwargs = case
     kwargs = dict(kwargs)
-    heads, kv_heads, batch = 4, 2, 2
-    if kwargs.pop("packed", False):
-        batch = 1
-        cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
-        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
-    documents = kwargs.pop("documents", False)
-    if documents:
-        # Documents of 20-90 tokens (across the 128-row tiles), padding rows at the end.
-        ids = random_document_ids(
-            rng, batch, q_len, min_len=20, max_len=90, padding=5, repeat=documents == "repeat"
-        )
-        kwargs["segment_ids"] = jnp.asarray(ids)
+    heads, kv_heads = 4, 2
+    # Documents of 20-90 tokens: across the 128-row tiles.
+    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=90)
     if kwargs.pop("sinks", False):
         kwargs["softmax_sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
     q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), jnp.float16)
@@ -708,17 +718,8 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     if dq_inside:
         kwargs["bwd_config"] = msgspec.structs.replace(GLUON_DKDV, atomic_dq=True)
     heads, kv_heads = (4, 4) if dq_inside else heads
-    batch, q_len = 2, 384
-    if kwargs.pop("packed", False):
-        batch = 1
-        cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
-        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
-    documents = kwargs.pop("documents", None)
-    if documents:
-        ids = random_document_ids(
-            rng, batch, q_len, min_len=20, max_len=150, padding=5, repeat=documents == "repeat"
-        )
-        kwargs["segment_ids"] = jnp.asarray(ids)
+    q_len = 384
+    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=150)
     q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 128)), jnp.bfloat16)
     k, v = (
         jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 128)), jnp.bfloat16)
@@ -832,10 +833,8 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     dq inside, or at another head_dim, gives way to the heuristic's backward (this one
     at head_dim 256)."""
     kwargs = dict(kwargs)
-    batch, q_len, heads, kv_heads = 2, 320, 4, 2
-    if kwargs.pop("documents", False):
-        ids = random_document_ids(rng, batch, q_len, min_len=20, max_len=150, padding=5)
-        kwargs["segment_ids"] = jnp.asarray(ids)
+    q_len, heads, kv_heads = 320, 4, 2
+    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=150)
     q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 256)), jnp.bfloat16)
     k, v = (
         jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 256)), jnp.bfloat16)

@@ -828,8 +828,9 @@ GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, 
 )
 def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, rng, kwargs):
     """At head_dim 256 its config (64 resident keys) runs the column-split Gluon dk/dv
-    kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the ordinary dq kernel
-    beside it; the gradients, through its emulation, match the reference. Its config with
+    kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the Gluon dq kernel beside
+    it (`GLUON_DQ_256`: 128 query rows a program, 32 keys a step, walking a dq block table
+    built for those tiles); the gradients, through their emulations, match the reference. Its config with
     dq inside, or at another head_dim, gives way to the heuristic's backward (this one
     at head_dim 256)."""
     kwargs = dict(kwargs)
@@ -844,7 +845,9 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     [(grid, consts, outs, _)] = gluon_launches.dkdv
     assert grid == (5, batch * kv_heads) and (consts["BN"], consts["BM"]) == (64, 64)
     assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
-    assert gluon_launches.dq == []  # dq: the ordinary kernel
+    [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq
+    assert dq_grid == (3, batch * heads) and dq_outs[0] == (q.shape, q.dtype)
+    assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"], dq_consts["H"]) == (128, 32, 2, 256)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):

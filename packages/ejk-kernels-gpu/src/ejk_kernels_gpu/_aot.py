@@ -25,7 +25,6 @@ import msgspec
 
 from ._config import (
     GLUON_BWD_CONFIGS,
-    GLUON_DQ_CONFIG,
     SHARED_MEMORY_LIMIT,
     WS_BWD_CONFIGS,
     FlashConfig,
@@ -34,6 +33,7 @@ from ._config import (
     fits_shared_memory,
     fwd_heuristic,
     fwd_search_space,
+    gluon_dq_beside,
     ordinary_config,
 )
 from ._jax_triton_fix import (
@@ -318,15 +318,14 @@ def main(argv: list[str] | None = None) -> int:
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
                         # beside a Gluon dk/dv config runs the Gluon dq kernel
-                        # (`GLUON_DQ_CONFIG`), or the ordinary one with its tiles
+                        # (`gluon_dq_beside`), or the ordinary one with its tiles
                         ordinary = tuple(c for c in space if not c.atomic_dq and not c.gluon)
                         beside = tuple(
                             ordinary_config(c, head_dim, itemsize, side, ("dq",))
                             for c in space
                             if c.gluon and not c.atomic_dq
                         )
-                        if beside and GLUON_DQ_CONFIG is not None and head_dim <= 128:
-                            beside += (GLUON_DQ_CONFIG,)
+                        beside += tuple(filter(None, map(gluon_dq_beside, space)))
                         builds = tuple(dict.fromkeys((*ordinary, *beside)))
                     for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)

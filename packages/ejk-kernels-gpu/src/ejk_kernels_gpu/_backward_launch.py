@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import GLUON_DQ_CONFIG, FlashConfig, ordinary_config
+from ._config import FlashConfig, gluon_dq_beside, ordinary_config
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
 from ._options import (
@@ -155,11 +155,11 @@ def backward(
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
                                         dkdv_consts, ws)  # fmt: skip
+    beside = gluon_dq_beside(opts.bwd_cfg) if gluon else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
-    elif gluon and GLUON_DQ_CONFIG is not None and head_dim <= 128:
-        # (at head_dim 256 its rows and k/v ring would not fit shared memory)
-        dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, GLUON_DQ_CONFIG)
+    elif beside is not None:
+        dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, beside)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)
         dq, _ = launch(

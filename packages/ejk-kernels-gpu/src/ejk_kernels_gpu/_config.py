@@ -12,6 +12,7 @@ import itertools
 import msgspec
 
 __all__ = [
+    "GLUON_DQ_256",
     "GLUON_DQ_CONFIG",
     "SHARED_MEMORY_LIMIT",
     "FlashConfig",
@@ -20,6 +21,7 @@ __all__ = [
     "fits_shared_memory",
     "fwd_heuristic",
     "fwd_search_space",
+    "gluon_dq_beside",
     "gluon_fits",
     "head_block",
     "ordinary_config",
@@ -100,12 +102,13 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"warp_specialize, got {self!r}"
             )
         if self.gluon and (
-            self.block_q not in (64, 128) or self.num_warps != 4 or self.block_k not in (64, 128)
+            self.block_q not in (64, 128) or self.num_warps != 4 or self.block_k not in (32, 64, 128)
         ):
             raise ValueError(
                 "FlashConfig.gluon runs 128-row query tiles (64 resident keys: the head_dim "
-                "256 backward) with 4 warps per warpgroup and 64 or 128 keys a step: "
-                f"block_q 64 or 128, num_warps=4, block_k 64 or 128, got {self!r}"
+                "256 backward) with 4 warps per warpgroup and 32 (the head_dim 256 dq "
+                "kernel), 64 or 128 keys a step: block_q 64 or 128, num_warps=4, block_k 32, "
+                f"64 or 128, got {self!r}"
             )
         if self.gluon and self.num_stages not in (2, 3):
             raise ValueError(
@@ -140,6 +143,8 @@ def gluon_fits(cfg: FlashConfig, head_dim: int) -> bool:
     128·128 scores-by-columns a step (head_dim 256 takes 64-key tiles: its float32
     accumulator alone is 128 registers a thread)."""
     if not cfg.gluon or head_dim not in (64, 128, 256) or cfg.block_k * head_dim > 128 * 128:
+        return False
+    if cfg.block_k == 32:  # the head_dim 256 dq kernel's keys a step
         return False
     if cfg.block_q != 128:  # 64 is the head_dim 256 backward's resident keys
         return False
@@ -277,6 +282,26 @@ GLUON_BWD_CONFIGS = {
 GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
     block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True
 )
+# At head_dim 256 its rows (128 of q and of dO, 256 columns: 128 KiB) leave room for a ring
+# of 32-key k/v blocks only (two slots: 192 KiB in all); its float32 dq is 128 registers a
+# consumer, as the forward's accumulator at this head_dim.
+GLUON_DQ_256: FlashConfig | None = FlashConfig(
+    block_q=128, block_k=32, num_warps=4, num_stages=2, gluon=True
+)
+
+
+def gluon_dq_beside(bwd: FlashConfig) -> FlashConfig | None:
+    """The config of the Gluon dq kernel that runs beside the Gluon dk/dv config ``bwd``
+    (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's 64 resident keys),
+    or None where dq comes from elsewhere: from the dk/dv kernel (``atomic_dq``), or from the
+    ordinary dq kernel with ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set
+    to None). The dq block table is built for the tiles of the kernel that runs
+    (`_masks.range_tables`)."""
+    if not bwd.gluon or bwd.atomic_dq:
+        return None
+    return GLUON_DQ_256 if bwd.block_q == 64 else GLUON_DQ_CONFIG
+
+
 # Where the backward heuristic takes it: at head_dim 64 forward+backward measured 0.91x the
 # ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
 # At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the

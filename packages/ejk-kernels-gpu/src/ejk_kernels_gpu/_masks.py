@@ -20,6 +20,7 @@ from jax import Array
 
 from ejk_sequtils import AttentionRequest, dropout_seed_u32
 
+from ._config import gluon_dq_beside
 from ._options import CallOptions
 
 __all__ = [
@@ -254,8 +255,11 @@ def range_tables(
         (the masks' table intersected with `segment_block_table`'s).
     """
     fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
-    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k queries.
-    shapes = ((fwd.block_q, fwd.block_k), (bwd.block_q, bwd.block_k), (bwd.block_q, bwd.block_k))
+    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
+    # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
+    # beside a Gluon dk/dv config (`gluon_dq_beside`: other tiles at head_dim 256).
+    dq = gluon_dq_beside(bwd) or bwd
+    shapes = ((fwd.block_q, fwd.block_k), (dq.block_q, dq.block_k), (bwd.block_q, bwd.block_k))
     ranges_of = (rows, rows, cols)
     tables = [block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
     if segment_ids is None:

@@ -343,7 +343,7 @@ CASES = [
     ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, sliding_window=(256, 0))),
     ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50), gluon=True)),
     ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
-    ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GW, dict(causal=True)),
+    ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GG, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
     ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
@@ -370,7 +370,8 @@ CASES = [
     ("gluon bwd packed window mha", 1, 4096, 4096, 8, 8, 128, GG, dict(packed=True, causal=True, sliding_window=(300, 0))),
     ("gluon bwd documents repeat fp16 mha", 2, 2048, 2048, 8, 8, 128, GG, dict(documents="repeat", dtype=jnp.float16)),
     ("gluon bwd window 2-sided gqa S!=T", 2, 1024, 1000, 16, 4, 128, GG, dict(sliding_window=(100, 50), sinks=True)),
-    # head_dim 256: the column-split Gluon dk/dv kernel (64 resident keys), dq beside it.
+    # head_dim 256: the column-split Gluon dk/dv kernel (64 resident keys), the Gluon dq
+    # kernel beside it (32 keys a step).
     ("gluon bwd h256 causal gqa", 2, 2048, 2048, 16, 8, 256, GG, dict(causal=True)),
     ("gluon bwd h256 documents fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents=True, dtype=jnp.float16)),
     ("gluon bwd h256 window softcap sinks", 1, 2048, 2048, 8, 8, 256, GG, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, sinks=True)),

@@ -184,16 +184,22 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     assert all(r["spill_stores"] == 0 for r in gluon if r["kernel"] == "gluon_dq_kernel"), gluon
 
 
-def test_the_head_dim_256_gluon_dkdv_kernel_builds_for_hopper():
-    """The column-split Gluon dk/dv kernel (`_gluon_backward_wide`) unmasked, causal, with a
-    window, segment ids and a soft cap: three warpgroups, within shared memory and scratch,
-    within its spill allowance (none unmasked, causal or windowed)."""
+def test_the_head_dim_256_gluon_backward_kernels_build_for_hopper():
+    """The column-split Gluon dk/dv kernel (`_gluon_backward_wide`) and the Gluon dq kernel
+    beside it (32 keys a step) unmasked, causal, with a window, segment ids and a soft cap:
+    three warpgroups, within shared memory and scratch; the dk/dv kernel within its spill
+    allowance (none unmasked, causal or windowed), the dq kernel without spills."""
+    variants = {"plain", "causal", "window", "documents", "softcap"}
     rows = _compile(
-        "--head-dims", "256", "--variants", "plain,causal,window,documents,softcap",
-        "--space", "heuristic", "--kernels", "dkdv_kernel",
+        "--head-dims", "256", "--variants", ",".join(sorted(variants)),
+        "--space", "heuristic", "--kernels", "dkdv_kernel,dq_kernel",
     )  # fmt: skip
+    dq = [r for r in rows if r["kernel"] == "gluon_dq_kernel"]
+    assert {r["variant"] for r in dq} == variants
+    assert {(r["config"]["block_q"], r["config"]["block_k"]) for r in dq} == {(128, 32)}
+    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in dq), dq
     wide = [r for r in rows if r["kernel"] == "gluon_dkdv_wide_kernel"]
-    assert {r["variant"] for r in wide} == {"plain", "causal", "window", "documents", "softcap"}
+    assert {r["variant"] for r in wide} == variants
     assert all(r["threads"] == 384 and r["fits"] for r in wide), wide
     allowed = GLUON_SPILL_BYTES["gluon_dkdv_wide_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in wide), wide

@@ -847,7 +847,8 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     assert outs[:2] == [(k.shape, k.dtype), (v.shape, v.dtype)]
     [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq
     assert dq_grid == (3, batch * heads) and dq_outs[0] == (q.shape, q.dtype)
-    assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"], dq_consts["H"]) == (128, 32, 2, 256)
+    tiles = tuple(dq_consts[name] for name in ("BM", "BN", "STAGES", "H"))
+    assert tiles == (128, 32, 2, 256)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):

@@ -102,7 +102,9 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"warp_specialize, got {self!r}"
             )
         if self.gluon and (
-            self.block_q not in (64, 128) or self.num_warps != 4 or self.block_k not in (32, 64, 128)
+            self.block_q not in (64, 128)
+            or self.num_warps != 4
+            or self.block_k not in (32, 64, 128)
         ):
             raise ValueError(
                 "FlashConfig.gluon runs 128-row query tiles (64 resident keys: the head_dim "
@@ -259,7 +261,8 @@ _GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
 _GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_3 = msgspec.structs.replace(_GLUON_BWD, num_stages=3)
 # head_dim 256 (`_gluon_backward_wide`): 64 resident keys, the consumers splitting dK's and
-# dV's columns; two slots (three do not fit shared memory), dq beside it.
+# dV's columns; two slots (three do not fit shared memory), the Gluon dq kernel beside it
+# (`GLUON_DQ_256`).
 _GLUON_BWD_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_DQ = msgspec.structs.replace(_GLUON_BWD, num_stages=3, atomic_dq=True)
 GLUON_BWD_CONFIGS = {
@@ -306,7 +309,10 @@ def gluon_dq_beside(bwd: FlashConfig) -> FlashConfig | None:
 # ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
 # At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the
 # ordinary backward's causal, 1.46x unmasked (B2 T4096 N16 K8, H100, 4.95 -> 3.38 and
-# 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; docs/gpu-runs/2026-11-25-h100-gluon-bwd-256-da77bc2.json).
+# 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; docs/gpu-runs/2026-11-25-h100-gluon-bwd-256-da77bc2.json),
+# and with the Gluon dq kernel beside it instead of the ordinary one 1.37x causal, 1.49x
+# unmasked (3.48 -> 2.55 and 6.50 -> 4.35 ms; cuDNN 2.81 and 5.11; three slots level or
+# slower: docs/gpu-runs/2026-11-25-h100-dq256-76efc40.json).
 _GLUON_BWD_HEURISTIC_HEAD_DIMS = (128, 256)
 
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
@@ -455,7 +461,7 @@ def bwd_heuristic(
     at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
     slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
     `GLUON_BWD_CONFIGS`); at head_dim 256 its column-split kernel (`_GLUON_BWD_256`,
-    dq beside it from the ordinary kernel). ``tables``: the call's masks go beyond causal (a window, packing,
+    the Gluon dq kernel beside it, `GLUON_DQ_256`). ``tables``: the call's masks go beyond causal (a window, packing,
     segment ids; `_options.CallOptions.tabled`): there dq beside it, three slots without a
     soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100, with the
     ordinary dq kernel beside: ordinary backward 1.96, Gluon dk/dv 1.66 with two slots,
@@ -465,7 +471,7 @@ def bwd_heuristic(
     -> 2.60, ...-tables-1ca09f3.json).
     """
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
-        if head_dim == 256:  # its one config: dq beside, two slots
+        if head_dim == 256:  # its one config: the Gluon dq kernel beside, two slots
             return _GLUON_BWD_256
         if tables:
             return _GLUON_BWD if soft_cap else _GLUON_BWD_3

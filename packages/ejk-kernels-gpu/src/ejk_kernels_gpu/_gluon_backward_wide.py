@@ -17,7 +17,8 @@ query block by TMA into a ring of ``STAGES`` slots, each as four ``[32 rows, 128
 columns]`` boxes (a consumer's rows by a column half), so every matmul operand is a whole
 buffer, no row slice of a swizzled tile. The query blocks visited and the masks come from
 `query_blocks` (the block table with a window, packing or segment ids). dq comes from the
-ordinary dq kernel beside it. Keys past the end are zero-filled on load and clipped on
+Gluon dq kernel beside it (`_gluon_backward_kernel.gluon_dq_kernel` with 32 keys a step,
+`_config.GLUON_DQ_256`). Keys past the end are zero-filled on load and clipped on
 store.
 """
 

@@ -37,7 +37,7 @@ GLUON256 = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon
         (dict(gluon=1), TypeError, "gluon must be a bool"),
         (dict(gluon=True, warp_specialize=True), ValueError, "cannot be combined"),
         (dict(gluon=True, block_q=32), ValueError, "128-row query tiles"),
-        (dict(gluon=True, block_k=32), ValueError, "128-row query tiles"),
+        (dict(gluon=True, block_k=16), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_warps=8), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_stages=4), ValueError, "num_stages 2 or 3"),
     ],
@@ -78,6 +78,9 @@ def test_gluon_fits_the_tiles_to_the_head_dim():
     # 64 resident rows: the head_dim 256 backward's keys, no forward tiles
     assert not gluon_fits(FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2,
                                       gluon=True), 256)  # fmt: skip
+    # 32 keys a step: the head_dim 256 dq kernel's tiles, no forward tiles
+    assert not gluon_fits(FlashConfig(block_q=128, block_k=32, num_warps=4, num_stages=2,
+                                      gluon=True), 128)  # fmt: skip
 
 
 def test_ordinary_config_keeps_the_tiles():
@@ -561,6 +564,40 @@ def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg,
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=64 if shape[3] == 256 else 128, num_stages=2, gluon=True)
     assert gluon_persistent(opts, shape, shape[1], cfg) == persistent
+
+
+@pytest.mark.parametrize(
+    "kwargs, slots",
+    [
+        (dict(), 3),
+        (dict(causal=True), 3),
+        (dict(causal=True, sliding_window=(300, 0)), 2),
+        (dict(causal=True, logits_soft_cap=30.0), 2),
+        (dict(causal=True, documents=True), 2),
+    ],
+    ids=["unmasked", "causal", "window", "soft cap", "documents"],
+)
+def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own(
+    on_hopper, kwargs, slots
+):
+    """At head_dim 128 the forward heuristic takes two ring slots for windows, soft caps and
+    documents (its output then gets a buffer of its own, ``OBUF``: the next tile's q loads
+    during a tile's epilogue), three otherwise (no room for it); head_dim 64 has room with
+    three; one program a tile, or head_dim 256, never."""
+    from ejk_kernels_gpu._options import call_options, gluon_constexprs, gluon_obuf
+    from ejk_sequtils import validate_attention
+
+    kwargs = dict(kwargs)
+    q = jnp.zeros((2, 1024, 8, 128), jnp.bfloat16)
+    if kwargs.pop("documents", False):
+        kwargs["segment_ids"] = jnp.zeros((2, 1024), jnp.int32)
+    request = validate_attention(q, q, q, **kwargs)
+    opts = call_options(request, None, None)
+    assert opts.fwd_cfg.gluon and opts.fwd_cfg.num_stages == slots
+    assert gluon_constexprs(opts, q, q, False, opts.fwd_cfg)["OBUF"] == (slots == 2)
+    assert gluon_obuf(GLUON, 64, persistent=True) and gluon_obuf(GLUON2, 128, persistent=True)
+    assert not gluon_obuf(GLUON2, 128, persistent=False)
+    assert not gluon_obuf(GLUON256, 256, persistent=True)
 
 
 GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)

@@ -403,6 +403,7 @@ def fwd_heuristic(
     side_inputs: bool = True,
     warp_specialize: bool = False,
     gluon: bool | None = None,
+    short_loops: bool = False,
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
@@ -411,11 +412,15 @@ def fwd_heuristic(
     runs it (64: tuning space only, see ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
     at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
-    ordinary kernel, step 7).
+    ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
+    packing, segment ids) or it has a soft cap: its programs run few key blocks a tile, or
+    heavy ones, and at head_dim 128 the Gluon forward's two-slot config gives its output a
+    buffer of its own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
     """
     gluon = warp_specialize if gluon is None else gluon
     if gluon and itemsize == 2 and head_dim in _GLUON_HEURISTIC_HEAD_DIMS:
-        return _GLUON_CONFIGS[head_dim][0]
+        configs = _GLUON_CONFIGS[head_dim]
+        return configs[1] if short_loops and head_dim == 128 else configs[0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:
         return _WS_CONFIGS[head_dim][0]
     if head_dim <= 64:

@@ -101,7 +101,7 @@ def block_options(
         gluon = offer_gluon(
             itemsize=itemsize, bias=None, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
-        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon)
+        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon, short_loops=True)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:  # on Hopper the Gluon backward, walking the block tables
         group = q.shape[2] // k.shape[2]

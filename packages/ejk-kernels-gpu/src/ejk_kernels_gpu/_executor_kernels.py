@@ -19,7 +19,7 @@ from ejk_executor import Invocation, Kernel
 from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._api import flash_attention
-from ._config import FlashConfig, bwd_search_space, fwd_heuristic, fwd_search_space
+from ._config import FlashConfig, bwd_search_space, fwd_search_space
 from ._options import (
     call_options,
     can_run_gluon_dkdv,
@@ -79,9 +79,7 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
         return flash_attention(*args, config=cfg, **kwargs)
 
     def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
-        return fwd_heuristic(
-            *_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3), gluon=_gluon(inv)
-        )
+        return call_options(_request(inv, ("q", "k", "v", "bias")), None, None).fwd_cfg
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
         return fwd_search_space(
@@ -123,7 +121,12 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
 def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:
     """The validated request of a `FlashAttentionBackward` invocation
     (``(q, k, v, d_out, bias=None, **flash_attention's keywords)``)."""
-    names = ("q", "k", "v", "d_out", "bias")
+    return _request(inv, ("q", "k", "v", "d_out", "bias"))
+
+
+def _request(inv: Invocation[FlashConfig, Any], names: tuple[str, ...]) -> AttentionRequest:
+    """The validated request of an invocation whose positional arguments are ``names``
+    (`flash_attention`'s keywords besides; ``d_out`` and configs dropped)."""
     given = dict(zip(names, inv.args, strict=False)) | inv.kwargs
     given.pop("d_out", None)
     given.pop("config", None)

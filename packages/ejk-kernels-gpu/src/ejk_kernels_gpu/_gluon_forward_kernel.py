@@ -27,10 +27,14 @@ A tile is one query block of one (batch, head). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; the query blocks of a head consecutive, so the programs at
 work share k and v in L2, and programs with lighter tiles take more): the producer copies
-the next tile's first k/v
-blocks and then its q while the consumers finish the previous tile's epilogue, and the
-ring's slots and phases run on across tiles (``count``). Other calls run one program a
-tile through the same per-tile bodies (`_produce_tile`, `_consume_tile`).
+the next tile's first k/v blocks and then its q while the consumers finish the previous
+tile's epilogue, and the ring's slots and phases run on across tiles (``count``). Where
+shared memory has room (``OBUF``, `_options.gluon_obuf`: head_dim 64, or 128 with two
+slots) the output leaves through a buffer of its own: a consumer releases q after its
+tile's last q·kᵀ, so the next q loads during the last p·v and the epilogue, and waits for
+its output's store only before the next one. Otherwise o leaves through q's buffer, whose
+store is waited for before the next q may load. Other calls run one program a tile
+through the same per-tile bodies (`_produce_tile`, `_consume_tile`).
 
 Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
 (256 with 64-key tiles), a positive scale, no bias or dropout; any masks, soft cap,
@@ -87,6 +91,8 @@ class GluonOptions(NamedTuple):
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
+    OBUF: bool  # o leaves through a buffer of its own (else q's): q is released after the
+    # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
 
 
 @gluon.jit
@@ -176,7 +182,8 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
     head = gl.minimum(j_hi, j_lo + F.STAGES)
     for j in range(j_lo, head):
         _copy_kv(descs, smem, kv_bars, j, count + j - j_lo, (krow, kcol), F)
-    mbarrier.wait(q_empty, qph ^ 1)  # the previous tile's output has left
+    mbarrier.wait(q_empty, qph ^ 1)  # the previous tile's q is done with (OBUF), or its
+    # output has left (o through q's buffer)
     for h in gl.static_range(2):
         mbarrier.expect(q_ready.index(h), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
@@ -310,7 +317,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     """Rows ``C·BM/2 ..`` of one tile's query block (consumer C of two); ``count``: key
     blocks this program consumed before; ``qph``: the phase of q's barriers for this tile
     (`_tile_phase`); ``blocks``: its key range (`_key_blocks`). Returns the new count."""
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
     o_desc, lse_ptr = dest
@@ -355,29 +362,38 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         p, alpha, m_i, l_i, acc = state
+        if F.OBUF:  # every q·kᵀ of the tile is done: the next tile's q may come in
+            mbarrier.arrive(q_empty, count=1)
         last, lph = ring_slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
         acc = hopper.warpgroup_mma_wait(
             0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
         )
         mbarrier.arrive(v_empty.index(last), count=1)
+    elif F.OBUF:
+        mbarrier.arrive(q_empty, count=1)
     # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
     has_mass = l_i > 0.0
     l_safe = gl.where(has_mass, l_i, 1.0)
     out = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
-    q.store(out.to(q.dtype))  # q's buffer is free now: o leaves through it
+    o_buf = q
+    if F.OBUF:
+        o_buf = o_smem.index(C)
+        tma.store_wait(0)  # this consumer's previous output has left its buffer
+    o_buf.store(out.to(q.dtype))  # (else q's buffer is free now: o leaves through it)
     hopper.fence_async_shared()
     # Where the tile's rows go, recomputed from the tile (fewer registers live across
     # the key loop: ptxas spills otherwise).
     b, n, bn, pid_m = _tile(tile, n_m, F)
     origin = _origin(b, n, F)
     row_c = pid_m * F.BM + C * HALF
-    tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], q)
+    tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], o_buf)
     rows = row_c + gl.arange(0, HALF, layout=row_layout)
     lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     gl.store(lse_ptr + bn.to(gl.int64) * F.T + rows, lse, mask=rows < F.T)
-    tma.store_wait(0)
-    mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
+    if not F.OBUF:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
     return count + gl.maximum(j_hi - j_lo, 0)
 
 
@@ -414,6 +430,8 @@ def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, tota
     else:  # the one tile's key range, read before the partitions split the registers
         _consume_tile(gl.program_id(0), 0, 0, first_blocks, smem, bars, dest, sinks_ptr, n_m,
                       tabs, F, HAS_SINKS, C)  # fmt: skip
+    if F.OBUF:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -427,7 +445,7 @@ def gluon_fwd_kernel(
     CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
     VARLEN: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr, HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    INTERPRET: gl.constexpr,
+    OBUF: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
@@ -442,7 +460,7 @@ def gluon_fwd_kernel(
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT,
+        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -482,6 +500,10 @@ def gluon_fwd_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
+    if OBUF:
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
+    else:  # o leaves through q's buffer
+        o_smem = q_smem
     # q: ready per half-tile (one arrival + bytes), empty once both consumers stored their
     # output through it; k and v: ready per slot, empty once both consumers released it.
     q_ready = barriers(2, 1)
@@ -492,7 +514,7 @@ def gluon_fwd_kernel(
     tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     sched = (tiles, barriers(2, 1), barriers(2, 2))
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
-    smem = (q_smem, k_smem, v_smem)
+    smem = (q_smem, k_smem, v_smem, o_smem)
     bars = (q_ready, q_empty, kv_bars)
     descs = (q_desc, k_desc, v_desc)
     dest = (o_desc, lse_ptr)  # where o and lse go

@@ -14,6 +14,7 @@ from typing import Any
 from ejk_sequtils import AttentionRequest, dropout_threshold
 
 from ._config import (
+    SHARED_MEMORY_LIMIT,
     FlashConfig,
     bwd_heuristic,
     fwd_heuristic,
@@ -101,7 +102,10 @@ def call_options(
     )
     side_inputs = opts.side_inputs(request.bias)
     if config is None:
-        fwd = fwd_heuristic(head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon)
+        fwd = fwd_heuristic(
+            head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon,
+            short_loops=opts.tabled() or opts.soft_cap > 0.0,
+        )  # fmt: skip
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     gluon_bwd = can_run_gluon_dkdv(
         opts, request.bias, request.q, kv_len, gluon_dkdv_tiles(head_dim)
@@ -319,7 +323,23 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         VARLEN=opts.varlen, HAS_SEG=opts.has_seg, MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
         PERSISTENT=gluon_persistent(opts, q.shape, kv_len, cfg),
+        OBUF=gluon_obuf(cfg, head_dim, persistent=gluon_persistent(opts, q.shape, kv_len, cfg)),
     )  # fmt: skip
+
+
+def gluon_obuf(cfg: FlashConfig, head_dim: int, *, persistent: bool) -> bool:
+    """Whether the Gluon forward's output leaves through a buffer of its own (``OBUF``):
+    persistent programs whose q, o and k/v ring fit shared memory (head_dim 64; 128 with two
+    ring slots). A consumer then releases q after its tile's last q·kᵀ, so the next tile's q
+    loads during the epilogue, and waits for its output store a tile later. H100, forward,
+    two slots with the buffer against three without: window (1024, 0) 0.602 -> 0.589 ms, soft
+    cap 1.440 -> 1.349, 8 documents as segment ids 0.440 -> 0.414, as ``cu_seqlens`` 0.396 ->
+    0.379, head_dim 64 causal (three slots both) 0.291 -> 0.275; unmasked and causal
+    B4 T4096 1-3 % slower, so those keep three slots (`_config.fwd_heuristic`); outputs
+    bitwise equal (docs/gpu-runs/2026-11-25-h100-gluon-obuf-draft.json)."""
+    q_and_o = 2 * cfg.block_q * head_dim * 2  # 16-bit
+    ring = 2 * cfg.num_stages * cfg.block_k * head_dim * 2
+    return persistent and q_and_o + ring + 2048 <= SHARED_MEMORY_LIMIT
 
 
 def gluon_persistent(

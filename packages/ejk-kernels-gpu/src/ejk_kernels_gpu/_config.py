@@ -23,6 +23,7 @@ __all__ = [
     "fwd_search_space",
     "gluon_dq_beside",
     "gluon_fits",
+    "gluon_forward_shared",
     "head_block",
     "ordinary_config",
 ]
@@ -150,8 +151,15 @@ def gluon_fits(cfg: FlashConfig, head_dim: int) -> bool:
         return False
     if cfg.block_q != 128:  # 64 is the head_dim 256 backward's resident keys
         return False
-    shared = (cfg.block_q + 2 * cfg.num_stages * cfg.block_k) * head_dim * 2 + 1024
-    return shared <= SHARED_MEMORY_LIMIT
+    return gluon_forward_shared(cfg, head_dim, own_output=False) <= SHARED_MEMORY_LIMIT
+
+
+def gluon_forward_shared(cfg: FlashConfig, head_dim: int, *, own_output: bool) -> int:
+    """Shared-memory bytes of a Gluon forward program with ``cfg``: q (and with
+    ``own_output`` the output's buffer, `_options.gluon_obuf`), ``num_stages`` slots of k
+    and v, 16-bit, and 1 KiB for barriers and alignment."""
+    resident = cfg.block_q * (2 if own_output else 1)
+    return (resident + 2 * cfg.num_stages * cfg.block_k) * head_dim * 2 + 1024
 
 
 def head_block(head_dim: int) -> int:

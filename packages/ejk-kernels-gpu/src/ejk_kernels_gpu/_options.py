@@ -19,6 +19,7 @@ from ._config import (
     bwd_heuristic,
     fwd_heuristic,
     gluon_fits,
+    gluon_forward_shared,
     head_block,
     ordinary_config,
 )
@@ -311,6 +312,7 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
     kv_len = k.shape[1]
     left, right = opts.window if opts.window is not None else (-1, -1)
     cap = opts.soft_cap
+    persistent = gluon_persistent(opts, q.shape, kv_len, cfg)
     masked = (
         opts.causal or opts.window is not None or opts.has_seg or opts.varlen
         or kv_len % cfg.block_k != 0
@@ -322,8 +324,7 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         CAP_OUT=float(cap * LOG2E), CAUSAL=opts.causal, WINDOW_LEFT=left, WINDOW_RIGHT=right,
         VARLEN=opts.varlen, HAS_SEG=opts.has_seg, MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
-        PERSISTENT=gluon_persistent(opts, q.shape, kv_len, cfg),
-        OBUF=gluon_obuf(cfg, head_dim, persistent=gluon_persistent(opts, q.shape, kv_len, cfg)),
+        PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),
     )  # fmt: skip
 
 
@@ -337,9 +338,8 @@ def gluon_obuf(cfg: FlashConfig, head_dim: int, *, persistent: bool) -> bool:
     0.379, head_dim 64 causal (three slots both) 0.291 -> 0.275; unmasked and causal
     B4 T4096 1-3 % slower, so those keep three slots (`_config.fwd_heuristic`); outputs
     bitwise equal (docs/gpu-runs/2026-11-25-h100-gluon-obuf-draft.json)."""
-    q_and_o = 2 * cfg.block_q * head_dim * 2  # 16-bit
-    ring = 2 * cfg.num_stages * cfg.block_k * head_dim * 2
-    return persistent and q_and_o + ring + 2048 <= SHARED_MEMORY_LIMIT
+    shared = gluon_forward_shared(cfg, head_dim, own_output=True)
+    return persistent and shared <= SHARED_MEMORY_LIMIT
 
 
 def gluon_persistent(

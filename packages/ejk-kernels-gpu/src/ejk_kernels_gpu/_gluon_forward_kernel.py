@@ -18,8 +18,9 @@ The key blocks a program visits come from the same per-query-block table as the 
 kernel's (`_masks.block_table`: ``(lo, full_lo, full_hi, hi)``): blocks outside
 ``[lo, hi)`` are never loaded (causal, window, packed sequences, documents given as segment
 ids), blocks inside ``[full_lo, full_hi)`` run without a mask, the others evaluate the
-call's masks per score (`_visible`, by `_gluon_common.visible`: causal and window on
-positions, packed-sequence ids, segment ids, keys past the end). A soft cap is one
+call's masks per score (`_gluon_common.visible`: causal and window on positions,
+packed-sequence ids, segment ids, keys past the end; the keys' ids and positions are
+loaded while the block's q·kᵀ runs, `_key_info`). A soft cap is one
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
 rest of the softmax.
 
@@ -235,23 +236,24 @@ def _producer(descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr, t
 
 
 @gluon.jit
-def _visible(x, j, row_info, b, key_tabs, F: gl.constexpr):
-    """``x`` (a [rows, BN] tile of key block j) with -inf where the key is hidden
-    (`_gluon_common.visible`); ``row_info``: the rows' `token_info`."""
-    keys = j * F.BN + gl.arange(0, F.BN, layout=gl.SliceLayout(0, x.type.layout))
-    key_info = token_info(keys, F.S, b, key_tabs, F, -2)
-    return gl.where(visible(row_info, key_info, 0, F), x, float("-inf"))
+def _key_info(j, masks, F: gl.constexpr):
+    """The `token_info` of key block j, in the S tile's column layout. Loaded before the
+    block's q·kᵀ is waited for, so that the loads' latency hides behind the matmul."""
+    _, b, key_tabs = masks
+    cols: gl.constexpr = gl.SliceLayout(0, wgmma_layout(F.BN))
+    keys = j * F.BN + gl.arange(0, F.BN, layout=cols)
+    return token_info(keys, F.S, b, key_tabs, F, -2)
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
+def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
              DTYPE: gl.constexpr):  # fmt: skip
-    """Online-softmax update for the S tile of key block j: (p, alpha, m, l), in log2 units.
+    """Online-softmax update for an S tile: (p, alpha, m, l), in log2 units.
 
-    MASK: the block needs the call's masks (`_visible`); a row may then have seen no key
-    yet (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
+    MASK: the block needs the call's masks (`_gluon_common.visible` of the rows' and its
+    keys' `token_info`); a row may then have seen no key yet (m = -inf), and 0 is
+    subtracted instead so that its p and alpha are 0, not NaN.
     """
-    row_info, b, key_tabs = masks
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
     # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.
     x = s
@@ -259,7 +261,7 @@ def _softmax(s, m_i, l_i, j, masks, F: gl.constexpr, MASK: gl.constexpr,
     if F.SOFT_CAP > 0.0:
         x = tanh(s * F.CAP_IN)
     if MASK:
-        x = _visible(x, j, row_info, b, key_tabs, F)
+        x = gl.where(visible(row_info, key_info, 0, F), x, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
     m_use = m_new
     if MASK:
@@ -303,9 +305,12 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
     o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts)
+    key_info = 0
+    if MASK:
+        key_info = _key_info(j, masks, F)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j, masks, F, MASK, k_smem.dtype)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype)
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)
     return p, alpha, m_i, l_i, acc
@@ -349,9 +354,13 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     if j_hi > j_lo:
         first, fph = ring_slot(j_lo - base, F.STAGES)
         mbarrier.wait(k_ready.index(first), fph)
-        s = hopper.warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem.index(first), zero_s)])
+        s_tok = _issue_qk(q, k_smem.index(first), zero_s)
+        key_info = 0
+        if F.MASKED:
+            key_info = _key_info(j_lo, masks, F)
+        s = hopper.warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(first), count=1)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j_lo, masks, F, F.MASKED, q.dtype)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, F.MASKED, q.dtype)
         state = (p, alpha, m_i, l_i, acc)
         if F.MASKED:
             for j in range(j_lo + 1, jf_lo):

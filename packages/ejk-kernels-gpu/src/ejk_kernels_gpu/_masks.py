@@ -1,7 +1,8 @@
 """Per-row key ranges and per-block tables that let the kernels skip masked-out blocks.
 
-All in jnp on int32 (the offsets of packed sequences and segment ids are traced values).
-A row's range ``[lo, hi)`` holds every key it may see under causal, window and packed
+All on int32: in jnp where the offsets of packed sequences or segment ids (traced values)
+take part, else in NumPy, so that the tables of causal and window masks are constants of the
+compiled call instead of a few small kernels launched with each call. A row's range ``[lo, hi)`` holds every key it may see under causal, window and packed
 bounds; a block's table entry covers its rows' ranges (`block_table`). With segment ids
 the tables are per batch row (``[B, blocks, 4]``): the masks' table intersected with one
 built from each block's range of document ids (`segment_block_table`, a few fused
@@ -16,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from ejk_sequtils import AttentionRequest, dropout_seed_u32
@@ -35,6 +37,7 @@ __all__ = [
 ]
 
 _BIG = 2**30
+Table = Array | np.ndarray  # NumPy where no traced value takes part (`_module`)
 
 
 class Packing:
@@ -72,24 +75,25 @@ def _ranges(
     num_seqs: int,
     upper: int | None,
     lower: int | None,
-) -> tuple[Array, Array]:
+) -> tuple[Table, Table]:
     """Range of the other axis seen by each index: ``[pos - lower, pos + upper]`` clipped.
 
     ``lower``/``upper`` of None mean unbounded on that side.
     """
+    xp = np if seq is None else jnp  # without packing: NumPy constants
     if seq is None:
-        pos = jnp.arange(length, dtype=jnp.int32)
-        base = jnp.zeros((length,), jnp.int32)
-        size = jnp.full((length,), other_len, jnp.int32)
+        pos = np.arange(length, dtype=np.int32)
+        base = np.zeros((length,), np.int32)
+        size = np.full((length,), other_len, np.int32)
     else:
         valid = seq < num_seqs
         s = jnp.clip(seq, 0, num_seqs - 1)
         base = cu_other[s]
         size = jnp.where(valid, cu_other[s + 1] - base, 0)
-    lo = jnp.zeros_like(pos) if lower is None else jnp.maximum(pos - lower, 0)
-    hi = size if upper is None else jnp.minimum(pos + upper + 1, size)
-    hi = jnp.maximum(hi, lo)
-    return (base + lo).astype(jnp.int32), (base + hi).astype(jnp.int32)
+    lo = xp.zeros_like(pos) if lower is None else xp.maximum(pos - lower, 0)
+    hi = size if upper is None else xp.minimum(pos + upper + 1, size)
+    hi = xp.maximum(hi, lo)
+    return (base + lo).astype(np.int32), (base + hi).astype(np.int32)
 
 
 def _bounds(
@@ -120,7 +124,7 @@ def ranges(
     packing: Packing | None,
     *,
     of_queries: bool,
-) -> tuple[Array, Array]:
+) -> tuple[Table, Table]:
     """Global ranges ``[lo, hi)``, int32: of keys each query row may see (``of_queries``,
     ``[T]`` each), or of queries that may see each key column (``[S]`` each)."""
     upper, lower = _bounds(causal, window, keys_of_queries=of_queries)
@@ -132,41 +136,47 @@ def ranges(
     return _ranges(length, other, seq, pos, cu_other, p.num_seqs, upper, lower)
 
 
-def block_table(lo: Array, hi: Array, block: int, inner_block: int) -> Array:
+def block_table(lo: Table, hi: Table, block: int, inner_block: int) -> Table:
     """int32 ``[num_blocks, 4]``: ``(start, full_start, full_end, end)`` of the inner loop.
 
     The inner loop visits inner blocks from ``start`` (aligned) while ``< end``;
     blocks in ``[full_start, full_end)`` are visible to every row of the block and
     run without a mask (both ``end`` rounded up to an inner block when there are none).
+    NumPy ranges give a NumPy table (a constant of the compiled call).
     """
+    xp = _module(lo, hi)
     length = lo.shape[0]
     nblk = -(-length // block)
     pad = nblk * block - length
     empty = lo >= hi
-    lo_any = jnp.pad(jnp.where(empty, _BIG, lo), (0, pad), constant_values=_BIG).reshape(
-        nblk, block
-    )
-    hi_any = jnp.pad(jnp.where(empty, 0, hi), (0, pad), constant_values=0).reshape(nblk, block)
+    lo_any = xp.pad(xp.where(empty, _BIG, lo), (0, pad), constant_values=_BIG).reshape(nblk, block)
+    hi_any = xp.pad(xp.where(empty, 0, hi), (0, pad), constant_values=0).reshape(nblk, block)
     start = lo_any.min(1)
     end = hi_any.max(1)
     none = start >= end
-    start = jnp.where(none, 0, start // inner_block * inner_block)
-    end = jnp.where(none, 0, end)
+    start = xp.where(none, 0, start // inner_block * inner_block)
+    end = xp.where(none, 0, end)
     # Rows past the end are neutral for the fully visible range.
-    lo_all = jnp.pad(lo, (0, pad), constant_values=-_BIG).reshape(nblk, block).max(1)
-    hi_all = jnp.pad(hi, (0, pad), constant_values=_BIG).reshape(nblk, block).min(1)
+    lo_all = xp.pad(lo, (0, pad), constant_values=-_BIG).reshape(nblk, block).max(1)
+    hi_all = xp.pad(hi, (0, pad), constant_values=_BIG).reshape(nblk, block).min(1)
     full_lo = -(-lo_all // inner_block) * inner_block
     full_hi = hi_all // inner_block * inner_block
     return _with_full(start, full_lo, full_hi, end, inner_block)
 
 
-def _with_full(start: Array, full_lo: Array, full_hi: Array, end: Array, inner: int) -> Array:
+def _with_full(start: Table, full_lo: Table, full_hi: Table, end: Table, inner: int) -> Table:
     """The table ``[..., 4]``, an empty fully visible range moved to ``end`` rounded up."""
+    xp = _module(start, full_lo, full_hi, end)
     end_up = -(-end // inner) * inner
     has_full = (full_lo < full_hi) & (start < end)
-    full_lo = jnp.where(has_full, full_lo, end_up)
-    full_hi = jnp.where(has_full, full_hi, end_up)
-    return jnp.stack([start, full_lo, full_hi, end], axis=-1).astype(jnp.int32)
+    full_lo = xp.where(has_full, full_lo, end_up)
+    full_hi = xp.where(has_full, full_hi, end_up)
+    return xp.stack([start, full_lo, full_hi, end], axis=-1).astype(np.int32)
+
+
+def _module(*arrays: Any) -> Any:
+    """NumPy if every array is a NumPy one (known when the call is traced), else jnp."""
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
 
 
 def _id_blocks(ids: Array, block: int, tail: str) -> tuple[Array, Array, Array]:
@@ -224,7 +234,7 @@ def segment_block_table(ids: Array, other_ids: Array, block: int, inner_block: i
     return _with_full(start, full_first * inner_block, full_last * inner_block, end, inner_block)
 
 
-def _intersect(table: Array, seg: Array, inner: int) -> Array:
+def _intersect(table: Table, seg: Array, inner: int) -> Array:
     """Tables ``[blocks, 4]`` (masks) and ``[B, blocks, 4]`` (segment ids) of the same
     blocks combined: visit what both visit, unmasked where both are."""
     start = jnp.maximum(table[..., 0], seg[..., 0])
@@ -238,8 +248,8 @@ def _intersect(table: Array, seg: Array, inner: int) -> Array:
 
 def range_tables(
     opts: CallOptions,
-    rows: tuple[Array, Array],
-    cols: tuple[Array, Array],
+    rows: tuple[Table, Table],
+    cols: tuple[Table, Table],
     segment_ids: tuple[Array, Array] | None,
 ) -> tuple[Array, Array, Array]:
     """The forward, dq and dk/dv block tables of a call.
@@ -262,8 +272,8 @@ def range_tables(
     shapes = ((fwd.block_q, fwd.block_k), (dq.block_q, dq.block_k), (bwd.block_q, bwd.block_k))
     ranges_of = (rows, rows, cols)
     tables = [block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
-    if segment_ids is None:
-        return tuple(tables)
+    if segment_ids is None:  # NumPy ones become constants of the compiled call
+        return tuple(jnp.asarray(t) for t in tables)
     q_seg, k_seg = segment_ids
     ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
     return tuple(

@@ -236,13 +236,17 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 # The forward's persistent builds with per-block masks (windows at head_dim 64, segment
 # ids, packing) keep one loop-invariant value in local memory since programs take tiles
 # from a counter: one load a key block (12-24 bytes in all; read in the SASS, 2026-11-25),
-# and those calls measured 1.17x faster persistent all the same.
+# and those calls measured 1.17x faster persistent all the same. Since a tile's first block
+# runs without masks where it is fully visible (two softmax variants, `_consume_tile`), the
+# build with segment ids keeps a few more (40 bytes at head_dim 128: 38 local loads in
+# the SASS against 30, 2026-11-25); it measured 8 % faster all the same
+# (docs/gpu-runs/2026-11-25-h100-mask-sides-draft.json).
 # The dk/dv kernel's builds with masks beyond causal (window, segment ids, packing; the
 # heuristic's, without dq in it) spill 64-120 bytes at head_dim 128 (none at 64): they
 # measured faster than the ordinary backward all the same (`_config.bwd_heuristic`).
 # Every mask and the soft cap at once spills ~800 bytes: not offered here as clean.
 GLUON_SPILL_BYTES = {
-    ("gluon_fwd_kernel", False): 32,
+    ("gluon_fwd_kernel", False): 40,
     ("gluon_dkdv_kernel", False): 128,
     ("gluon_dkdv_kernel", True): 320,
     # head_dim 256 (column split): none unmasked, causal or windowed; 16-28 bytes with

@@ -68,26 +68,45 @@ def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.
     return ok, sid, pos, seg
 
 
+# Which of a tile's bounds `visible` evaluates (``SIDE``): all of them; only those on the
+# keys' left (a window's left edge), for a key block before one that every row sees whole;
+# only those on their right (causal, a window's right edge, keys past the end), for one
+# after it. Sequence and segment ids are always compared.
+ALL_SIDES = gl.constexpr(0)
+LEFT_SIDE = gl.constexpr(1)
+RIGHT_SIDE = gl.constexpr(2)
+
+
 @gluon.jit
-def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr):
+def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES,
+            KEYS_IN_RANGE: gl.constexpr = False):  # fmt: skip
     """Which (query, key) pairs of a tile the call's masks let through: ``rows`` and ``keys``
     from `token_info`, rows along axis ``ROW_AXIS`` of the tile (0: the forward's S, 1: the
     dk/dv kernel's Sᵀ); keys past the end, another packed sequence or segment, outside
     causal or the window (on the tokens' positions) are hidden, as
     `_kernel_common.visibility` decides for the ordinary kernels. ``F`` names CAUSAL,
-    WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN and HAS_SEG."""
+    WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN and HAS_SEG. ``SIDE``: the bounds to
+    evaluate (``ALL_SIDES``, ``LEFT_SIDE``, ``RIGHT_SIDE``: the others hold for the block);
+    ``KEYS_IN_RANGE``: no key is past the end."""
     KEY_AXIS: gl.constexpr = 1 - ROW_AXIS
+    LEFT: gl.constexpr = SIDE != RIGHT_SIDE
+    RIGHT: gl.constexpr = SIDE != LEFT_SIDE
     # Each vector gains the other axis's dimension and broadcasts over it.
     ok = gl.expand_dims(keys[0], ROW_AXIS)
     pos_q = gl.expand_dims(rows[2], KEY_AXIS)
     pos_k = gl.expand_dims(keys[2], ROW_AXIS)
     vis = ok
+    if KEYS_IN_RANGE or not RIGHT:
+        vis = gl.full(ok.shape, True, gl.int1, ok.type.layout)
     if F.VARLEN:
         vis = vis & (gl.expand_dims(rows[1], KEY_AXIS) == gl.expand_dims(keys[1], ROW_AXIS))
-    if F.CAUSAL:
+    if F.CAUSAL and RIGHT:
         vis = vis & (pos_k <= pos_q)
-    if F.WINDOW_LEFT >= 0:
-        vis = vis & (pos_k >= pos_q - F.WINDOW_LEFT) & (pos_k <= pos_q + F.WINDOW_RIGHT)
+    if F.WINDOW_LEFT >= 0 and LEFT:
+        vis = vis & (pos_k >= pos_q - F.WINDOW_LEFT)
+    # A causal call's right window edge is at or past the diagonal: causal decides.
+    if F.WINDOW_LEFT >= 0 and RIGHT and not (F.CAUSAL and F.WINDOW_RIGHT >= 0):
+        vis = vis & (pos_k <= pos_q + F.WINDOW_RIGHT)
     if F.HAS_SEG:
         # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
         seg_q = gl.expand_dims(rows[3], KEY_AXIS)

@@ -55,6 +55,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ._gluon_common import (
+    ALL_SIDES,
+    RIGHT_SIDE,
     barriers,
     operand_layout,
     ring_slot,
@@ -247,12 +249,12 @@ def _key_info(j, masks, F: gl.constexpr):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
-             DTYPE: gl.constexpr):  # fmt: skip
+             DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES):  # fmt: skip
     """Online-softmax update for an S tile: (p, alpha, m, l), in log2 units.
 
     MASK: the block needs the call's masks (`_gluon_common.visible` of the rows' and its
-    keys' `token_info`); a row may then have seen no key yet (m = -inf), and 0 is
-    subtracted instead so that its p and alpha are 0, not NaN.
+    keys' `token_info`, the bounds on ``SIDE``); a row may then have seen no key yet
+    (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
     """
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
     # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.
@@ -261,7 +263,8 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     if F.SOFT_CAP > 0.0:
         x = tanh(s * F.CAP_IN)
     if MASK:
-        x = gl.where(visible(row_info, key_info, 0, F), x, float("-inf"))
+        seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0)
+        x = gl.where(seen, x, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
     m_use = m_new
     if MASK:
@@ -294,9 +297,9 @@ def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
 
 @gluon.jit
 def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
-          MASK: gl.constexpr):  # fmt: skip
+          MASK: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES):  # fmt: skip
     """Key block j (the program's ``j - base``-th): issue q·kⱼᵀ and p·v of block j-1,
-    softmax of block j meanwhile."""
+    softmax of block j meanwhile (``MASK``, ``SIDE``: `_softmax`)."""
     p, alpha, m_i, l_i, acc = state
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = bufs
     ks, kph = ring_slot(j - base, F.STAGES)
@@ -310,7 +313,7 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
         key_info = _key_info(j, masks, F)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype, SIDE)
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)
     return p, alpha, m_i, l_i, acc
@@ -360,16 +363,28 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
             key_info = _key_info(j_lo, masks, F)
         s = hopper.warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(first), count=1)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, F.MASKED, q.dtype)
-        state = (p, alpha, m_i, l_i, acc)
+        # Blocks after the fully visible range need only the bounds on the keys' right
+        # (`visible`: RIGHT_SIDE); the first block, where it is the first of that range,
+        # none. (Blocks before it take every bound: evaluating only those on the left there
+        # needs a second loop for tiles with no fully visible block, and spilled.)
+        whole = jf_lo < jf_hi
         if F.MASKED:
+            if whole and j_lo == jf_lo:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype)
+            else:
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, True, q.dtype)
+        else:
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype)
+        state = (p, alpha, m_i, l_i, acc)
+        if F.MASKED and F.TABLE:  # (else no block precedes the fully visible ones)
             for j in range(j_lo + 1, jf_lo):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
             state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, False)
-        if F.MASKED:
+        if F.MASKED:  # (runs only after a fully visible range, see `_masks._with_full`)
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
-                state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
+                state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True,
+                              RIGHT_SIDE)  # fmt: skip
         p, alpha, m_i, l_i, acc = state
         if F.OBUF:  # every q·kᵀ of the tile is done: the next tile's q may come in
             mbarrier.arrive(q_empty, count=1)

@@ -381,7 +381,9 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
         for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
             state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, False)
-        if F.MASKED:  # (runs only after a fully visible range, see `_masks._with_full`)
+        # (A table moves an empty fully visible range to the end, `_masks._with_full`, so
+        # these blocks follow a non-empty one; builds without a table bound no key's left.)
+        if F.MASKED:
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True,
                               RIGHT_SIDE)  # fmt: skip

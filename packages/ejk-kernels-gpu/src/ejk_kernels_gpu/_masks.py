@@ -1,12 +1,13 @@
 """Per-row key ranges and per-block tables that let the kernels skip masked-out blocks.
 
 All on int32: in jnp where the offsets of packed sequences or segment ids (traced values)
-take part, else in NumPy, so that the tables of causal and window masks are constants of the
-compiled call instead of a few small kernels launched with each call. A row's range ``[lo, hi)`` holds every key it may see under causal, window and packed
-bounds; a block's table entry covers its rows' ranges (`block_table`). With segment ids
-the tables are per batch row (``[B, blocks, 4]``): the masks' table intersected with one
-built from each block's range of document ids (`segment_block_table`, a few fused
-reductions), so blocks of other documents are never visited.
+take part, else in NumPy, so that the tables of causal and window masks are constants of
+the compiled call instead of a few small kernels launched with each call. A row's range
+``[lo, hi)`` holds every key it may see under causal, window and packed bounds; a block's
+table entry covers its rows' ranges (`block_table`). With segment ids the tables are per
+batch row (``[B, blocks, 4]``): the masks' table intersected with one built from each
+block's range of document ids (`segment_block_table`, a few fused reductions), so blocks
+of other documents are never visited.
 `kernel_tables` gathers every integer side input of a call's kernels (`Tables`).
 """
 

@@ -153,6 +153,9 @@ def _compare(case: Case, grads: bool = True):
 T, S = 256, 384
 CASES = [
     Case("causal_gqa", CausalMask((T, S)), heads=4, kv_heads=2, ref=(("causal", True),)),
+    # Every block whole: no partial block, so no tile is stored (the kernels used to
+    # look one up while tracing the partial branch, and a plain call raised KeyError).
+    Case("full_whole_blocks", FullMask((T, S)), heads=2, kv_heads=2),
     Case(
         "local_segments_softcap_sinks_mqa",
         LocalMask((T, S), window_size=(40, 10)),

@@ -126,6 +126,11 @@ def partial_visibility(
     Otherwise the stored int8 tile ``r["tile"]`` is read.
     """
     if st.mask_fn is None:
+        if "tile" not in r:
+            # No partial block, so no tile is stored (a mask that every block sees
+            # whole, such as a full mask on whole blocks): this branch is traced but
+            # `by_block_kind` never runs it.
+            return jnp.ones(shape, jnp.bool_)
         # Widen before comparing so the predicate has the f32 tile's layout.
         return r["tile"][...].astype(jnp.int32) != 0
     row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]

@@ -106,6 +106,7 @@ def _check(got, want, got_g, want_g, dtype):
 
 CAUSAL = {"causal": True}
 WINDOW = {"causal": True, "sliding_window": (5, 0)}
+DROPOUT = {"dropout_rate": 0.3, "dropout_seed": 2**31 + 77}
 # (ring size, strategy, layout, implementation, masks, documents, dtype)
 CASES = {
     "triton-ring2-zigzag-causal-docs": (2, "ring", "zigzag", "triton", CAUSAL, True, "float32"),
@@ -122,6 +123,25 @@ CASES = {
     # No mask: no branch marks the kernels' results varying (the custom calls must).
     "triton-ring2-contiguous-full": (2, "ring", "contiguous", "triton", {}, False, "float32"),
     "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),
+    # Dropout hashes global positions: each call one chunk against one chunk.
+    "triton-ring2-zigzag-causal-dropout": (
+        2,
+        "ring",
+        "zigzag",
+        "triton",
+        {**CAUSAL, **DROPOUT},
+        False,
+        "float32",
+    ),
+    "xla-allgather2-zigzag-full-dropout-docs": (
+        2,
+        "all_gather",
+        "zigzag",
+        "xla",
+        DROPOUT,
+        True,
+        "float32",
+    ),
     "xla-allgather2-contiguous-window": (
         2,
         "all_gather",
@@ -143,6 +163,7 @@ SLOW_CASES = {
         ("causal-docs", CAUSAL, True),
         ("window-softcap", {"sliding_window": (6, 2), "logits_soft_cap": 2.0}, True),
         ("full", {}, False),
+        ("window-dropout", {"sliding_window": (6, 2), **DROPOUT}, True),
     )
 }
 

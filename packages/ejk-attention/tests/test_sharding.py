@@ -73,6 +73,43 @@ def test_batch_and_head_sharding_matches_reference(mesh, spec):
         np.testing.assert_allclose(g, w, rtol=GRAD_TOL, atol=GRAD_TOL)
 
 
+@pytest.mark.parametrize(
+    ("implementation", "spec"),
+    [
+        ("xla", P("data", None, "model")),
+        ("xla", P(("data", "model"))),
+        ("triton", P("model", None, "data")),
+    ],
+)
+def test_dropout_in_a_batch_and_head_sharded_call_draws_the_global_mask(mesh, implementation, spec):
+    """Each shard hashes its global (batch, head) indices: the sharded call drops exactly
+    the weights the unsharded call drops (values and gradients, traced seed)."""
+    q, k, v, _ = _inputs()
+    if spec == P(("data", "model")):  # batch over all 8 devices
+        q, k, v = (jnp.concatenate([x, x]) for x in (q, k, v))
+    kw = {"causal": True, "dropout_rate": 0.3}
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), jnp.float32)
+
+    def loss(fn, **extra):
+        return lambda q, k, v, seed: jnp.sum(fn(q, k, v, dropout_seed=seed, **kw, **extra) * w)
+
+    sharded = loss(flash_attention, mesh=mesh, in_specs=spec, implementation=implementation)
+    plain = loss(reference_attention)
+    seed = jnp.uint32(2**31 + 77)
+    got, got_g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v, seed)
+    want, want_g = jax.value_and_grad(plain, argnums=(0, 1, 2))(q, k, v, seed)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * float(jnp.sum(jnp.abs(w))))
+    for name, g, wg in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+    # The shards' masks are not one mask repeated: the output changes with the batch row.
+    out = flash_attention(
+        q, k, v, dropout_seed=seed, mesh=mesh, in_specs=spec, implementation=implementation, **kw
+    )
+    np.testing.assert_allclose(
+        out, reference_attention(q, k, v, dropout_seed=seed, **kw), rtol=TOL, atol=TOL
+    )
+
+
 def test_explicit_mesh_and_sharded_inputs(mesh):
     explicit = jax.make_mesh((2, 4), ("data", "model"))
     q, k, v, _ = _inputs()
@@ -170,10 +207,61 @@ def test_sequence_sharding_refuses_what_it_cannot_serve(mesh):
     q, k, v = (x[:, :8] for x in (q, k, v))
     with pytest.raises(NotImplementedError, match="does not serve a bias"):
         flash_attention(q, k, v, kw["bias"][:, :, :8, :8], mesh=mesh, in_specs=P("data", "model"))
-    with pytest.raises(NotImplementedError, match="does not serve dropout"):
+    cu = jnp.asarray([0, 3, 8], jnp.int32)
+    with pytest.raises(NotImplementedError, match=r"packed input with cu_seqlens_k or segment ids"):
         flash_attention(
-            q, k, v, dropout_rate=0.1, dropout_seed=1, mesh=mesh, in_specs=P("data", "model")
+            q[:1],
+            k[:1],
+            v[:1],
+            cu_seqlens_q=cu,
+            cu_seqlens_k=jnp.asarray([0, 4, 8], jnp.int32),
+            mesh=mesh,
+            in_specs=P(None, "model"),
         )
+
+
+@pytest.mark.parametrize("kw", [{"causal": True}, {"sliding_window": (3, 1)}])
+def test_packed_sequences_in_a_sequence_sharded_call(mesh, kw):
+    """cu_seqlens alone shards the sequence as the segment ids it describes: documents
+    crossing shard boundaries, padding past the last one; values and gradients."""
+    rng = np.random.default_rng(11)
+    t = 32
+    q, w = (jnp.asarray(rng.standard_normal((1, t, N, H)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, t, K, H)), jnp.float32) for _ in range(2))
+    cu = jnp.asarray([0, 5, 5, 19, 29], jnp.int32)  # an empty sequence, 3 padding tokens
+
+    def loss(fn, **extra):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, cu_seqlens_q=cu, **kw, **extra) * w)
+
+    sharded = loss(flash_attention, mesh=mesh, in_specs=P(None, "model"), implementation="xla")
+    got, got_g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v)
+    want, want_g = jax.value_and_grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * float(jnp.sum(jnp.abs(w))))
+    for name, g, wg in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "spec", [pytest.param(P("data", "model"), marks=pytest.mark.slow), P(None, "data", "model")]
+)
+def test_dropout_in_a_sequence_sharded_call_draws_the_global_mask(mesh, spec):
+    """The ring's calls hash global rows and keys, and the batch/head shards around it
+    their global indices: values and gradients equal the unsharded call's."""
+    rng = np.random.default_rng(7)
+    shapes = ((B, 16, N, H), (B, 16, K, H), (B, 16, K, H), (B, 16, N, H))
+    q, k, v, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
+    kw = {"causal": True, "dropout_rate": 0.25}
+
+    def loss(fn, **extra):
+        return lambda q, k, v, seed: jnp.sum(fn(q, k, v, dropout_seed=seed, **kw, **extra) * w)
+
+    sharded = loss(flash_attention, mesh=mesh, in_specs=spec, implementation="xla")
+    seed = jnp.int32(-5)
+    got, got_g = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(q, k, v, seed)
+    want, want_g = jax.value_and_grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v, seed)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * float(jnp.sum(jnp.abs(w))))
+    for name, g, wg in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
 
 
 def test_kernels_inside_a_users_shard_map_give_per_device_gradients():

@@ -348,6 +348,36 @@ def test_dropout_seed_carriers_agree():
         np.testing.assert_array_equal(out, outs[0])
 
 
+def test_dropout_offsets_draw_a_shards_slice_of_the_whole_mask():
+    """A shard of a larger call (batch row 1, head 1, query rows 128..255) with its origin
+    in ``dropout_offsets`` drops what the whole call drops there: values and gradients."""
+    from ejk_kernels_tpu import blocksparse_attention_request
+    from ejk_sequtils import validate_attention
+
+    ks = jax.random.split(jax.random.key(4), 4)
+    q = jax.random.normal(ks[0], (2, 256, 2, 64))
+    k, v = (jax.random.normal(key, (2, 128, 2, 64)) for key in ks[1:3])
+    w = jax.random.normal(ks[3], (1, 128, 1, 64))
+    shard = lambda x: x[1:, -128:, 1:] if x.shape[1] == 256 else x[1:, :, 1:]
+    drop = {"dropout_rate": 0.4, "dropout_seed": DROPOUT_SEED}
+
+    def part(q, k, v):
+        request = validate_attention(q, k, v, **drop)
+        request = dataclasses.replace(request, dropout_offsets=(1, 1, 128, 0))
+        out = blocksparse_attention_request(request, None, config=SMALL_BLOCKS)
+        return jnp.sum(out * w)
+
+    def whole(q, k, v):
+        return jnp.sum(shard(reference_attention(q, k, v, **drop)) * w)
+
+    got, got_g = jax.value_and_grad(part, argnums=(0, 1, 2))(*map(shard, (q, k, v)))
+    want, want_g = jax.value_and_grad(whole, argnums=(0, 1, 2))(q, k, v)
+    tol = attention_tolerance("float32")
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 128 * 64)
+    for name, g, wg in zip("qkv", got_g, want_g, strict=True):
+        np.testing.assert_allclose(g, shard(wg), rtol=tol, atol=tol, err_msg=name)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [

@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_sequtils import dropout_keep_mask, fold_sinks, reference_attention, visibility_mask
+from ejk_sequtils import (
+    dropout_keep_mask,
+    dropout_key,
+    fold_sinks,
+    reference_attention,
+    visibility_mask,
+)
 
 B, T, S, N, K, H = 2, 7, 9, 6, 2, 5
 
@@ -260,6 +266,25 @@ def test_dropout_mask_is_the_documented_hash_and_keeps_the_rate():
     # a traced int32 seed gives the same mask as the Python int
     jitted = jax.jit(lambda s: dropout_keep_mask(s, 2, 3, 5, 4, 0.25))(jnp.int32(77))
     np.testing.assert_array_equal(jitted, mask)
+
+
+def test_dropout_offsets_draw_the_slice_of_the_whole_mask():
+    """A shard that passes its origin (b0, n0, i0, j0), traced or not, draws exactly its
+    slice of the whole call's mask; `dropout_key` carries the same numbers to kernels."""
+    whole = np.asarray(dropout_keep_mask(9, 4, 6, 20, 24, 0.4))
+    part = jax.jit(
+        lambda b0, n0, i0, j0: dropout_keep_mask(9, 2, 3, 7, 5, 0.4, offsets=(b0, n0, i0, j0))
+    )(2, 3, 11, 17)
+    np.testing.assert_array_equal(part, whole[2:4, 3:6, 11:18, 17:22])
+    np.testing.assert_array_equal(dropout_keep_mask(9, 4, 6, 20, 24, 0.4, offsets=None), whole)
+    key = dropout_key(jnp.int32(-1), (1, 2, 3, jnp.int32(4)))
+    assert key.dtype == jnp.uint32
+    np.testing.assert_array_equal(key, [2**32 - 1, 1, 2, 3, 4])
+    np.testing.assert_array_equal(dropout_key(5), [5, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"four indices \(batch, head, row, column\)"):
+        dropout_keep_mask(9, 1, 1, 2, 2, 0.4, offsets=(1, 2))
+    with pytest.raises(TypeError, match="the row offset of dropout must be an integer scalar"):
+        dropout_key(9, (0, 0, 1.5, 0))
 
 
 def test_low_precision_inputs_keep_their_dtype(qkv):

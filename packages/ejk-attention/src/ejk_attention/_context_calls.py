@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ejk_sequtils import visibility_mask
+from ejk_sequtils import dropout_keep_mask, visibility_mask
 
 from ._context_plan import Call
 
@@ -35,6 +35,7 @@ class CallMasks:
     window: tuple[int, int] | None
     soft_cap: float | None
     kernels: bool  # Triton kernels, else XLA einsums
+    dropout_rate: float = 0.0
 
     def of(self, call: Call) -> tuple[bool, tuple[int, int] | None, bool]:
         """``(causal, window, relative)`` of a call of this kind."""
@@ -50,8 +51,23 @@ def _block_masks(cm: CallMasks, call: Call) -> Any:
 
     causal, window, relative = cm.of(call)
     return BlockMasks(
-        scale=cm.scale, causal=causal, window=window, soft_cap=cm.soft_cap, relative=relative
+        scale=cm.scale,
+        causal=causal,
+        window=window,
+        soft_cap=cm.soft_cap,
+        relative=relative,
+        dropout_rate=cm.dropout_rate,
     )
+
+
+def _dropped(cm: CallMasks, p: Array, key: Array | None) -> Array:
+    """``p [B, N, T, S]`` with dropout applied: the keep-mask of the call's global indices
+    (``key``: `ejk_sequtils.dropout_key`, ``[seed, b0, n0, i0, j0]``), kept ones scaled."""
+    if cm.dropout_rate == 0.0:
+        return p
+    b, n, t, s = p.shape
+    keep = dropout_keep_mask(key[0], b, n, t, s, cm.dropout_rate, offsets=tuple(key[1:]))
+    return jnp.where(keep, p / (1.0 - cm.dropout_rate), 0.0)
 
 
 def _xla_logits(cm: CallMasks, call: Call, q, k, ids, q_off, k_off) -> Array:
@@ -85,14 +101,26 @@ def _xla_pv(p: Array, v: Array) -> Array:
     return o.reshape(b, t, n, v.shape[-1])
 
 
-def call_forward(cm: CallMasks, call: Call, q, k, v, ids, q_off, k_off) -> tuple[Array, Array]:
+def call_forward(
+    cm: CallMasks, call: Call, q, k, v, ids, q_off, k_off, dropout_key=None
+) -> tuple[Array, Array]:
     """``(out [B, T, N, Hv] in q's dtype, lse [B, N, T] float32)`` of one call (sliced inputs;
-    ``ids``: the ``(q_ids, k_ids)`` pair or None; offsets used by relative calls)."""
+    ``ids``: the ``(q_ids, k_ids)`` pair or None; offsets used by relative calls;
+    ``dropout_key``: the call's `ejk_sequtils.dropout_key` with dropout, else None)."""
     if cm.kernels:
         from ejk_kernels_gpu._context import block_forward
 
         masks = _block_masks(cm, call)
-        return block_forward(masks, q, k, v, q_offset=q_off, k_offset=k_off, segment_ids=ids)
+        return block_forward(
+            masks,
+            q,
+            k,
+            v,
+            q_offset=q_off,
+            k_offset=k_off,
+            segment_ids=ids,
+            dropout_key=dropout_key,
+        )
     s = _xla_logits(cm, call, q, k, ids, q_off, k_off)
     m = jnp.max(s, axis=-1)
     safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -101,12 +129,12 @@ def call_forward(cm: CallMasks, call: Call, q, k, v, ids, q_off, k_off) -> tuple
     has_mass = den > 0
     safe_den = jnp.where(has_mass, den, 1.0)
     lse = jnp.where(has_mass, safe + jnp.log(safe_den), -jnp.inf)
-    out = _xla_pv(p, v) / safe_den.transpose(0, 2, 1)[..., None]
+    out = _xla_pv(_dropped(cm, p, dropout_key), v) / safe_den.transpose(0, 2, 1)[..., None]
     return out.astype(q.dtype), lse
 
 
 def call_backward(
-    cm: CallMasks, call: Call, q, k, v, out, lse, d_out, d_lse, ids, q_off, k_off
+    cm: CallMasks, call: Call, q, k, v, out, lse, d_out, d_lse, ids, q_off, k_off, dropout_key=None
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of one call given the rows' global ``out``, ``lse`` and cotangents."""
     if cm.kernels:
@@ -125,6 +153,7 @@ def call_backward(
             q_offset=q_off,
             k_offset=k_off,
             segment_ids=ids,
+            dropout_key=dropout_key,
         )
     safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(_F32), out.astype(_F32))
@@ -132,7 +161,8 @@ def call_backward(
 
     def partial_out(q, k, v):
         p = jnp.exp(_xla_logits(cm, call, q, k, ids, q_off, k_off) - safe_lse[..., None])
-        return _xla_pv(p, v), p.sum(-1)
+        # dropout acts on the output's weights only; the lse (and its cotangent) sees all
+        return _xla_pv(_dropped(cm, p, dropout_key), v), p.sum(-1)
 
     _, vjp = jax.vjp(partial_out, q, k, v)
     return vjp((d_out.astype(_F32), row_ct))

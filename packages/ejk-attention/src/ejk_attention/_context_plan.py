@@ -117,6 +117,30 @@ def _pair_status(
     return jnp.where(hidden, 0, jnp.where(full, 1, jnp.where(diagonal, 2, 3))).astype(jnp.int32)
 
 
+def _fast_plan(causal, window, layout: Layout, me, source, own_block: bool):
+    """The one-call plans of unmasked and of causal self-attention (see `step_plan`), or
+    None for other masks."""
+    everything = (Call(slice(0, layout.q_len), slice(0, layout.kv_len), "full"),)
+    if not causal and window is None:
+        return [(None, (everything,))]
+    if not _fast_causal(causal, window, layout):
+        return None
+    if own_block:  # local causal is exact: local order follows global order
+        whole = (Call(slice(0, layout.q_len), slice(0, layout.kv_len), "causal"),)
+        return [(None, (whole,))]
+    me, source = jnp.asarray(me), jnp.asarray(source)
+    if not layout.zigzag:
+        return [(jnp.where(source < me, 1, 0).astype(jnp.int32), ((), everything))]
+    # The late query chunk sees the early key chunk; and either the early queries see
+    # the early keys (source before me) or the late queries the late keys (after):
+    # chunk a of both, a traced. No branch, so no host round trip for a predicate.
+    (q0, q1), (k0, _) = layout.q_chunks(), layout.k_chunks()
+    a = jnp.where(source < me, 0, 1).astype(jnp.int32)
+    cq, ck = q0.stop, k0.stop
+    calls = (Call(q1, k0, "full"), Call((a * cq, cq), (a * ck, ck), "full"))
+    return [(None, (calls,))]
+
+
 def step_plan(
     causal: bool,
     window: tuple[int, int] | None,
@@ -124,6 +148,7 @@ def step_plan(
     me: Any,
     source: Any,
     own_block: bool,
+    by_chunks: bool = False,
 ) -> list[tuple[Array | None, tuple[tuple[Call, ...], ...]]]:
     """The calls of one step: a list of ``(index, branches)``, each a ``lax.switch`` over
     static branches (tuples of `Call`s; an empty one skips); index None: the one branch
@@ -135,25 +160,12 @@ def step_plan(
         me: this device's index on the axis (traced).
         source: the device whose key block this step holds (traced).
         own_block: the step holds this device's own keys (``source == me``, statically).
+        by_chunks: every call one query chunk against one key chunk (their rows sit at
+            the chunks' global offsets: dropout hashes global positions), no fast plan.
     """
-    everything = (Call(slice(0, layout.q_len), slice(0, layout.kv_len), "full"),)
-    if not causal and window is None:
-        return [(None, (everything,))]
-    if _fast_causal(causal, window, layout):
-        if own_block:  # local causal is exact: local order follows global order
-            whole = (Call(slice(0, layout.q_len), slice(0, layout.kv_len), "causal"),)
-            return [(None, (whole,))]
-        me, source = jnp.asarray(me), jnp.asarray(source)
-        if not layout.zigzag:
-            return [(jnp.where(source < me, 1, 0).astype(jnp.int32), ((), everything))]
-        # The late query chunk sees the early key chunk; and either the early queries see
-        # the early keys (source before me) or the late queries the late keys (after):
-        # chunk a of both, a traced. No branch, so no host round trip for a predicate.
-        (q0, q1), (k0, _) = layout.q_chunks(), layout.k_chunks()
-        a = jnp.where(source < me, 0, 1).astype(jnp.int32)
-        cq, ck = q0.stop, k0.stop
-        calls = (Call(q1, k0, "full"), Call((a * cq, cq), (a * ck, ck), "full"))
-        return [(None, (calls,))]
+    fast = None if by_chunks else _fast_plan(causal, window, layout, me, source, own_block)
+    if fast is not None:
+        return fast
     plan = []
     q_offs = layout.offsets(me, layout.q_len)
     k_offs = layout.offsets(source, layout.kv_len)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ejk_sequtils import AttentionRequest, from_zigzag, to_zigzag
 
 from ._ring import ring_attention
+from ._sharding import shard_start
 
 __all__ = ["choose_strategy", "context_call"]
 
@@ -52,6 +54,8 @@ _RING_OPTIONS = (
     "logits_soft_cap",
     "softmax_sinks",
     "segment_ids",
+    "dropout_rate",
+    "dropout_seed",
 )
 
 
@@ -74,20 +78,36 @@ def context_call(
     """``request`` with T and S split over ``seq_axis`` (and B, N as given), run by
     `ring_attention` in a ``shard_map`` with ``strategy`` (default `choose_strategy`'s).
 
+    Packed self-attention (``cu_seqlens_q`` alone) runs as the segment ids it describes
+    (sequence index, -1 past the last sequence): with one ``cu_seqlens`` for queries and
+    keys, causal and window on packed positions are the same masks within each sequence.
+
     Raises:
-        NotImplementedError: a bias, packed input (cu_seqlens) or dropout, which the
-            sequence-parallel path does not serve (the reason names it).
+        NotImplementedError: a bias, or packed input with its own ``cu_seqlens_k`` or with
+            segment ids, which the sequence-parallel path does not serve (the reason names it).
     """
+    packed = request.cu_seqlens_q is not None
     for name, present in (
         ("a bias", request.bias is not None),
-        ("packed input (cu_seqlens)", request.cu_seqlens_q is not None),
-        ("dropout", request.dropout_rate > 0.0),
+        (
+            "packed input with cu_seqlens_k or segment ids (pass cu_seqlens_q alone)",
+            packed
+            and (
+                request.segment_ids is not None or request.cu_seqlens_k is not request.cu_seqlens_q
+            ),
+        ),
     ):
         if present:
             raise NotImplementedError(
                 f"a sequence-sharded call (in_specs shards T over {seq_axis!r}) does not "
                 f"serve {name} yet; pass segment ids for documents, or shard B and N only"
             )
+    if packed:
+        from ._backends import packed_segment_ids
+
+        request = dataclasses.replace(
+            request, segment_ids=packed_segment_ids(request), cu_seqlens_q=None, cu_seqlens_k=None
+        )
     zigzag = _zigzag_fits(request, shards)
     strategy = strategy or choose_strategy(request, shards)
     seq = PartitionSpec(batch_axis, seq_axis, head_axis, None)
@@ -105,15 +125,20 @@ def context_call(
     if request.segment_ids is not None:
         arrays["segment_ids"] = tuple(lay(x) for x in request.segment_ids)
         specs["segment_ids"] = (ids, ids)
+    if isinstance(request.dropout_seed, jax.Array):  # a traced seed enters as an input
+        arrays["dropout_seed"] = request.dropout_seed
+        specs["dropout_seed"] = PartitionSpec()
     lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
 
     def per_shard(local: dict[str, Any]) -> Any:
         r = dataclasses.replace(request, **local)
         options = {name: getattr(r, name) for name in _RING_OPTIONS}
         layout = "zigzag" if zigzag else "contiguous"
+        # B and N shards hash their global indices too (the ring adds rows and keys).
+        offsets = (shard_start(batch_axis, r.q.shape[0]), shard_start(head_axis, r.q.shape[2]))
         return ring_attention(
             r.q, r.k, r.v, axis_name=seq_axis, return_lse=True, strategy=strategy, layout=layout,
-            **options,
+            dropout_offsets=offsets, **options,
         )  # fmt: skip
 
     mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))

@@ -111,7 +111,9 @@ def flash_attention(
         in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); B, N and
             T may be sharded. Sharding T runs context parallelism (`ring_attention`: the ring
             or all-gather strategy, causal self-attention in the zigzag layout, masks on
-            global positions); a bias, packing or dropout are refused there with the reason.
+            global positions; packed input given as ``cu_seqlens_q`` alone runs as its
+            segment ids; dropout draws the unsharded call's mask); a bias, or packing with
+            its own ``cu_seqlens_k``, is refused there with the reason.
             Default: batch over every mesh axis.
         out_specs: the output's spec; must equal q's (default).
 
@@ -160,7 +162,7 @@ def flash_attention(
     if mesh is None:
         if in_specs is not None or out_specs is not None:
             raise ValueError("in_specs/out_specs need mesh=")
-        inferred = inferred_mesh(request) if request.dropout_rate == 0.0 else None
+        inferred = inferred_mesh(request)
         if inferred is not None:
             # q is already batch/head sharded: run each shard's attention where it lives, so
             # kernels (custom calls XLA cannot partition) are not gathered onto every device.

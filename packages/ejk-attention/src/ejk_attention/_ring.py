@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Integer
 
-from ejk_sequtils import validate_attention, varying_like
+from ejk_sequtils import dropout_key, validate_attention, varying_like
 
 from ._context_calls import CallMasks, call_backward, call_forward, merge
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
@@ -151,23 +151,44 @@ def _step(st: _Ring, where: Placement, layout: Layout, kv: Any, step: int) -> tu
     """``(source, kv, next_kv, plan, q_offsets, k_offsets)`` of one step (`_step_blocks`,
     `step_plan` and the global offsets of the query and key chunks)."""
     source, kv, nxt = _step_blocks(st, where, kv, step)
-    plan = step_plan(st.masks.causal, st.masks.window, layout, where.me, source, step == 0)
+    plan = step_plan(
+        st.masks.causal, st.masks.window, layout, where.me, source, step == 0, _by_chunks(st)
+    )
     q_offs = layout.offsets(where.me, layout.q_len)
     k_offs = layout.offsets(source, layout.kv_len)
     return source, kv, nxt, plan, q_offs, k_offs
+
+
+def _by_chunks(st: _Ring) -> bool:
+    """Calls of one chunk each: dropout keys each call by its chunks' global offsets."""
+    return st.masks.dropout_rate > 0.0
+
+
+def _call_key(drop: Array | None, call: Call, q_offs: list, k_offs: list) -> Array | None:
+    """The call's `ejk_sequtils.dropout_key` (``drop``: uint32 ``[seed, b0, n0]``, or None)."""
+    if drop is None:
+        return None
+    rows, cols = (
+        jnp.asarray(x).astype(jnp.uint32) for x in (q_offs[call.q_chunk], k_offs[call.k_chunk])
+    )
+    return jnp.concatenate([drop, rows[None], cols[None]])
 
 
 def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:
     return Layout(size=where.size, zigzag=st.zigzag, q_len=q.shape[1], kv_len=k.shape[1])
 
 
-def device_forward(st: _Ring, q, k, v, q_ids, kv_ids, where: Placement) -> tuple[Array, Array]:
+def device_forward(
+    st: _Ring, q, k, v, q_ids, kv_ids, where: Placement, drop: Array | None = None
+) -> tuple[Array, Array]:
     """``(out, lse)`` of this device's queries: the steps of `step_plan`, merged by lse."""
     layout = _layout(st, where, q, k)
     b, t, n, _ = q.shape
     acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
     acc = varying_like(acc, q, k, v, q_ids, kv_ids)
-    first = step_plan(st.masks.causal, st.masks.window, layout, where.me, where.me, True)
+    first = step_plan(
+        st.masks.causal, st.masks.window, layout, where.me, where.me, True, _by_chunks(st)
+    )
     if len(first) == 1 and first[0][0] is None and len(first[0][1][0]) == 1:
         call = first[0][1][0][0]
         if isinstance(call.q, slice) and (call.q.start, call.q.stop) == (0, t):
@@ -188,6 +209,7 @@ def device_forward(st: _Ring, q, k, v, q_ids, kv_ids, where: Placement) -> tuple
                 _ids_of(call, q_ids, kv_ids),
                 q_offs[call.q_chunk],
                 k_offs[call.k_chunk],
+                _call_key(drop, call, q_offs, k_offs),
             )
             if out is None:  # the first call covers every row: it starts the merge
                 return part[0].astype(_F32), part[1]
@@ -205,7 +227,9 @@ def device_forward(st: _Ring, q, k, v, q_ids, kv_ids, where: Placement) -> tuple
     return out.astype(q.dtype), lse
 
 
-def device_backward(st: _Ring, res, cts, where: Placement) -> tuple[Array, Array, Array]:
+def device_backward(
+    st: _Ring, res, cts, where: Placement, drop: Array | None = None
+) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` float32 of this device: dk/dv of its own block (ring: they travelled
     home) or, with ``where.gathered``, of every device's block ``[size, B, S, K, H]``,
     not yet reduced over the devices."""
@@ -238,6 +262,7 @@ def device_backward(st: _Ring, res, cts, where: Placement) -> tuple[Array, Array
                 _ids_of(call, q_ids, kv_ids),
                 q_offs[call.q_chunk],
                 k_offs[call.k_chunk],
+                _call_key(drop, call, q_offs, k_offs),
             )
             dq = put_rows(dq, call.q, take_rows(dq, call.q) + gq.astype(_F32))
             dk = put_rows(dk, call.k, take_rows(dk, call.k) + gk.astype(_F32))
@@ -264,18 +289,19 @@ def device_backward(st: _Ring, res, cts, where: Placement) -> tuple[Array, Array
     return dq, *dkv
 
 
-def _forward(st: _Ring, q, k, v, q_ids, kv_ids) -> tuple[Array, Array]:
+def _forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[Array, Array]:
     where = _placement(st, (k, v, kv_ids))
-    return device_forward(st, q, k, v, q_ids, kv_ids, where)
+    return device_forward(st, q, k, v, q_ids, kv_ids, where, drop)
 
 
 def _backward(st: _Ring, res, cts) -> tuple:
+    *res, drop = res
     q, k, v, _, kv_ids, _, _ = res
     where = _placement(st, (k, v, kv_ids))
-    dq, dk, dv = device_backward(st, res, cts, where)
+    dq, dk, dv = device_backward(st, tuple(res), cts, where, drop)
     if where.gathered is not None:  # each device's share of every block, to the block's owner
         dk, dv = (jax.lax.psum_scatter(x, st.axis_name, scatter_dimension=0) for x in (dk, dv))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 def _add_sinks(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
@@ -291,13 +317,13 @@ def _add_sinks(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(st: _Ring, q, k, v, q_ids, kv_ids):
-    return _forward(st, q, k, v, q_ids, kv_ids)
+def _ring(st: _Ring, q, k, v, q_ids, kv_ids, drop):
+    return _forward(st, q, k, v, q_ids, kv_ids, drop)
 
 
-def _ring_fwd(st: _Ring, q, k, v, q_ids, kv_ids):
-    out, lse = _forward(st, q, k, v, q_ids, kv_ids)
-    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+def _ring_fwd(st: _Ring, q, k, v, q_ids, kv_ids, drop):
+    out, lse = _forward(st, q, k, v, q_ids, kv_ids, drop)
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse, drop)
 
 
 _ring.defvjp(_ring_fwd, _backward)
@@ -344,6 +370,9 @@ def ring_attention(
     segment_ids: Int[AnyArray, "B T"]
     | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
     | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed: int | Integer[AnyArray, ""] | None = None,
+    dropout_offsets: tuple[int | Integer[AnyArray, ""], int | Integer[AnyArray, ""]] = (0, 0),
     return_lse: bool = False,
     strategy: str = "ring",
     layout: str = "contiguous",
@@ -370,6 +399,14 @@ def ring_attention(
         softmax_sinks: ``[N]`` or ``[N, num_sinks]`` per-head sink logits (replicated on the ring).
         segment_ids: this device's ``[B, T]`` ids (self attention, T == S) or the pair
             ``(q_ids [B, T], kv_ids [B, S])``; the kv ids travel with their block.
+        dropout_rate: probability of dropping an attention weight; the keep-mask hashes
+            global positions (`ejk_sequtils.dropout_keep_mask`), so the devices drop what
+            one device running the whole sequence would.
+        dropout_seed: an int or int32/uint32 scalar (the same on every device); required
+            when ``dropout_rate > 0``.
+        dropout_offsets: ``(batch, head)``: the global index of this device's first batch
+            row and first query head, where the ``shard_map`` also splits B or N (the
+            hash takes global indices); ``(0, 0)`` otherwise.
         return_lse: also return the float32 lse ``[B, N, T]`` of the local rows.
         strategy: ``"ring"`` (k/v blocks travel, overlapped with compute) or
             ``"all_gather"`` (k/v gathered once, dk/dv reduce-scattered).
@@ -395,6 +432,8 @@ def ring_attention(
         logits_soft_cap=logits_soft_cap,
         softmax_sinks=softmax_sinks,
         segment_ids=segment_ids,
+        dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
         return_lse=return_lse,
     )
     if strategy not in STRATEGIES:
@@ -413,10 +452,14 @@ def ring_attention(
         window=request.sliding_window,
         soft_cap=request.logits_soft_cap,
         kernels=_use_kernels(implementation, request),
+        dropout_rate=request.dropout_rate,
     )
     st = _Ring(axis_name=axis_name, masks=masks, strategy=strategy, zigzag=layout == "zigzag")
     q_ids, kv_ids = request.segment_ids or (None, None)
-    out, lse = _ring(st, request.q, request.k, request.v, q_ids, kv_ids)
+    drop = None
+    if request.dropout_rate > 0.0:  # [seed, b0, n0]; each call adds its rows' and keys' origin
+        drop = dropout_key(request.dropout_seed, (*dropout_offsets, 0, 0))[:3]
+    out, lse = _ring(st, request.q, request.k, request.v, q_ids, kv_ids, drop)
     if request.softmax_sinks is not None:
         out, lse = _add_sinks(out, lse, request.softmax_sinks)
     return (out, lse) if request.return_lse else out

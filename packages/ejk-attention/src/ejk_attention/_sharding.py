@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ejk_sequtils import AttentionRequest
 
-__all__ = ["inferred_mesh", "shard_map_compat", "sharded_call"]
+__all__ = ["inferred_mesh", "shard_map_compat", "shard_start", "sharded_call"]
 
 
 def shard_map_compat(
@@ -39,6 +40,16 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def shard_start(entry: Any, local_size: int) -> Any:
+    """Inside ``shard_map``: the global index of this shard's first element on an axis
+    split over the mesh axes ``entry`` (a name, a tuple of names, or None) into blocks of
+    ``local_size`` (int32; 0 where the axis is not split)."""
+    axes = _axes(entry)
+    if not axes:
+        return jnp.int32(0)
+    return jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * jnp.int32(local_size)
 
 
 def _shards(mesh: Any, entry: Any) -> int:
@@ -143,9 +154,6 @@ def sharded_call(
             shards=_shards(mesh, seq_axis),
             shard_map=functools.partial(shard_map_compat, check=False),
         )
-    if request.dropout_rate > 0.0:
-        # The counter hash is keyed on global (b, n) indices; a shard would see local ones.
-        raise NotImplementedError("dropout is not supported in a mesh= call yet")
     if request.cu_seqlens_q is not None and batch_axis is not None:
         raise ValueError(
             f"packed input (cu_seqlens) has batch 1, it cannot be batch sharded by {in_specs}"
@@ -165,6 +173,9 @@ def sharded_call(
     if request.segment_ids is not None:
         arrays["segment_ids"] = request.segment_ids
         specs["segment_ids"] = (PartitionSpec(batch_axis), PartitionSpec(batch_axis))
+    if isinstance(request.dropout_seed, jax.Array):  # a traced seed enters as an input
+        arrays["dropout_seed"] = request.dropout_seed
+        specs["dropout_seed"] = PartitionSpec()
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         if getattr(request, name) is not None:
             arrays[name] = getattr(request, name)
@@ -174,6 +185,11 @@ def sharded_call(
         out_spec = (qkv_spec, PartitionSpec(batch_axis, head_axis, None))
 
     def per_shard(local: dict[str, Any]) -> Any:
+        if request.dropout_rate > 0.0:
+            # The counter hash is keyed on global (b, n, i, j): each shard draws its slice.
+            b0 = shard_start(batch_axis, local["q"].shape[0])
+            n0 = shard_start(head_axis, local["q"].shape[2])
+            local["dropout_offsets"] = (b0, n0, 0, 0)
         return compute(dataclasses.replace(request, **local))
 
     # check=False: the kernels may be custom calls whose replication shard_map cannot infer.

@@ -50,6 +50,7 @@ class _Masking(NamedTuple):
     cu_seqlens_q: Array | None
     cu_seqlens_k: Array | None
     seed: Array | None
+    dropout_offsets: tuple[Any, Any, Any, Any] | None  # a shard's origin in the hash
 
 
 def xla_attention(request: AttentionRequest) -> Any:
@@ -67,6 +68,11 @@ def xla_attention(request: AttentionRequest) -> Any:
         cu_seqlens_q=request.cu_seqlens_q,
         cu_seqlens_k=request.cu_seqlens_k,
         seed=None if request.dropout_rate == 0.0 else dropout_seed_u32(request.dropout_seed),
+        dropout_offsets=(
+            None
+            if request.dropout_rate == 0.0 or request.dropout_offsets is None
+            else tuple(jnp.asarray(x, jnp.int32) for x in request.dropout_offsets)
+        ),
     )
     q, k, v = (jnp.asarray(x) for x in (request.q, request.k, request.v))
     bias = None if request.bias is None else jnp.asarray(request.bias)
@@ -182,12 +188,18 @@ def _logits(opts: _Options, heads: _Heads, bias: Array | None, tile: _Tile) -> A
 
 def _keep(opts: _Options, masking: _Masking, shape: tuple[int, ...], tile: _Tile) -> Array:
     """The dropout keep-mask of the tile, ``[B, K, G, tq, tk]`` (the definition's hash)."""
-    b, kv_heads, group = shape[:3]
-    # The hash depends on global (b, n, i, j) only: draw up to the tile's end and slice
-    # (XLA computes only the slice).
-    keep = dropout_keep_mask(masking.seed, b, kv_heads * group, tile.q1, tile.k1, opts.dropout_rate)
-    keep = keep[:, :, tile.q0 :, tile.k0 :]
-    return keep.reshape(b, kv_heads, group, *keep.shape[2:])
+    b, kv_heads, group, tq, tk = shape
+    b0, n0, i0, j0 = masking.dropout_offsets or (0, 0, 0, 0)
+    keep = dropout_keep_mask(
+        masking.seed,
+        b,
+        kv_heads * group,
+        tq,
+        tk,
+        opts.dropout_rate,
+        offsets=(b0, n0, i0 + tile.q0, j0 + tile.k0),
+    )
+    return keep.reshape(b, kv_heads, group, tq, tk)
 
 
 def _row_stats(s: Array, sinks: Array | None) -> tuple[Array, Array, Array]:

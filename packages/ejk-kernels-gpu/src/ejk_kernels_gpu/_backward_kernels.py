@@ -47,7 +47,7 @@ class _DqContext(NamedTuple):
     k_base: object  # this (batch, kv head)'s k and v slabs
     v_base: object
     bias_base: object
-    seed: object
+    dropout_key: object  # uint32 [5] (`dropout_keep`)
     b: object
     n: object
     offs_m: object
@@ -67,7 +67,7 @@ class _DkDvContext(NamedTuple):
     bias_base: object
     dbias_base: object
     dq_acc: object  # float32 dq buffer (pointer) or its TMA descriptor (DQ_TMA)
-    seed: object
+    dropout_key: object  # uint32 [5] (`dropout_keep`)
     b: object
     n0: object  # the group's first query head
     offs_n: object
@@ -80,7 +80,7 @@ def _dq_step(dq, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl.constexpr,
     """dq += dS·K for one key block, given its k and v tiles (BLOCK_CAUSAL: `block_causal`)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     _, ds = grad_logits(
-        ctx.q, k, v, ctx.do, ctx.lse, ctx.delta, ctx.bias_base, ctx.seed, ctx.b, ctx.n,
+        ctx.q, k, v, ctx.do, ctx.lse, ctx.delta, ctx.bias_base, ctx.dropout_key, ctx.b, ctx.n,
         ctx.offs_m, offs_n, P, F, MASKED, False, diag, BLOCK_CAUSAL,
     )  # fmt: skip
     return tl.dot(ds.to(k.dtype), k, dq)
@@ -186,8 +186,7 @@ def dq_kernel(
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
-    seed = tl.load(seed_ptr)
-    ctx = _DqContext(q, do, lse, delta, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
+    ctx = _DqContext(q, do, lse, delta, k_base, v_base, bias_base, seed_ptr, b, n, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m, b, HAS_SEG)
@@ -249,7 +248,7 @@ def _dkdv_step(dk, dv, q, do, lse, delta, g, row0, ctx, P, F: tl.constexpr, BLOC
     offs_m = row0 + tl.arange(0, BLOCK_M)
     # Transposed tiles [BLOCK_N, BLOCK_M]: dV += Pᵀ·dO and dK += dSᵀ·q need no register transpose.
     pt, dst = grad_logits(
-        q, k, ctx.v, do, lse, delta, ctx.bias_base + g * F.BIAS_SN, ctx.seed, ctx.b, n, offs_m,
+        q, k, ctx.v, do, lse, delta, ctx.bias_base + g * F.BIAS_SN, ctx.dropout_key, ctx.b, n, offs_m,
         offs_n, P, F, MASKED, True, diag, BLOCK_CAUSAL,
     )  # fmt: skip
     if F.HAS_BIAS:
@@ -363,7 +362,6 @@ def dkdv_kernel(
     else:
         k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
         v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
-    seed = tl.load(seed_ptr)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n, b, HAS_SEG)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -378,7 +376,7 @@ def dkdv_kernel(
     ctx = _DkDvContext(
         k, v, q_ptr + q_off, do_ptr + q_off, softmax_rows(lse_ptr, row_off, F), delta_ptr + row_off,
         bias_ptr + b64 * BIAS_SB + n0 * BIAS_SN, dbias_ptr + (b64 * N + n0) * (T * S),
-        dq_acc, seed, b, n0, offs_n, offs_d,
+        dq_acc, seed_ptr, b, n0, offs_n, offs_d,
     )  # fmt: skip
     if WS:
         rows = (b64 * N + n0) * LSE_T

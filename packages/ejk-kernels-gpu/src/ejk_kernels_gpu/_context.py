@@ -32,7 +32,7 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import Array
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, UInt32
 
 from ejk_sequtils import validate_attention
 
@@ -62,6 +62,7 @@ class BlockMasks:
     window: tuple[int, int] | None = None
     soft_cap: float | None = None
     relative: bool = False  # masks on offset positions (the packed path); else local indices
+    dropout_rate: float = 0.0  # the call's keep-mask comes with its dropout key
 
     def __post_init__(self) -> None:
         if self.relative and not (self.causal or self.window is not None):
@@ -91,6 +92,8 @@ def block_options(
         segment_ids=(
             (jnp.zeros(q.shape[:2], _I32), jnp.zeros(k.shape[:2], _I32)) if has_segments else None
         ),
+        dropout_rate=masks.dropout_rate,
+        dropout_seed=0 if masks.dropout_rate > 0.0 else None,  # the key comes in the tables
     )
     opts = call_options(request, config, bwd_config)
     if not masks.relative:
@@ -143,6 +146,7 @@ def block_tables(
     q_offset: Int[Array, ""] | int,
     k_offset: Int[Array, ""] | int,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None,
+    dropout_key: UInt32[Array, 5] | None = None,
 ) -> Tables:
     """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``)."""
     if not masks.relative:
@@ -164,7 +168,12 @@ def block_tables(
         k_pos = ko + jnp.arange(kv_len, dtype=_I32)
     else:
         q_sid = k_sid = q_pos = k_pos = dummy()
-    seed = dummy(jnp.uint32)
+    if (dropout_key is None) != (masks.dropout_rate == 0.0):
+        raise ValueError(
+            f"a dropout key comes with dropout_rate > 0 and only then, got "
+            f"dropout_rate={masks.dropout_rate} and a key {'' if dropout_key is None else 'not '}None"
+        )
+    seed = dummy(jnp.uint32) if dropout_key is None else jnp.asarray(dropout_key, jnp.uint32)
     return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
 
 
@@ -177,6 +186,7 @@ def block_forward(
     q_offset: Int[Array, ""] | int = 0,
     k_offset: Int[Array, ""] | int = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    dropout_key: UInt32[Array, 5] | None = None,
     config: FlashConfig | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Output and lse of ``q`` against one key block, masks on global positions.
@@ -190,6 +200,9 @@ def block_forward(
         q_offset: global position of ``q``'s first row (traced int32 is fine).
         k_offset: global position of ``k``'s first row.
         segment_ids: ``(q_ids [B, T], k_ids [B, S])`` of these blocks, or None.
+        dropout_key: with ``masks.dropout_rate > 0``, `ejk_sequtils.dropout_key` of the
+            call: the seed and the global (batch, head, row, column) of its first
+            element, so the call drops its slice of the whole attention's weights.
         config: the forward tile config; default the heuristic's.
 
     Returns:
@@ -197,7 +210,9 @@ def block_forward(
         the float32 ``lse [B, N, T]`` (``-inf`` for those rows).
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, config)
-    tables = block_tables(opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids)
+    tables = block_tables(
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
+    )
     out, lse, _ = forward(opts, q, k, v, None, None, tables)
     return out, lse
 
@@ -215,12 +230,13 @@ def block_backward(
     q_offset: Int[Array, ""] | int = 0,
     k_offset: Int[Array, ""] | int = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    dropout_key: UInt32[Array, 5] | None = None,
     bwd_config: FlashConfig | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B S K H"], Float[Array, "B S K H"]]:
     """This key block's share of the gradients, given the GLOBAL output and lse of the rows.
 
     Args:
-        masks, q, k, v, q_offset, k_offset, segment_ids: as in `block_forward`.
+        masks, q, k, v, q_offset, k_offset, segment_ids, dropout_key: as in `block_forward`.
         out: the rows' merged (global) output ``[B, T, N, H]``.
         lse: the rows' global float32 lse ``[B, N, T]``.
         d_out: cotangent of the global output.
@@ -232,6 +248,8 @@ def block_backward(
         gradient, dk/dv the whole gradient of this block from these rows.
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
-    tables = block_tables(opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids)
+    tables = block_tables(
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
+    )
     dq, dk, dv, _, _ = backward(opts, q, k, v, None, None, tables, out, lse, d_out, d_lse)
     return dq, dk, dv

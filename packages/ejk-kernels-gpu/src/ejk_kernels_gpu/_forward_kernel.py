@@ -42,7 +42,7 @@ class _Context(NamedTuple):
     k_base: object  # this (batch, kv head)'s k and v slabs
     v_base: object
     bias_base: object
-    seed: object  # dropout seed
+    dropout_key: object  # uint32 [5] (`dropout_keep`)
     b: object  # batch index
     n: object  # query head
     offs_m: object  # query rows
@@ -89,7 +89,7 @@ def _fwd_step(acc, m_i, l_i, k, v, start_n, ctx, P, F: tl.constexpr, BLOCK_N: tl
         p = tl.math.exp2(x * F.LOG2_FACTOR - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    p = dropout_weights(p, ctx.seed, ctx.b, ctx.n, ctx.offs_m, offs_n, F)
+    p = dropout_weights(p, ctx.dropout_key, ctx.b, ctx.n, ctx.offs_m, offs_n, F)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
@@ -206,8 +206,7 @@ def fwd_kernel(
     k_base = k_ptr + b64 * (S * K * H) + kh * H
     v_base = v_ptr + b64 * (S * K * H) + kh * H
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
-    seed = tl.load(seed_ptr)
-    ctx = _Context(q, k_base, v_base, bias_base, seed, b, n, offs_m, offs_d)
+    ctx = _Context(q, k_base, v_base, bias_base, seed_ptr, b, n, offs_m, offs_d)
 
     if HAS_SINKS:
         # The sink is a key with logit `sink` and no value: start the running max at

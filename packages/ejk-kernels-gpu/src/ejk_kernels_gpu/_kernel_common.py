@@ -107,11 +107,21 @@ def _mix(h, x):
 
 
 @triton.jit
-def dropout_keep(seed, b, n, offs_m, offs_n, THRESHOLD: tl.constexpr, TRANS: tl.constexpr):
-    """bool tile: keep-mask of rows offs_m, columns offs_n for (batch b, head n)."""
-    h = _mix(_mix(seed, b.to(tl.uint32)), n.to(tl.uint32))
-    h = along_q(_mix(h, offs_m.to(tl.uint32)), TRANS)
-    h = _mix(h, along_k(offs_n.to(tl.uint32), TRANS))
+def dropout_keep(key_ptr, b, n, offs_m, offs_n, THRESHOLD: tl.constexpr, TRANS: tl.constexpr):
+    """bool tile: keep-mask of rows offs_m, columns offs_n for (batch b, head n).
+
+    ``key_ptr``: uint32 ``[seed, b0, n0, i0, j0]`` (`ejk_sequtils.dropout_key`): the
+    hash takes the global indices ``b0 + b``, ``n0 + n``, ``i0 + row``, ``j0 + column``,
+    so a shard of a sharded call draws its slice of the whole call's mask.
+    """
+    seed = tl.load(key_ptr)
+    b = b.to(tl.uint32) + tl.load(key_ptr + 1)
+    n = n.to(tl.uint32) + tl.load(key_ptr + 2)
+    rows = offs_m.to(tl.uint32) + tl.load(key_ptr + 3)
+    cols = offs_n.to(tl.uint32) + tl.load(key_ptr + 4)
+    h = _mix(_mix(seed, b), n)
+    h = along_q(_mix(h, rows), TRANS)
+    h = _mix(h, along_k(cols, TRANS))
     return (h >> 8) >= tl.full([], THRESHOLD, tl.uint32)
 
 
@@ -259,16 +269,16 @@ def logits(a, c, bias_base, offs_m, offs_n, b, P, F: tl.constexpr, MASKED: tl.co
 
 
 @triton.jit
-def dropout_weights(p, seed, b, n, offs_m, offs_n, F: tl.constexpr):
+def dropout_weights(p, key_ptr, b, n, offs_m, offs_n, F: tl.constexpr):
     """``p`` with dropped entries zeroed and kept ones scaled by ``1 / (1 - rate)``."""
     if F.DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, False)
+        keep = dropout_keep(key_ptr, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, False)
         p = tl.where(keep, p * F.DROPOUT_SCALE, 0.0)
     return p
 
 
 @triton.jit
-def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, P,
+def grad_logits(q, k, v, do, lse, delta, bias_base, key_ptr, b, n, offs_m, offs_n, P,
                 F: tl.constexpr, MASKED: tl.constexpr, TRANS: tl.constexpr, diag,
                 BLOCK_CAUSAL: tl.constexpr):  # fmt: skip
     """Recompute one tile's probabilities and the gradient of the pre-cap logits.
@@ -302,7 +312,7 @@ def grad_logits(q, k, v, do, lse, delta, bias_base, seed, b, n, offs_m, offs_n, 
     else:
         p = tl.math.exp2(s * F.LOG2_FACTOR - along_q(lse, TRANS))
     if F.DROPOUT_THRESHOLD > 0:
-        keep = dropout_keep(seed, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, TRANS)
+        keep = dropout_keep(key_ptr, b, n, offs_m, offs_n, F.DROPOUT_THRESHOLD, TRANS)
         p_drop = tl.where(keep, p * F.DROPOUT_SCALE, 0.0)
         dp = tl.where(keep, dp * F.DROPOUT_SCALE, 0.0)
     else:

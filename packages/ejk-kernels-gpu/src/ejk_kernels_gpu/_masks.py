@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from ejk_sequtils import AttentionRequest, dropout_seed_u32
+from ejk_sequtils import AttentionRequest, dropout_key
 
 from ._config import gluon_dq_beside
 from ._options import CallOptions
@@ -301,7 +301,7 @@ class Tables:
     fwd_ranges: Any
     dq_ranges: Any
     dkdv_ranges: Any
-    seed: Any
+    seed: Any  # dropout: uint32 [seed, b0, n0, i0, j0] (`ejk_sequtils.dropout_key`)
 
     def masking(self) -> tuple[Any, ...]:
         """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
@@ -339,5 +339,5 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
     if request.dropout_seed is None:
         seed = dummy(jnp.uint32)
     else:
-        seed = dropout_seed_u32(request.dropout_seed).reshape(1)
+        seed = dropout_key(request.dropout_seed, request.dropout_offsets)
     return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)

@@ -101,7 +101,7 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
         q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         lse, di: f32 ``[B, N, Tp, 1]`` (lse +inf on empty rows; di = rowsum(dO*O) - dlse).
         q_seg, kv_seg: int32 ``[B, Tp, 1]``, ``[B, 1, Sp]`` or None.
-        seed: int32 ``[1]`` dropout seed or None.
+        seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask` tables for ``st.dq`` blocks.
     """
     batch, heads, q_len, head_dim = q.shape
@@ -163,7 +163,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         q, do: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         lse_row, di_row: f32 ``[B, N, 1, Tp]`` (as in `dq`, laid out as rows).
         q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
-        seed: int32 ``[1]`` dropout seed or None.
+        seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask_dkv` tables for ``st.dkv`` blocks (``[rows, q_steps, kv_blocks]``).
     """
     batch, heads, _, head_dim = q.shape

@@ -196,7 +196,11 @@ def dropout_scale(
     rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + row0
     cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + col0
     q_idx, k_idx = (cols, rows) if transposed else (rows, cols)
+    # seed_ref: [seed, b0, n0, i0, j0], a shard's global origin (int32 bits of uint32s;
+    # wrapping int32 adds give the same bits).
     h = jnp.full(shape, seed_ref[0], jnp.int32)
+    batch, head = batch + seed_ref[1], head + seed_ref[2]
+    q_idx, k_idx = q_idx + seed_ref[3], k_idx + seed_ref[4]
     h = _mix(_mix(_mix(_mix(h, batch), head), q_idx), k_idx)
     threshold = dropout_threshold(st.dropout_rate)
     keep = _srl(h, 8) >= threshold  # < 2**24 after the shift: a signed compare is exact
@@ -344,7 +348,7 @@ def launch(
 
 def smem_inputs(names, specs, args, st: Static, **arrays):
     """Appends the whole-array SMEM operands the kernel takes (of ``sinks``, f32 ``[N]``,
-    and ``seed``, int32 ``[1]``) when the call uses them."""
+    and ``seed``, int32 ``[5]``: `dropout_scale`) when the call uses them."""
     used = {"sinks": st.has_sinks, "seed": st.has_dropout}
     for name, array in arrays.items():
         if used[name]:

@@ -105,7 +105,7 @@ def forward(
         q: ``[B, N, Tp, H]``; k, v: ``[B, K, Sp, H]``.
         q_seg: int32 ``[B, Tp, 1]``; kv_seg: int32 ``[B, 1, Sp]`` (or both None).
         sinks: f32 ``[N]`` or None.
-        seed: int32 ``[1]`` dropout seed (the uint32 seed's bits), or None without dropout.
+        seed: int32 ``[5]`` dropout key (`dropout_scale`), or None without dropout.
         info: `process_mask` tables of ``st.mask`` for ``st.fwd`` blocks.
         st: the call's static options.
     """

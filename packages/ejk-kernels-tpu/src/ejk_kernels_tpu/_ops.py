@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, Integer
 
 from ejk_sequtils import (
     AttentionRequest,
-    dropout_seed_u32,
+    dropout_key,
     reference_attention,
     validate_attention,
 )
@@ -248,11 +248,12 @@ def _empty_call(request: AttentionRequest, mask: Any) -> Any:
 
 
 def _kernel_seed(request: AttentionRequest) -> jax.Array | None:
-    """The dropout seed as int32 ``[1]`` holding its uint32 bits (the SMEM carrier), or None."""
+    """The dropout key ``[seed, b0, n0, i0, j0]`` (`ejk_sequtils.dropout_key`) as int32 ``[5]``
+    holding its uint32 bits (the SMEM carrier), or None."""
     if request.dropout_seed is None:
         return None
-    seed = dropout_seed_u32(request.dropout_seed)
-    return jax.lax.bitcast_convert_type(seed, jnp.int32).reshape(1)
+    key = dropout_key(request.dropout_seed, request.dropout_offsets)
+    return jax.lax.bitcast_convert_type(key, jnp.int32)
 
 
 def blocksparse_attention_request(

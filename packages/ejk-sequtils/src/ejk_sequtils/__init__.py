@@ -21,6 +21,7 @@ from ._cu_seqlens import segment_ids_to_cu_seqlens as segment_ids_to_cu_seqlens
 from ._cu_seqlens import segment_ids_to_position_ids as segment_ids_to_position_ids
 from ._dropout import DROPOUT_HASH as DROPOUT_HASH
 from ._dropout import dropout_keep_mask as dropout_keep_mask
+from ._dropout import dropout_key as dropout_key
 from ._dropout import dropout_seed_u32 as dropout_seed_u32
 from ._dropout import dropout_threshold as dropout_threshold
 from ._masks import is_segment_representable as is_segment_representable
@@ -69,6 +70,7 @@ __all__ = [
     "chunk_array",
     "cu_seqlens_to_segment_ids",
     "dropout_keep_mask",
+    "dropout_key",
     "dropout_seed_u32",
     "dropout_threshold",
     "fold_sinks",

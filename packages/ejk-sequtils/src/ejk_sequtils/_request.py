@@ -53,6 +53,9 @@ class AttentionRequest:
     dropout_rate: float
     dropout_seed: Any
     return_lse: bool
+    # The global (batch, head, row, column) of this call's first element in the dropout
+    # hash, set by a sharded call for each shard (None: 0s); see `dropout_key`.
+    dropout_offsets: tuple[Any, Any, Any, Any] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

@@ -16,11 +16,13 @@ strategies bring the other devices' key blocks:
 Every step runs the calls of `_context_plan.step_plan` (masks on global positions;
 hidden blocks skipped with ``lax.switch``) through the Triton kernels
 (`ejk_kernels_gpu._context`) or XLA einsums (`_context_calls`); partial results merge
-through the log-sum-exp. The backward (custom VJP) runs the same steps: each call's
-dq/dk/dv from the saved GLOBAL output and lse (FlashAttention-2, Alg. 2, with the row
-statistics of the whole row); dq accumulates in place, while dk and dv travel with
-their k/v block and arrive home after ``n`` hops (ring) or are reduce-scattered
-(all-gather).
+through the log-sum-exp. With dropout every call is one query chunk against one key
+chunk and hashes their global positions (`ejk_sequtils.dropout_key`), so the devices
+drop what one device running the whole sequence would. The backward (custom VJP) runs
+the same steps: each call's dq/dk/dv from the saved GLOBAL output and lse
+(FlashAttention-2, Alg. 2, with the row statistics of the whole row); dq accumulates in
+place, while dk and dv travel with their k/v block and arrive home after ``n`` hops
+(ring) or are reduce-scattered (all-gather).
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ def _by_chunks(st: _Ring) -> bool:
 
 
 def _call_key(drop: Array | None, call: Call, q_offs: list, k_offs: list) -> Array | None:
-    """The call's `ejk_sequtils.dropout_key` (``drop``: uint32 ``[seed, b0, n0]``, or None)."""
+    """The call's `ejk_sequtils.dropout_key` (``drop``: uint32 ``[seed, b0, n0]``, or None):
+    with dropout the plan calls whole chunks (`_by_chunks`), so the chunks' global offsets
+    are the call's first row and first key."""
     if drop is None:
         return None
     rows, cols = (

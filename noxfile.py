@@ -15,7 +15,13 @@ The default sessions run each package on the lock's jax for Python 3.11 (the new
 Python 3.11 gets). The ``compat`` sessions run each package at both ends of what its
 bounds allow: ``compat-<pkg>-oldest-jax`` on Python 3.11 with jax (and jaxlib) at the
 package's lower bound, and ``compat-<pkg>-newest-jax`` on Python 3.12+ with the newest
-jax its bounds admit. A machine without Python 3.12 skips the latter, saying so.
+jax its bounds admit. A machine without Python 3.12 skips the latter, saying so. The
+compat sessions run each test function once, its first parametrized case
+(``scripts/nox/first_case.py``): every code path meets both ends of jax's range, while the
+full grids run once, in the default sessions.
+
+A package whose test group has pytest-xdist runs its tests on every core (at most four
+workers); ``-- -n 0`` runs them in one process.
 """
 
 from __future__ import annotations
@@ -95,13 +101,26 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+def _pytest(session: nox.Session, package: str, *args: str) -> None:
+    """pytest in ``package``'s folder: on every core where its test group has pytest-xdist."""
+    session.chdir(ROOT / "packages" / package)
+    parallel = "pytest-xdist" in (ROOT / "packages" / package / "pyproject.toml").read_text()
+    workers = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal") if parallel else ()
+    session.run("python", "-m", "pytest", *workers, *args, *session.posargs)
+
+
+def _first_case(session: nox.Session, package: str) -> None:
+    """pytest with the first-case plugin (a compat session's run)."""
+    session.env["PYTHONPATH"] = str(ROOT / "scripts" / "nox")
+    _pytest(session, package, "-p", "first_case")
+
+
 def _tests_session(package: str) -> None:
     """Register ``tests-<package>``: that package alone, with its test group."""
 
     def run_tests(session: nox.Session) -> None:
         _sync(session, "--package", package, "--group", "test")
-        session.chdir(ROOT / "packages" / package)
-        session.run("python", "-m", "pytest", *session.posargs)
+        _pytest(session, package)
 
     run_tests.__doc__ = f"{package} alone, with its test group, against the lock file."
     nox.session(name=f"tests-{package}")(run_tests)
@@ -117,9 +136,8 @@ def _compat_sessions(package: str) -> None:
             "uv", "pip", "install", "--python", session.virtualenv.location,
             f"jax=={floor}", f"jaxlib=={floor}", external=True,
         )  # fmt: skip
-        session.chdir(ROOT / "packages" / package)
         session.run("python", "-c", "import jax; print('jax', jax.__version__)")
-        session.run("python", "-m", "pytest", *session.posargs)
+        _first_case(session, package)
 
     def newest(session: nox.Session) -> None:
         python = _python_312_or_newer()
@@ -133,9 +151,8 @@ def _compat_sessions(package: str) -> None:
             "uv", "pip", "install", "--python", session.virtualenv.location, "--upgrade",
             jax_req, "jaxlib", external=True,
         )  # fmt: skip
-        session.chdir(ROOT / "packages" / package)
         session.run("python", "-c", "import jax, sys; print('jax', jax.__version__, sys.version)")
-        session.run("python", "-m", "pytest", *session.posargs)
+        _first_case(session, package)
 
     oldest.__doc__ = f"{package} on Python 3.11 with jax at its lower bound."
     newest.__doc__ = f"{package} on Python >= 3.12 with the newest jax its bounds allow."

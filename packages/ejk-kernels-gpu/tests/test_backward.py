@@ -38,7 +38,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+# float16 takes bfloat16's path with another element type: the slow run keeps it.
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("float16", marks=pytest.mark.slow), "bfloat16"]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_match_reference(rng, make_inputs, close, case, dtype, bwd):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)

@@ -66,7 +66,10 @@ def _resolve(rng, kw, q_len=T, kv_len=S, batch=B, heads=N):
     return kw
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+# float16 takes bfloat16's path with another element type: the slow run keeps it.
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("float16", marks=pytest.mark.slow), "bfloat16"]
+)
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_matches_reference(rng, make_inputs, close, case, dtype):
     q, k, v = make_inputs(rng, B, T, S, N, K, H, dtype)

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ejk_sequtils import AttentionRequest, from_zigzag, to_zigzag
 
 from ._ring import ring_attention
-from ._sharding import shard_start
+from ._sharding import add_traced_seed, shard_start
 
 __all__ = ["choose_strategy", "context_call"]
 
@@ -125,9 +124,7 @@ def context_call(
     if request.segment_ids is not None:
         arrays["segment_ids"] = tuple(lay(x) for x in request.segment_ids)
         specs["segment_ids"] = (ids, ids)
-    if isinstance(request.dropout_seed, jax.Array):  # a traced seed enters as an input
-        arrays["dropout_seed"] = request.dropout_seed
-        specs["dropout_seed"] = PartitionSpec()
+    add_traced_seed(request, arrays, specs)
     lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
 
     def per_shard(local: dict[str, Any]) -> Any:

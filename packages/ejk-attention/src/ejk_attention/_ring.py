@@ -172,10 +172,7 @@ def _call_key(drop: Array | None, call: Call, q_offs: list, k_offs: list) -> Arr
     are the call's first row and first key."""
     if drop is None:
         return None
-    rows, cols = (
-        jnp.asarray(x).astype(jnp.uint32) for x in (q_offs[call.q_chunk], k_offs[call.k_chunk])
-    )
-    return jnp.concatenate([drop, rows[None], cols[None]])
+    return dropout_key(drop[0], (drop[1], drop[2], q_offs[call.q_chunk], k_offs[call.k_chunk]))
 
 
 def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:

@@ -52,6 +52,14 @@ def shard_start(entry: Any, local_size: int) -> Any:
     return jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * jnp.int32(local_size)
 
 
+def add_traced_seed(request: AttentionRequest, arrays: dict, specs: dict) -> None:
+    """A traced ``dropout_seed`` enters a facade's ``shard_map`` as a replicated input (a
+    Python int stays a constant of the request)."""
+    if isinstance(request.dropout_seed, jax.Array):
+        arrays["dropout_seed"] = request.dropout_seed
+        specs["dropout_seed"] = PartitionSpec()
+
+
 def _shards(mesh: Any, entry: Any) -> int:
     return math.prod(mesh.shape[a] for a in _axes(entry))
 
@@ -173,9 +181,7 @@ def sharded_call(
     if request.segment_ids is not None:
         arrays["segment_ids"] = request.segment_ids
         specs["segment_ids"] = (PartitionSpec(batch_axis), PartitionSpec(batch_axis))
-    if isinstance(request.dropout_seed, jax.Array):  # a traced seed enters as an input
-        arrays["dropout_seed"] = request.dropout_seed
-        specs["dropout_seed"] = PartitionSpec()
+    add_traced_seed(request, arrays, specs)
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         if getattr(request, name) is not None:
             arrays[name] = getattr(request, name)

@@ -18,7 +18,8 @@ package's lower bound, and ``compat-<pkg>-newest-jax`` on Python 3.12+ with the 
 jax its bounds admit. A machine without Python 3.12 skips the latter, saying so. The
 compat sessions run each test function once, its first parametrized case
 (``scripts/nox/first_case.py``): every code path meets both ends of jax's range, while the
-full grids run once, in the default sessions.
+full grids run once, in the default sessions. They skip tests marked ``triton_build``
+(ahead-of-time Triton builds, whose result depends on Triton, which these sessions keep).
 
 A package whose test group has pytest-xdist runs its tests on every core (at most four
 workers); ``-- -n 0`` runs them in one process.
@@ -101,18 +102,25 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+def _declares(package: str, text: str) -> bool:
+    """Whether ``package``'s pyproject mentions ``text`` (a test dependency, a marker)."""
+    return text in (ROOT / "packages" / package / "pyproject.toml").read_text()
+
+
 def _pytest(session: nox.Session, package: str, *args: str) -> None:
     """pytest in ``package``'s folder: on every core where its test group has pytest-xdist."""
     session.chdir(ROOT / "packages" / package)
-    parallel = "pytest-xdist" in (ROOT / "packages" / package / "pyproject.toml").read_text()
+    parallel = _declares(package, '"pytest-xdist')
     workers = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal") if parallel else ()
     session.run("python", "-m", "pytest", *workers, *args, *session.posargs)
 
 
 def _first_case(session: nox.Session, package: str) -> None:
-    """pytest with the first-case plugin (a compat session's run)."""
+    """pytest with the first-case plugin, without the Triton builds (a compat session's run)."""
     session.env["PYTHONPATH"] = str(ROOT / "scripts" / "nox")
-    _pytest(session, package, "-p", "first_case")
+    builds = _declares(package, '"triton_build:')
+    marks = "not slow and not triton_build" if builds else "not slow"
+    _pytest(session, package, "-p", "first_case", "-m", marks)
 
 
 def _tests_session(package: str) -> None:

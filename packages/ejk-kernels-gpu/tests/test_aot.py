@@ -16,6 +16,8 @@ import pytest
 from ejk_kernels_gpu._aot import GLUON_SPILL_BYTES
 from ejk_kernels_gpu._config import SHARED_MEMORY_LIMIT
 
+pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
+
 
 def _compile(*args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -15,6 +15,8 @@ import pytest
 
 from ejk_kernels_gpu._paged_aot import BUILDS
 
+pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
+
 
 def _compile(*args: str) -> list[dict]:
     """The JSON rows of ``python -m ejk_kernels_gpu._paged_aot *args`` (interpreter off);

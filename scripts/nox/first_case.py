@@ -14,10 +14,10 @@ import pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seen: set[tuple[str, str]] = set()
+    seen: set[str] = set()
     kept, dropped = [], []
     for item in items:
-        key = (item.nodeid.split("[", 1)[0], getattr(item, "originalname", item.name))
+        key = item.nodeid.split("[", 1)[0]  # file::[class::]function, without the case id
         if key in seen:
             dropped.append(item)
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
 import subprocess
@@ -87,6 +88,77 @@ def _sharded(mesh, strategy: str):
 
 def _one_gpu(q, k, v, ids):
     return flash_attention(q, k, v, causal=True, segment_ids=ids, implementation="triton")
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _covered(start, end, union) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
+
+
+def summarize_trace(trace_dir: Path) -> dict:
+    """How much of each GPU's communication ran while its compute kernels ran.
+
+    Reads the ``*.trace.json.gz`` that ``jax.profiler.trace`` writes. Per GPU: the time its
+    NCCL kernels (the ring's ``ppermute``, the all-gather's collectives) took, the part of
+    it covered by other kernels on that GPU (hidden), and the kernels' busy time.
+    """
+    files = sorted(trace_dir.rglob("*.trace.json.gz"))
+    if not files:
+        return {"error": f"no *.trace.json.gz under {trace_dir}"}
+    with gzip.open(files[-1], "rb") as fp:
+        events = json.load(fp)["traceEvents"]
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    # Kernels sit on the GPU's "Stream #..." lines; its "XLA Ops"/"XLA Modules" lines span
+    # the same time again (a collective's op would cover its own kernel), so they are left out.
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    per_gpu: dict[str, dict[str, list]] = {}
+    for e in events:
+        name = names.get(e.get("pid"), "")
+        if e.get("ph") != "X" or "GPU" not in name or "dur" not in e:
+            continue
+        if not threads.get((e["pid"], e.get("tid")), "Stream").startswith("Stream"):
+            continue
+        kind = "comm" if "nccl" in e["name"].lower() else "compute"
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        per_gpu.setdefault(name, {"comm": [], "compute": []})[kind].append(span)
+    summary = {
+        "file": files[-1].name,
+        "lines": sorted({t for (pid, _), t in threads.items() if "GPU" in names.get(pid, "")}),
+        "gpus": {},
+    }
+    for gpu, spans in sorted(per_gpu.items()):
+        compute = _union(spans["compute"])
+        comm = _union(spans["comm"])
+        comm_us = sum(b - a for a, b in comm)
+        hidden_us = sum(_covered(a, b, compute) for a, b in comm)
+        summary["gpus"][gpu] = {
+            "comm_kernels": len(spans["comm"]),
+            "comm_ms": comm_us / 1e3,
+            "hidden_ms": hidden_us / 1e3,
+            "hidden_fraction": hidden_us / comm_us if comm_us else None,
+            "compute_busy_ms": sum(b - a for a, b in compute) / 1e3,
+            "span_ms": (max(b for _, b in compute + comm) - min(a for a, _ in compute + comm)) / 1e3
+            if compute or comm
+            else 0.0,
+        }
+    return summary
 
 
 def check_errors(fn, ref_fn, t, dtype, documents) -> dict:
@@ -170,9 +242,14 @@ def main() -> None:
             if args.out:
                 args.out.write_text(json.dumps(result, indent=1))
             if args.profile is not None and t == max(args.seq) and not documents:
-                f, a = timed["ring"]
-                with jax.profiler.trace(str(args.profile)):
-                    jax.block_until_ready(f(*a))
+                for strategy in ("ring", "all_gather"):
+                    f, a = timed[strategy]
+                    with jax.profiler.trace(str(args.profile / strategy)):
+                        jax.block_until_ready(f(*a))
+                    summary = {"kind": "profile", "strategy": strategy, "t": t}
+                    summary.update(summarize_trace(args.profile / strategy))
+                    print(summary, flush=True)
+                    result["rows"].append(summary)
     result["passed"] = bool(ok)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

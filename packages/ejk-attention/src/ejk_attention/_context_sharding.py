@@ -2,9 +2,9 @@
 
 The facade writes the ``shard_map`` and runs `ring_attention` inside it, with the
 strategy `choose_strategy` picks. Causal self-attention is laid out in the zigzag order
-first (`ejk_sequtils.to_zigzag`, a static gather XLA turns into one exchange of half of
-each shard) so every device does the same work, and laid back out after; other calls
-keep the contiguous split.
+inside the ``shard_map`` (`to_zigzag_local`: each device's two halves travel by one
+``ppermute`` each) so every device does the same work, and laid back out after; other
+calls keep the contiguous split.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ejk_sequtils import AttentionRequest, from_zigzag, to_zigzag
+from ejk_sequtils import AttentionRequest
 
 from ._ring import ring_attention
 from ._sharding import add_traced_seed, shard_start
+from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
 
 __all__ = ["choose_strategy", "context_call"]
 
@@ -111,34 +112,42 @@ def context_call(
     strategy = strategy or choose_strategy(request, shards)
     seq = PartitionSpec(batch_axis, seq_axis, head_axis, None)
     ids = PartitionSpec(batch_axis, seq_axis)
-    lay = (lambda x, axis=1: to_zigzag(x, shards, axis=axis)) if zigzag else (lambda x, axis=1: x)
-    unlay = (
-        (lambda x, axis=1: from_zigzag(x, shards, axis=axis)) if zigzag else (lambda x, axis=1: x)
-    )
 
-    arrays: dict[str, Any] = {"q": lay(request.q), "k": lay(request.k), "v": lay(request.v)}
+    def lay(x: Any, axis: int = 1) -> Any:
+        return to_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
+
+    def unlay(x: Any, axis: int = 1) -> Any:
+        return from_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
+
+    arrays: dict[str, Any] = {"q": request.q, "k": request.k, "v": request.v}
     specs: dict[str, Any] = {"q": seq, "k": seq, "v": seq}
     if request.softmax_sinks is not None:
         arrays["softmax_sinks"] = request.softmax_sinks
         specs["softmax_sinks"] = PartitionSpec(head_axis)
     if request.segment_ids is not None:
-        arrays["segment_ids"] = tuple(lay(x) for x in request.segment_ids)
+        arrays["segment_ids"] = tuple(request.segment_ids)
         specs["segment_ids"] = (ids, ids)
     add_traced_seed(request, arrays, specs)
     lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
 
     def per_shard(local: dict[str, Any]) -> Any:
+        local = {
+            **local,
+            **{name: lay(local[name]) for name in ("q", "k", "v")},
+        }
+        if "segment_ids" in local:
+            local["segment_ids"] = tuple(lay(x) for x in local["segment_ids"])
         r = dataclasses.replace(request, **local)
         options = {name: getattr(r, name) for name in _RING_OPTIONS}
         layout = "zigzag" if zigzag else "contiguous"
         # B and N shards hash their global indices too (the ring adds rows and keys).
         offsets = (shard_start(batch_axis, r.q.shape[0]), shard_start(head_axis, r.q.shape[2]))
-        return ring_attention(
+        out, lse = ring_attention(
             r.q, r.k, r.v, axis_name=seq_axis, return_lse=True, strategy=strategy, layout=layout,
             dropout_offsets=offsets, **options,
         )  # fmt: skip
+        return unlay(out), unlay(lse, axis=2)
 
     mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))
     out, lse = mapped(arrays)
-    out, lse = unlay(out), unlay(lse, axis=2)
     return (out, lse) if request.return_lse else out

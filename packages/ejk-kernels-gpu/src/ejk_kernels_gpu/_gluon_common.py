@@ -37,8 +37,7 @@ def tanh(x):
 
 def _ptx_f32(value: float) -> str:
     """A float32 constant as PTX writes it (``0f`` and its bits in hex)."""
-    bits = struct.unpack("<I", struct.pack("<f", value))[0]
-    return f"0f{bits:08X}"
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 # 2**f on f in [-1/2, 1/2] to a relative error of 7.5e-5 (cubic, fitted for relative error):

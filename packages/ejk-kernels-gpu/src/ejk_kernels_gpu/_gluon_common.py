@@ -1,9 +1,7 @@
 """Helpers the Gluon kernels share (the forward, the dk/dv and the dq kernel): barriers and
-ring slots, the MUFU tanh, exp2 split between MUFU and FMA, wgmma layouts, the TMA reduce, and the masks' rule per score
+ring slots, the MUFU tanh, wgmma layouts, the TMA reduce, and the masks' rule per score
 (`token_info`, `visible`), which the forward and the dk/dv kernel apply to tiles of
 opposite orientation."""
-
-import struct
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -32,51 +30,6 @@ def tanh(x):
     """tanh by the MUFU instruction (relative error about 2^-11; FlashAttention-3's soft cap)."""
     return gl.inline_asm_elementwise(
         "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
-    )
-
-
-def _ptx_f32(value: float) -> str:
-    """A float32 constant as PTX writes it (``0f`` and its bits in hex)."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-# 2**f on f in [-1/2, 1/2] to a relative error of 7.5e-5 (cubic, fitted for relative error):
-# far below the 16-bit rounding p gets before p·v.
-_C0, _C1, _C2, _C3 = map(_ptx_f32, (0.99992806, 0.69326097, 0.24261114, 0.05517167))
-_ROUND, _FLOOR = _ptx_f32(1.5 * 2**23), _ptx_f32(-126.0)
-_EXP2_ASM = gl.constexpr(f"""{{
-.reg .f32 t, r, f, p;
-.reg .b32 e, pb;
-ex2.approx.ftz.f32 $0, $2;
-max.f32 t, $3, {_FLOOR};
-add.rn.f32 r, t, {_ROUND};
-sub.rn.f32 f, r, {_ROUND};
-sub.rn.f32 f, t, f;
-fma.rn.f32 p, f, {_C3}, {_C2};
-fma.rn.f32 p, p, f, {_C1};
-fma.rn.f32 p, p, f, {_C0};
-mov.b32 e, r;
-shl.b32 e, e, 23;
-mov.b32 pb, p;
-add.s32 pb, pb, e;
-mov.b32 $1, pb;
-}}""")
-
-
-@gluon.jit
-def exp2_split(x):
-    """2**x for x <= 0 (finite), half of the elements by the MUFU, half by FMAs.
-
-    With a soft cap every score costs two MUFU ops (tanh and exp2), and the MUFU, 16 results
-    a clock per SM, becomes the forward's bound. Of each pair of a thread's elements the
-    first takes ``ex2.approx``, the second ``2**round(x) * poly(x - round(x))`` on the FMA
-    and integer pipes (round by adding and subtracting 1.5·2**23, whose low bits then hold
-    the integer; the exponent added to the polynomial's bits): FlashAttention-4's trick.
-    x is clamped at -126 (2**-126, not 0, below it), so a masked score (-inf) must take
-    `gl.exp2`.
-    """
-    return gl.inline_asm_elementwise(
-        _EXP2_ASM, "=r,=r,r,r", [x], dtype=gl.float32, is_pure=True, pack=2
     )
 
 

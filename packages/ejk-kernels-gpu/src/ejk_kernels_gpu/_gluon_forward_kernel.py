@@ -22,8 +22,7 @@ call's masks per score (`_gluon_common.visible`: causal and window on positions,
 packed-sequence ids, segment ids, keys past the end; the keys' ids and positions are
 loaded while the block's q·kᵀ runs, `_key_info`). A soft cap is one
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
-rest of the softmax; with it, half of an unmasked block's exp2s run on the FMA pipe
-(`_gluon_common.exp2_split`) so the MUFU does 1.5 ops a score instead of 2.
+rest of the softmax.
 
 A tile is one query block of one (batch, head). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
@@ -59,7 +58,6 @@ from ._gluon_common import (
     ALL_SIDES,
     RIGHT_SIDE,
     barriers,
-    exp2_split,
     operand_layout,
     ring_slot,
     tanh,
@@ -271,12 +269,7 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     m_use = m_new
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if F.SOFT_CAP > 0.0 and not MASK:
-        # tanh took a MUFU op per score already: half of the exp2s go to the FMA pipe
-        # (`exp2_split`; no -inf reaches it in an unmasked block).
-        p = exp2_split(x * LOG2 - gl.expand_dims(m_use, 1))
-    else:
-        p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
+    p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     # With masks beyond causal or the persistent tile loop (EARLY_P16) p leaves in the inputs'
     # 16-bit type: it waits for its p·v matmul across the next block's q·kᵀ, and 16-bit

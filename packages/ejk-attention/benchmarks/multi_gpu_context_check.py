@@ -10,6 +10,7 @@ Issue 19's targets: >= 0.9 for the better strategy, >= 0.8 for the other.
 
     python packages/ejk-attention/benchmarks/multi_gpu_context_check.py --out result.json
     [--seq 32768 65536] [--documents] [--profile DIR]  (a jax.profiler trace of the ring)
+    [--model-layout]  (ring_attention on tokens already in the zigzag order, not the facade)
 
 On CPU, ``--small`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``.
 """
@@ -30,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ejk_attention import flash_attention, reference_attention
+from ejk_attention import flash_attention, reference_attention, ring_attention
 from ejk_attention._context_sharding import choose_strategy, context_call
 from ejk_attention._sharding import shard_map_compat
-from ejk_sequtils import validate_attention
+from ejk_sequtils import from_zigzag, to_zigzag, validate_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"))
 from _timing import seconds_per_call
@@ -84,6 +85,34 @@ def _sharded(mesh, strategy: str):
         )
 
     return fn
+
+
+def _model_layout(mesh, strategy: str):
+    """`ring_attention` in the caller's ``shard_map`` on tokens already in the zigzag order:
+    a model that lays its tokens out once, at the embedding (positions travel with them),
+    pays no layout exchange per attention call, which the facade (natural order in and
+    out) must."""
+    seq = PartitionSpec(None, "sp")
+
+    def local(q, k, v, ids):
+        return ring_attention(
+            q, k, v, axis_name="sp", causal=True, segment_ids=ids, strategy=strategy,
+            layout="zigzag", implementation="triton",
+        )  # fmt: skip
+
+    def fn(q, k, v, ids):
+        specs = (seq, seq, seq, None if ids is None else seq)
+        mapped = shard_map_compat(local, mesh=mesh, in_specs=specs, out_specs=seq, check=False)
+        return mapped(q, k, v, ids)
+
+    return fn
+
+
+def _natural_order(fn, n: int):
+    """``fn`` on zigzag-ordered tokens, called with and returning the natural order (for the
+    error checks only: the gathers are outside what is timed)."""
+    zz = lambda x: None if x is None else to_zigzag(x, n)
+    return lambda q, k, v, ids: from_zigzag(fn(zz(q), zz(k), zz(v), zz(ids)), n)
 
 
 def _one_gpu(q, k, v, ids):
@@ -178,6 +207,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument(
+        "--model-layout",
+        action="store_true",
+        help="time ring_attention on tokens already in the zigzag order instead of the facade",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     global N, K, H
@@ -201,9 +235,14 @@ def main() -> None:
         f = lambda x: x.astype(jnp.float32)
         return reference_attention(f(q), f(k), f(v), causal=True, segment_ids=ids)
 
+    if args.model_layout:
+        variant = lambda strategy: _natural_order(_model_layout(mesh, strategy), n)
+    else:
+        variant = lambda strategy: _sharded(mesh, strategy)
+    result["variant"] = "model_layout" if args.model_layout else "facade"
     for documents in (False, True) if args.documents else (False,):
         for strategy in ("ring", "all_gather"):
-            sharded = _sharded(mesh, strategy)
+            sharded = variant(strategy)
             small_t = 256 if args.small else 4096
             errs = check_errors(sharded, ref32, small_t, jnp.bfloat16, documents)
             row = {"kind": "vs-reference", "strategy": strategy, "t": small_t, "docs": documents}

@@ -42,13 +42,18 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 
+def _pyproject(package: str) -> dict:
+    """``package``'s pyproject.toml, parsed (``package`` a folder under packages/)."""
+    with (ROOT / "packages" / package / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
 def _members() -> list[str]:
     """Names of the workspace members, read from their pyproject files."""
-    names = []
-    for pyproject in sorted(ROOT.glob("packages/*/pyproject.toml")):
-        with pyproject.open("rb") as f:
-            names.append(tomllib.load(f)["project"]["name"])
-    return names
+    return [
+        _pyproject(p.parent.name)["project"]["name"]
+        for p in sorted(ROOT.glob("packages/*/pyproject.toml"))
+    ]
 
 
 PACKAGES = _members()
@@ -56,9 +61,7 @@ PACKAGES = _members()
 
 def _jax_floor(package: str) -> str:
     """The lower bound of ``jax`` in ``package``'s dependencies (``jax>=X`` -> ``X``)."""
-    with (ROOT / "packages" / package / "pyproject.toml").open("rb") as f:
-        deps = tomllib.load(f)["project"]["dependencies"]
-    for dep in deps:
+    for dep in _pyproject(package)["project"]["dependencies"]:
         found = re.fullmatch(r"jax\s*>=\s*([0-9.]+)(,.*)?", dep.split(";")[0].strip())
         if found:
             return found.group(1)
@@ -102,15 +105,35 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-def _declares(package: str, text: str) -> bool:
-    """Whether ``package``'s pyproject mentions ``text`` (a test dependency, a marker)."""
-    return text in (ROOT / "packages" / package / "pyproject.toml").read_text()
+def _requirement(dep: str) -> tuple[str, set[str]]:
+    """(normalised name, extras) of a requirement string such as ``"jax[tpu]>=0.6; ..."``."""
+    found = re.match(r"\s*([A-Za-z0-9._-]+)\s*(?:\[([^\]]*)\])?", dep)
+    if found is None:
+        raise ValueError(f"cannot read the requirement {dep!r}")
+    name = re.sub(r"[-_.]+", "-", found.group(1)).lower()
+    return name, {e.strip() for e in (found.group(2) or "").split(",") if e.strip()}
+
+
+def _test_requires(package: str, name: str, extra: str | None = None) -> bool:
+    """Whether ``package``'s test group requires ``name`` (with ``extra``, if given)."""
+    for dep in _pyproject(package).get("dependency-groups", {}).get("test", []):
+        if isinstance(dep, str):
+            found, extras = _requirement(dep)
+            if found == name and (extra is None or extra in extras):
+                return True
+    return False
+
+
+def _has_marker(package: str, marker: str) -> bool:
+    """Whether ``package``'s pytest configuration registers ``marker``."""
+    options = _pyproject(package).get("tool", {}).get("pytest", {}).get("ini_options", {})
+    return any(m.split(":")[0].strip() == marker for m in options.get("markers", []))
 
 
 def _pytest(session: nox.Session, package: str, *args: str) -> None:
     """pytest in ``package``'s folder: on every core where its test group has pytest-xdist."""
     session.chdir(ROOT / "packages" / package)
-    parallel = _declares(package, '"pytest-xdist')
+    parallel = _test_requires(package, "pytest-xdist")
     workers = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal") if parallel else ()
     session.run("python", "-m", "pytest", *workers, *args, *session.posargs)
 
@@ -118,7 +141,7 @@ def _pytest(session: nox.Session, package: str, *args: str) -> None:
 def _first_case(session: nox.Session, package: str) -> None:
     """pytest with the first-case plugin, without the Triton builds (a compat session's run)."""
     session.env["PYTHONPATH"] = str(ROOT / "scripts" / "nox")
-    builds = _declares(package, '"triton_build:')
+    builds = _has_marker(package, "triton_build")
     marks = "not slow and not triton_build" if builds else "not slow"
     _pytest(session, package, "-p", "first_case", "-m", marks)
 
@@ -153,7 +176,7 @@ def _compat_sessions(package: str) -> None:
             session.skip("no Python >= 3.12 on this machine")
         _sync(session, "--package", package, "--group", "test", "--python", python)
         # A package that tests with libtpu upgrades it with jax: each jax pins its libtpu.
-        tpu = "jax[tpu]" in (ROOT / "packages" / package / "pyproject.toml").read_text()
+        tpu = _test_requires(package, "jax", extra="tpu")
         jax_req = f"jax{'[tpu]' if tpu else ''}>={_jax_floor(package)}"
         session.run_install(
             "uv", "pip", "install", "--python", session.virtualenv.location, "--upgrade",

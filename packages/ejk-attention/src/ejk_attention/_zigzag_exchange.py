@@ -19,17 +19,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ejk_sequtils import zigzag_chunks
+
 __all__ = ["from_zigzag_local", "to_zigzag_local"]
 
 
-def _home(chunk: int, shards: int) -> int:
-    """The device holding global ``chunk`` (of ``2 * shards``) in the zigzag layout."""
-    return chunk if chunk < shards else 2 * shards - 1 - chunk
-
-
 def _pairs(shards: int, parity: int) -> list[tuple[int, int]]:
-    """(source, destination) of the chunks ``2i + parity``, contiguous to zigzag."""
-    return [(i, _home(2 * i + parity, shards)) for i in range(shards)]
+    """(source, destination) of the chunks ``2i + parity``, contiguous to zigzag (the
+    device holding a chunk in the zigzag layout is its slot in `zigzag_chunks` over 2)."""
+    home = {chunk: slot // 2 for slot, chunk in enumerate(zigzag_chunks(shards))}
+    return [(i, home[2 * i + parity]) for i in range(shards)]
 
 
 def _halves(x: Any, axis: int) -> tuple[Any, Any]:

@@ -136,3 +136,69 @@ def test_hidden_block_gives_empty_rows(rng, make_inputs):
 def test_relative_without_a_position_mask_is_refused():
     with pytest.raises(ValueError, match="relative positions matter only"):
         BlockMasks(scale=1.0, relative=True)
+
+
+# Device 0 of a 2-way zigzag layout over 256 tokens: global rows [0, 64) and [192, 256)
+# (longer than the kernels' blocks, so that the tables decide which blocks run).
+CHUNKS = ((0, 64), (192, 256))
+LONG = 256
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_query_chunks_against_the_whole_sequence(rng, make_inputs, close, case):
+    """One call of two query chunks (``q_offset`` a tuple) against every key: the
+    reference's rows, and the rows' whole share of dq, dk and dv."""
+    ref_kw, mask_kw, with_seg = CASES[case]
+    b, t, n = 1, LONG, 2
+    q, k, v = make_inputs(rng, b, t, t, n, 1, H, jnp.float32)
+    seg = None
+    if with_seg:  # documents crossing the chunks' edges, and padding at the end
+        ids = np.repeat(np.arange(4), [50, 100, 90, 16])
+        ids[-5:] = -1
+        seg = jnp.asarray(ids[None], jnp.int32)
+    rows = np.concatenate([np.arange(a, b) for a, b in CHUNKS])
+    masks = BlockMasks(scale=H**-0.5, **mask_kw)
+    offsets = tuple(jnp.int32(a) for a, _ in CHUNKS)
+    ids = None if seg is None else (seg[:, rows], seg)
+    call = jax.jit(lambda q, k, v: block_forward(masks, q, k, v, q_offset=offsets, segment_ids=ids))
+    out, lse = call(q[:, rows], k, v)
+    ref = lambda q, k, v: reference_attention(q, k, v, segment_ids=seg, return_lse=True, **ref_kw)
+    want, want_lse = ref(q, k, v)
+    close(out, want[:, rows], jnp.float32, "out")
+    close(lse, want_lse[:, :, rows], jnp.float32, "lse")
+
+    w = (
+        jnp.zeros(want.shape, jnp.float32)
+        .at[:, rows]
+        .set(jnp.asarray(rng.standard_normal((b, len(rows), n, H)), jnp.float32))
+    )
+    seen = jnp.zeros((t,), bool).at[rows].set(True)
+
+    def loss(q, k, v):
+        o, lse = ref(q, k, v)
+        lse = jnp.where(jnp.isfinite(lse) & seen, lse, 0.0)
+        return jnp.sum(o * w) + 0.1 * jnp.sum(lse)
+
+    dq_want, dk_want, dv_want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    dq, dk, dv = block_backward(
+        masks,
+        q[:, rows],
+        k,
+        v,
+        want[:, rows],
+        want_lse[:, :, rows],
+        w[:, rows],
+        jnp.full(lse.shape, 0.1, jnp.float32),
+        q_offset=offsets,
+        segment_ids=ids,
+    )
+    close(dq, dq_want[:, rows], jnp.float32, "grad", "dq")
+    close(dk, dk_want, jnp.float32, "grad", "dk")
+    close(dv, dv_want, jnp.float32, "grad", "dv")
+
+
+def test_query_chunks_are_checked():
+    q = jnp.zeros((1, 10, 2, 16))
+    masks = BlockMasks(scale=0.25, causal=True, relative=True)
+    with pytest.raises(ValueError, match="equal chunks of the 10 query rows; got 3"):
+        block_forward(masks, q, q, q, q_offset=(0, 4, 8))

@@ -16,6 +16,8 @@ Global positions reach the kernels in one of two ways:
   (``VARLEN``): every token has sequence id 0 and position ``offset + index``, and the
   kernels compare positions (`_kernel_common.visibility`). Block tables computed here
   skip every key block the offsets hide and run the fully visible ones unmasked.
+  ``q_offset`` may also give one offset per equal chunk of the rows (a zigzag
+  device's two chunks in one call).
 - offsets None: positions are local. Exact for a pair that is fully visible (call it
   with ``causal=False``) or on the causal diagonal (equal offsets), and such calls run
   the plain (and on Hopper the warp-specialised / Gluon) builds; the ring picks these
@@ -115,13 +117,53 @@ def block_options(
     return opts
 
 
+Offset = Int[Array, ""] | int
+QueryOffset = Offset | tuple[Offset, ...]
+
+
+def _chunk_offsets(q_offset: QueryOffset, q_len: int) -> tuple[Array, ...]:
+    """The global offsets of the query rows' chunks, int32: one for a contiguous block, or
+    one per equal chunk (``len(q_offset)`` of them, in increasing order)."""
+    offsets = q_offset if isinstance(q_offset, (tuple, list)) else (q_offset,)
+    if not offsets or q_len % len(offsets):
+        raise ValueError(
+            f"q_offset gives the offsets of equal chunks of the {q_len} query rows; got "
+            f"{len(offsets)} offsets"
+        )
+    return tuple(jnp.asarray(o, _I32) for o in offsets)
+
+
+def _query_positions(offsets: tuple[Array, ...], q_len: int) -> Array:
+    c = q_len // len(offsets)
+    return jnp.concatenate([o + jnp.arange(c, dtype=_I32) for o in offsets])
+
+
+def _rows_seeing_keys(
+    masks: BlockMasks, kv_len: int, q_len: int, k_offset: Array, offsets: tuple[Array, ...]
+) -> tuple[Array, Array]:
+    """``[lo, hi)`` of query rows that may see each key, the rows in chunks at ``offsets``
+    (increasing, so the rows a key's interval of positions covers are contiguous): the
+    union of each chunk's range."""
+    c = q_len // len(offsets)
+    key_positions = k_offset + jnp.arange(kv_len, dtype=_I32)
+    lo = jnp.full((kv_len,), q_len, _I32)
+    hi = jnp.zeros((kv_len,), _I32)
+    for i, offset in enumerate(offsets):
+        lo_i, hi_i = _mask_ranges(masks, key_positions, c, offset, of_queries=False)
+        some = lo_i < hi_i
+        lo = jnp.where(some, jnp.minimum(lo, lo_i + i * c), lo)
+        hi = jnp.where(some, jnp.maximum(hi, hi_i + i * c), hi)
+    return jnp.minimum(lo, hi), hi
+
+
 def _mask_ranges(
-    masks: BlockMasks, length: int, other_len: int, own: Array, other: Array, of_queries: bool
+    masks: BlockMasks, own: Array, other_len: int, other: Array, of_queries: bool
 ) -> tuple[Array, Array]:
     """``[lo, hi)`` on the other axis for each index of this axis from causal and window:
-    query i (global ``own + i``) sees keys ``j`` with global ``other + j`` in
+    query i (global position ``own[i]``) sees keys ``j`` with global ``other + j`` in
     ``[p - left, p + right]`` (``<= p`` causal); key j is seen by the mirror range."""
-    p = own + jnp.arange(length, dtype=_I32) - other  # own position in the other's indices
+    length = own.shape[0]
+    p = own - other  # own position in the other's indices
     lo = jnp.zeros((length,), _I32)
     hi = jnp.full((length,), other_len, _I32)
     left, right = masks.window if masks.window is not None else (None, None)
@@ -143,17 +185,25 @@ def block_tables(
     masks: BlockMasks,
     q_len: int,
     kv_len: int,
-    q_offset: Int[Array, ""] | int,
-    k_offset: Int[Array, ""] | int,
+    q_offset: QueryOffset,
+    k_offset: Offset,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None,
     dropout_key: UInt32[Array, 5] | None = None,
 ) -> Tables:
-    """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``)."""
+    """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``;
+    ``q_offset`` a tuple: the rows are equal chunks at those offsets)."""
+    chunks = _chunk_offsets(q_offset, q_len)
+    if len(chunks) > 1 and masks.dropout_rate > 0.0:
+        raise ValueError(
+            "dropout hashes positions from one offset per call; got a q_offset of "
+            f"{len(chunks)} chunks"
+        )
     if not masks.relative:
-        q_offset = k_offset = 0
-    qo, ko = jnp.asarray(q_offset, _I32), jnp.asarray(k_offset, _I32)
-    rlo, rhi = _mask_ranges(masks, q_len, kv_len, qo, ko, of_queries=True)
-    clo, chi = _mask_ranges(masks, kv_len, q_len, ko, qo, of_queries=False)
+        chunks, k_offset = (jnp.zeros((), _I32),), 0
+    ko = jnp.asarray(k_offset, _I32)
+    q_positions = _query_positions(chunks, q_len)
+    rlo, rhi = _mask_ranges(masks, q_positions, kv_len, ko, of_queries=True)
+    clo, chi = _rows_seeing_keys(masks, kv_len, q_len, ko, chunks)
     rhi, chi = jnp.maximum(rhi, rlo), jnp.maximum(chi, clo)
     if segment_ids is None:
         q_seg = k_seg = dummy()
@@ -164,7 +214,7 @@ def block_tables(
     fwd_table, dq_table, dkdv_table = range_tables(opts, (rlo, rhi), (clo, chi), segment_ids)
     if masks.relative:
         q_sid, k_sid = jnp.zeros((q_len,), _I32), jnp.zeros((kv_len,), _I32)
-        q_pos = qo + jnp.arange(q_len, dtype=_I32)
+        q_pos = q_positions
         k_pos = ko + jnp.arange(kv_len, dtype=_I32)
     else:
         q_sid = k_sid = q_pos = k_pos = dummy()
@@ -183,8 +233,8 @@ def block_forward(
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
     *,
-    q_offset: Int[Array, ""] | int = 0,
-    k_offset: Int[Array, ""] | int = 0,
+    q_offset: QueryOffset = 0,
+    k_offset: Offset = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     dropout_key: UInt32[Array, 5] | None = None,
     config: FlashConfig | None = None,
@@ -197,7 +247,10 @@ def block_forward(
         q: this block's queries ``[B, T, N, H]``.
         k: the key block ``[B, S, K, H]``, ``N % K == 0``.
         v: the value block ``[B, S, K, H]``.
-        q_offset: global position of ``q``'s first row (traced int32 is fine).
+        q_offset: global position of ``q``'s first row (traced int32 is fine), or a
+            tuple of offsets, increasing: the rows are that many equal chunks, each
+            contiguous from its offset (a device's two chunks of the zigzag layout, against
+            the whole gathered sequence in one call). Not with dropout.
         k_offset: global position of ``k``'s first row.
         segment_ids: ``(q_ids [B, T], k_ids [B, S])`` of these blocks, or None.
         dropout_key: with ``masks.dropout_rate > 0``, `ejk_sequtils.dropout_key` of the
@@ -227,8 +280,8 @@ def block_backward(
     d_out: Float[Array, "B T N H"],
     d_lse: Float[Array, "B N T"] | None = None,
     *,
-    q_offset: Int[Array, ""] | int = 0,
-    k_offset: Int[Array, ""] | int = 0,
+    q_offset: QueryOffset = 0,
+    k_offset: Offset = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     dropout_key: UInt32[Array, 5] | None = None,
     bwd_config: FlashConfig | None = None,

@@ -2,7 +2,8 @@
 unsharded kernel on the whole sequence (issue 19's one-GPU target).
 
 A device of an n-way ring runs n steps: its own block (causal on local indices) and n - 1
-blocks of other devices (one plain non-causal call each, see `_context_plan`). Here the
+blocks of other devices (plain non-causal calls, see `_context_plan`); with all-gather it
+runs one call of its two chunks against the whole sequence (`_context_gathered`). Here the
 blocks of every device are stacked on one GPU and `device_forward` / `device_backward`
 run exactly the steps device ``d`` would (its index passed as a traced argument, so the
 ``lax.switch`` of each step is taken at run time as on the ring), back to back in one jit,
@@ -17,6 +18,7 @@ Usage (GPU):  python packages/ejk-attention/benchmarks/bench_context.py --out be
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -52,9 +54,9 @@ def _documents(t: int) -> jax.Array:
     return jnp.asarray(np.repeat(np.arange(DOCS), t // DOCS)[None], jnp.int32)
 
 
-def _options(kernels: bool = True) -> _Ring:
+def _options(strategy: str, kernels: bool = True) -> _Ring:
     masks = CallMasks(scale=H**-0.5, causal=True, window=None, soft_cap=None, kernels=kernels)
-    return _Ring(axis_name=None, masks=masks, strategy="all_gather", zigzag=True)
+    return _Ring(axis_name=None, masks=masks, strategy=strategy, zigzag=True)
 
 
 def _blocks(x: jax.Array | None, n: int):
@@ -65,9 +67,10 @@ def _blocks(x: jax.Array | None, n: int):
     return jnp.stack(jnp.split(z, n, axis=1))
 
 
-def device_work(n: int, d: int, with_bwd: bool):
-    """The jitted steps of device ``d`` of an n-way zigzag ring (``me`` traced)."""
-    st = _options()
+def device_work(n: int, d: int, with_bwd: bool, strategy: str):
+    """The jitted work of device ``d`` of an n-way zigzag layout (``me`` traced): the
+    ring's steps, or all-gather's one call against the whole sequence."""
+    st = _options(strategy)
 
     def fwd(q, k, v, ids, me):
         where = Placement(me=me, size=n, gathered=(k, v, ids))
@@ -97,7 +100,7 @@ def unsharded(with_bwd: bool):
     return jax.jit(fwd_bwd if with_bwd else fwd)
 
 
-def check(t: int, n: int, with_docs: bool, dtype=jnp.bfloat16) -> dict:
+def check(t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16) -> dict:
     """Every device's work assembled against the float32 reference: max relative errors."""
     q, k, v, d_out = _inputs(t, dtype, seed=1)
     ids = _documents(t) if with_docs else None
@@ -105,8 +108,8 @@ def check(t: int, n: int, with_docs: bool, dtype=jnp.bfloat16) -> dict:
     outs, lses, dqs = [], [], []
     dk = dv = 0.0
     for d in range(n):
-        out, lse = device_work(n, d, False)(*blocks[:4], jnp.int32(d))
-        dq, dk_d, dv_d = device_work(n, d, True)(*blocks[:4], jnp.int32(d), blocks[4])
+        out, lse = device_work(n, d, False, strategy)(*blocks[:4], jnp.int32(d))
+        dq, dk_d, dv_d = device_work(n, d, True, strategy)(*blocks[:4], jnp.int32(d), blocks[4])
         outs.append(out)
         lses.append(lse)
         dqs.append(dq)
@@ -127,7 +130,7 @@ def check(t: int, n: int, with_docs: bool, dtype=jnp.bfloat16) -> dict:
     (want_out, want_lse), vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
     dq_w, dk_w, dv_w = vjp((f32(d_out), jnp.zeros_like(want_lse)))
     want = {"out": want_out, "lse": want_lse, "dq": dq_w, "dk": dk_w, "dv": dv_w}
-    row = {"t": t, "n": n, "docs": with_docs, "dtype": jnp.dtype(dtype).name}
+    row = {"t": t, "n": n, "docs": with_docs, "strategy": strategy, "dtype": jnp.dtype(dtype).name}
     ok = True
     for name, w in want.items():
         g = f32(got[name])
@@ -139,7 +142,14 @@ def check(t: int, n: int, with_docs: bool, dtype=jnp.bfloat16) -> dict:
     return row
 
 
-def bench(t: int, ns: tuple[int, ...], with_docs: bool, rounds: int, reps: int) -> list[dict]:
+def bench(
+    t: int,
+    ns: tuple[int, ...],
+    with_docs: bool,
+    strategies: tuple[str, ...],
+    rounds: int,
+    reps: int,
+) -> list[dict]:
     q, k, v, d_out = _inputs(t, jnp.bfloat16)
     ids = _documents(t) if with_docs else None
     contenders = []
@@ -150,10 +160,11 @@ def bench(t: int, ns: tuple[int, ...], with_docs: bool, rounds: int, reps: int) 
         )
         for n in ns:
             blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
-            for d in sorted({0, n - 1}):
-                args = (*blocks[:4], jnp.int32(d), *((blocks[4],) if with_bwd else ()))
-                row = {"impl": "zigzag-device", "n": n, "device": d, "bwd": with_bwd}
-                contenders.append((row, device_work(n, d, with_bwd), args))
+            for strategy in strategies:
+                for d in sorted({0, n - 1}):
+                    args = (*blocks[:4], jnp.int32(d), *((blocks[4],) if with_bwd else ()))
+                    row = {"impl": strategy, "n": n, "device": d, "bwd": with_bwd}
+                    contenders.append((row, device_work(n, d, with_bwd, strategy), args))
     for _, fn, args in contenders:  # compile and warm up
         jax.block_until_ready(fn(*args))
     times = [[] for _ in contenders]
@@ -175,6 +186,9 @@ def main() -> None:
     parser.add_argument("--ring", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--strategy", nargs="+", choices=("ring", "all_gather"), default=["ring", "all_gather"]
+    )
     parser.add_argument("--check", action="store_true", help="check numerics first")
     parser.add_argument(
         "--documents", choices=("both", "no", "yes"), default="both", help="16 packed documents"
@@ -207,21 +221,22 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=1))
 
     if args.check:
-        for with_docs in (False, True):
-            for n in (2, 4):
-                row = check(2048, n, with_docs)
-                print("check", row, flush=True)
-                result["checks"].append(row)
-                save()
+        for with_docs, n, strategy in itertools.product((False, True), (2, 4), args.strategy):
+            row = check(2048, n, with_docs, strategy)
+            print("check", row, flush=True)
+            result["checks"].append(row)
+            save()
     docs = {"both": (False, True), "no": (False,), "yes": (True,)}[args.documents]
     for t in args.seq:
         for with_docs in docs:
             start = time.perf_counter()
-            rows = bench(t, tuple(args.ring), with_docs, args.rounds, args.reps)
+            rows = bench(
+                t, tuple(args.ring), with_docs, tuple(args.strategy), args.rounds, args.reps
+            )
             for row in rows:
                 print(
                     f"T={t:6d} docs={with_docs!s:5} {'fwd+bwd' if row['bwd'] else 'fwd    '} "
-                    f"{row['impl']:13s} n={row['n']} dev={row.get('device', '-')}: "
+                    f"{row['impl']:10s} n={row['n']} dev={row.get('device', '-')}: "
                     f"{row['ms']:8.2f} ms  ratio to 1/n = {row['ratio_to_ideal']:.3f}",
                     flush=True,
                 )

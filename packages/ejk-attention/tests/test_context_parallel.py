@@ -120,6 +120,16 @@ CASES = {
         "float16",
     ),
     "triton-ring8-zigzag-causal": (8, "ring", "zigzag", "triton", CAUSAL, False, "float32"),
+    # All-gather on the kernels: one call per device; dk/dv reduce-scattered in float16.
+    "triton-allgather8-zigzag-causal-docs": (
+        8,
+        "all_gather",
+        "zigzag",
+        "triton",
+        CAUSAL,
+        True,
+        "float16",
+    ),
     # No mask: no branch marks the kernels' results varying (the custom calls must).
     "triton-ring2-contiguous-full": (2, "ring", "contiguous", "triton", {}, False, "float32"),
     "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),

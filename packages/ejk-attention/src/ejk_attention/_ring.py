@@ -10,8 +10,10 @@ strategies bring the other devices' key blocks:
   ``ppermute`` is issued before the step's compute, so the transfer overlaps it (Liu et
   al. 2023, "Ring Attention with Blockwise Transformers", Sec. 3).
 - ``"all_gather"``: keys and values are gathered once (as Llama 3's context
-  parallelism does; cheaper when K is small, as with GQA), the steps read the gathered
-  blocks, and the backward reduce-scatters dk/dv.
+  parallelism does; cheaper when K is small, as with GQA) and the backward
+  reduce-scatters dk/dv. On the kernels a device's rows then go in one call against the
+  whole sequence (`_context_gathered`); with XLA einsums or dropout the steps read the
+  gathered blocks.
 
 Every step runs the calls of `_context_plan.step_plan` (masks on global positions;
 hidden blocks skipped with ``lax.switch``) through the Triton kernels
@@ -40,6 +42,7 @@ from jaxtyping import Float, Int, Integer
 from ejk_sequtils import dropout_key, validate_attention, varying_like
 
 from ._context_calls import CallMasks, call_backward, call_forward, merge
+from ._context_gathered import gathered_backward, gathered_forward
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
 
 __all__ = ["STRATEGIES", "Placement", "device_backward", "device_forward", "ring_attention"]
@@ -179,11 +182,25 @@ def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:
     return Layout(size=where.size, zigzag=st.zigzag, q_len=q.shape[1], kv_len=k.shape[1])
 
 
+def _one_call(st: _Ring, where: Placement) -> bool:
+    """All-gather on the kernels: the device's rows against the whole gathered sequence
+    in one call (`_context_gathered`); dropout keeps the steps (one offset per call)."""
+    return (
+        where.gathered is not None
+        and st.strategy == "all_gather"
+        and st.masks.kernels
+        and st.masks.dropout_rate == 0.0
+    )
+
+
 def device_forward(
     st: _Ring, q, k, v, q_ids, kv_ids, where: Placement, drop: Array | None = None
 ) -> tuple[Array, Array]:
     """``(out, lse)`` of this device's queries: the steps of `step_plan`, merged by lse."""
     layout = _layout(st, where, q, k)
+    if _one_call(st, where):
+        out, lse = gathered_forward(st.masks, layout, where.me, q, q_ids, where.gathered)
+        return out.astype(q.dtype), lse
     b, t, n, _ = q.shape
     acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
     acc = varying_like(acc, q, k, v, q_ids, kv_ids)
@@ -231,12 +248,15 @@ def device_forward(
 def device_backward(
     st: _Ring, res, cts, where: Placement, drop: Array | None = None
 ) -> tuple[Array, Array, Array]:
-    """``(dq, dk, dv)`` float32 of this device: dk/dv of its own block (ring: they travelled
-    home) or, with ``where.gathered``, of every device's block ``[size, B, S, K, H]``,
-    not yet reduced over the devices."""
+    """``(dq, dk, dv)`` of this device (float32, or the inputs' dtype from the one call of
+    `_one_call`): dk/dv of its own block (ring: they travelled home) or, with
+    ``where.gathered``, of every device's block ``[size, B, S, K, H]``, not yet reduced
+    over the devices."""
     q, k, v, q_ids, kv_ids, out, lse = res
     d_out, d_lse = cts
     layout = _layout(st, where, q, k)
+    if _one_call(st, where):
+        return gathered_backward(st.masks, layout, where.me, res, cts, where.gathered)
     kv = (k, v, kv_ids)
     dq = jnp.zeros(q.shape, _F32)
     if where.gathered is None:

@@ -1,0 +1,108 @@
+"""All-gather in one call: a device's queries against the whole gathered sequence.
+
+Once every device's keys and values are gathered, a device's query rows (one contiguous
+block, or the zigzag layout's two chunks) need no steps: one kernel call against the
+whole sequence in global order, masks on global positions (`ejk_kernels_gpu._context`
+with one ``q_offset`` per chunk), gives the rows' output and lse. Nothing is merged, no
+float32 accumulator is kept, the kernels walk long rows (one tile sees every key block it
+may, not one chunk's), and with documents the block tables skip other documents' blocks
+as on one GPU. The backward is one call too: dq of the rows, and dk/dv of the whole
+sequence from these rows, laid back out into device blocks for the reduce-scatter, in
+the inputs' dtype (each device's partial sum rounded once; half the bytes of float32).
+
+Dropout keys each call by one offset, so it keeps the steps (`_ring`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax import Array
+
+from ejk_sequtils import from_zigzag, to_zigzag
+
+from ._context_calls import CallMasks
+from ._context_plan import Layout
+
+__all__ = ["device_blocks", "gathered_backward", "gathered_forward", "global_order"]
+
+
+def global_order(gathered: Array, zigzag: bool) -> Array:
+    """Device blocks stacked ``[n, B, S, ...]`` (`jax.lax.all_gather`) as the whole
+    sequence ``[B, n S, ...]`` in global order."""
+    n, b, s = gathered.shape[:3]
+    x = jnp.moveaxis(gathered, 0, 1).reshape(b, n * s, *gathered.shape[3:])
+    return from_zigzag(x, n) if zigzag else x
+
+
+def device_blocks(x: Array, size: int, zigzag: bool) -> Array:
+    """The inverse of `global_order`: ``[B, T, ...]`` cut into the ``size`` devices'
+    blocks, ``[size, B, T / size, ...]``."""
+    if zigzag:
+        x = to_zigzag(x, size)
+    b, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, size, t // size, *x.shape[2:]), 1, 0)
+
+
+def _block_masks(cm: CallMasks) -> Any:
+    from ejk_kernels_gpu._context import BlockMasks
+
+    relative = cm.causal or cm.window is not None
+    return BlockMasks(
+        scale=cm.scale,
+        causal=cm.causal,
+        window=cm.window,
+        soft_cap=cm.soft_cap,
+        relative=relative,
+    )
+
+
+def _whole(layout: Layout, gathered: Any) -> tuple[Array, Array, Array | None]:
+    k, v, ids = gathered
+    whole = lambda x: None if x is None else global_order(x, layout.zigzag)
+    return whole(k), whole(v), whole(ids)
+
+
+def gathered_forward(
+    cm: CallMasks, layout: Layout, me: Any, q: Array, q_ids: Array | None, gathered: Any
+) -> tuple[Array, Array]:
+    """``(out, lse)`` of this device's rows: one call against the gathered ``(k, v, ids)``
+    (each stacked ``[n, B, S, ...]``; ids None without documents)."""
+    from ejk_kernels_gpu._context import block_forward
+
+    k, v, kv_ids = _whole(layout, gathered)
+    return block_forward(
+        _block_masks(cm),
+        q,
+        k,
+        v,
+        q_offset=tuple(layout.offsets(me, layout.q_len)),
+        segment_ids=None if q_ids is None else (q_ids, kv_ids),
+    )
+
+
+def gathered_backward(
+    cm: CallMasks, layout: Layout, me: Any, res: tuple, cts: tuple, gathered: Any
+) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)``: dq of this device's rows; dk and dv of every device's block from
+    these rows, ``[n, B, S, K, H]`` in the inputs' dtype, not yet summed over the devices."""
+    from ejk_kernels_gpu._context import block_backward
+
+    q, _, _, q_ids, _, out, lse = res
+    d_out, d_lse = cts
+    k, v, kv_ids = _whole(layout, gathered)
+    dq, dk, dv = block_backward(
+        _block_masks(cm),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        q_offset=tuple(layout.offsets(me, layout.q_len)),
+        segment_ids=None if q_ids is None else (q_ids, kv_ids),
+    )
+    blocks = lambda x: device_blocks(x, layout.size, layout.zigzag)
+    return dq, blocks(dk), blocks(dv)

@@ -53,6 +53,7 @@ from ._options import (
 __all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
 
 _I32 = jnp.int32
+_LONG_ROWS = 8192  # keys from which a causal relative call takes the long-row forward config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,12 @@ def block_options(
         gluon = offer_gluon(
             itemsize=itemsize, bias=None, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
-        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon, short_loops=True)
+        # Long rows (a device's rows against a whole gathered sequence, causal) take the
+        # unmasked config; windows, documents, a soft cap and chunk-sized calls the
+        # short-loop one (`fwd_heuristic`).
+        long_rows = masks.window is None and not has_segments and k.shape[1] >= _LONG_ROWS
+        short = not long_rows or opts.soft_cap > 0.0
+        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon, short_loops=short)
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:  # on Hopper the Gluon backward, walking the block tables
         group = q.shape[2] // k.shape[2]

@@ -67,22 +67,30 @@ def _blocks(x: jax.Array | None, n: int):
     return jnp.stack(jnp.split(z, n, axis=1))
 
 
+def _own(blocks: list, d: int) -> tuple:
+    """Device d's ``(q, k, v, ids)`` out of the stacked blocks, each an array of its own."""
+    return tuple(None if x is None else jnp.array(x[d]) for x in blocks[:4])
+
+
 def device_work(n: int, d: int, with_bwd: bool, strategy: str):
     """The jitted work of device ``d`` of an n-way zigzag layout (``me`` traced): the
-    ring's steps, or all-gather's one call against the whole sequence."""
+    ring's steps, or all-gather's one call against the whole sequence. Called with the
+    device's own blocks ``(q, k, v, ids)`` as arrays of their own (as a device holds them;
+    slicing them out of the stack inside would time a copy no device makes), every
+    device's ``(k, v, ids)`` stacked, ``me`` and, with the backward, the device's d_out."""
     st = _options(strategy)
 
-    def fwd(q, k, v, ids, me):
-        where = Placement(me=me, size=n, gathered=(k, v, ids))
-        q_ids = None if ids is None else ids[d]
-        return device_forward(st, q[d], k[d], v[d], q_ids, None if ids is None else ids[d], where)
+    def fwd(own, gathered, me):
+        q, k, v, ids = own
+        where = Placement(me=me, size=n, gathered=gathered)
+        return device_forward(st, q, k, v, ids, ids, where)
 
-    def fwd_bwd(q, k, v, ids, me, d_out):
-        out, lse = fwd(q, k, v, ids, me)
-        where = Placement(me=me, size=n, gathered=(k, v, ids))
-        kv_ids = None if ids is None else ids[d]
-        res = (q[d], k[d], v[d], kv_ids, kv_ids, out, lse)
-        return device_backward(st, res, (d_out[d], jnp.zeros_like(lse)), where)
+    def fwd_bwd(own, gathered, me, d_out):
+        out, lse = fwd(own, gathered, me)
+        q, k, v, ids = own
+        where = Placement(me=me, size=n, gathered=gathered)
+        res = (q, k, v, ids, ids, out, lse)
+        return device_backward(st, res, (d_out, jnp.zeros_like(lse)), where)
 
     return jax.jit(fwd_bwd if with_bwd else fwd)
 
@@ -108,8 +116,11 @@ def check(t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16) ->
     outs, lses, dqs = [], [], []
     dk = dv = 0.0
     for d in range(n):
-        out, lse = device_work(n, d, False, strategy)(*blocks[:4], jnp.int32(d))
-        dq, dk_d, dv_d = device_work(n, d, True, strategy)(*blocks[:4], jnp.int32(d), blocks[4])
+        own, gathered = _own(blocks, d), tuple(blocks[1:4])
+        out, lse = device_work(n, d, False, strategy)(own, gathered, jnp.int32(d))
+        dq, dk_d, dv_d = device_work(n, d, True, strategy)(
+            own, gathered, jnp.int32(d), blocks[4][d]
+        )
         outs.append(out)
         lses.append(lse)
         dqs.append(dq)
@@ -162,7 +173,9 @@ def bench(
             blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
             for strategy in strategies:
                 for d in sorted({0, n - 1}):
-                    args = (*blocks[:4], jnp.int32(d), *((blocks[4],) if with_bwd else ()))
+                    own, gathered = _own(blocks, d), tuple(blocks[1:4])
+                    cot = (blocks[4][d],) if with_bwd else ()
+                    args = (own, gathered, jnp.int32(d), *cot)
                     row = {"impl": strategy, "n": n, "device": d, "bwd": with_bwd}
                     contenders.append((row, device_work(n, d, with_bwd, strategy), args))
     for _, fn, args in contenders:  # compile and warm up

@@ -295,3 +295,22 @@ def test_kernels_inside_a_users_shard_map_give_per_device_gradients():
     want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for name, g, wg in zip("qkv", got, want, strict=True):
         np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("shape", "shards", "want"),
+    [
+        ((1, 32768, 32, 8, 128), 2, "all_gather"),  # grouped heads: the gathered k/v are small
+        ((1, 32768, 32, 32, 128), 2, "ring"),  # as many kv heads as query heads
+        ((1, 32768, 32, 8, 128), 1, "ring"),
+        ((1, 1 << 20, 32, 8, 128), 8, "ring"),  # the gathered k/v would pass the budget
+    ],
+)
+def test_the_strategy_the_facade_picks(shape, shards, want):
+    from ejk_attention._context_sharding import choose_strategy
+    from ejk_sequtils import validate_attention
+
+    b, t, n, kv, h = shape
+    zeros = lambda *s: np.broadcast_to(np.zeros((), jnp.bfloat16), s)  # no memory behind
+    q, k = zeros(b, t, n, h), zeros(b, t, kv, h)
+    assert choose_strategy(validate_attention(q, k, k, causal=True), shards) == want

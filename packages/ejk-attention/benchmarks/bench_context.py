@@ -54,42 +54,65 @@ def _documents(t: int) -> jax.Array:
     return jnp.asarray(np.repeat(np.arange(DOCS), t // DOCS)[None], jnp.int32)
 
 
+def _keys_zigzag(strategy: str) -> bool:
+    """The facade's key layout: all-gather's one call keeps keys in the contiguous split."""
+    return strategy != "all_gather"
+
+
 def _options(strategy: str, kernels: bool = True) -> _Ring:
     masks = CallMasks(scale=H**-0.5, causal=True, window=None, soft_cap=None, kernels=kernels)
-    return _Ring(axis_name=None, masks=masks, strategy=strategy, zigzag=True)
+    kv_zigzag = None if _keys_zigzag(strategy) else False
+    return _Ring(axis_name=None, masks=masks, strategy=strategy, zigzag=True, kv_zigzag=kv_zigzag)
 
 
-def _blocks(x: jax.Array | None, n: int):
-    """Zigzag layout, then the n device blocks stacked: ``[n, B, T / n, ...]``."""
+def _blocks(x: jax.Array | None, n: int, zigzag: bool = True):
+    """Zigzag layout (or the contiguous split), then the n device blocks stacked:
+    ``[n, B, T / n, ...]``."""
     if x is None:
         return None
-    z = to_zigzag(x, n)
+    z = to_zigzag(x, n) if zigzag else x
     return jnp.stack(jnp.split(z, n, axis=1))
 
 
-def _own(blocks: list, d: int) -> tuple:
-    """Device d's ``(q, k, v, ids)`` out of the stacked blocks, each an array of its own."""
-    return tuple(None if x is None else jnp.array(x[d]) for x in blocks[:4])
+def _device_blocks(strategy: str, n: int, q, k, v, ids, d_out) -> dict:
+    """Every device's blocks as the facade lays them out for ``strategy``: queries (and
+    their ids, d_out) zigzag; keys, values and kv ids zigzag or contiguous."""
+    kz = _keys_zigzag(strategy)
+    return {
+        "q": _blocks(q, n),
+        "q_ids": _blocks(ids, n),
+        "d_out": _blocks(d_out, n),
+        "kv": tuple(_blocks(x, n, kz) for x in (k, v, ids)),
+    }
+
+
+def _own(blocks: dict, d: int) -> tuple:
+    """Device d's ``(q, k, v, q_ids, kv_ids)`` out of the stacked blocks, each an array
+    of its own."""
+    k, v, kv_ids = blocks["kv"]
+    parts = (blocks["q"], k, v, blocks["q_ids"], kv_ids)
+    return tuple(None if x is None else jnp.array(x[d]) for x in parts)
 
 
 def device_work(n: int, d: int, with_bwd: bool, strategy: str):
     """The jitted work of device ``d`` of an n-way zigzag layout (``me`` traced): the
     ring's steps, or all-gather's one call against the whole sequence. Called with the
-    device's own blocks ``(q, k, v, ids)`` as arrays of their own (as a device holds them;
-    slicing them out of the stack inside would time a copy no device makes), every
-    device's ``(k, v, ids)`` stacked, ``me`` and, with the backward, the device's d_out."""
+    device's own blocks ``(q, k, v, q_ids, kv_ids)`` as arrays of their own (as a device
+    holds them; slicing them out of the stack inside would time a copy no device makes),
+    every device's ``(k, v, kv_ids)`` stacked, ``me`` and, with the backward, the
+    device's d_out."""
     st = _options(strategy)
 
     def fwd(own, gathered, me):
-        q, k, v, ids = own
+        q, k, v, q_ids, kv_ids = own
         where = Placement(me=me, size=n, gathered=gathered)
-        return device_forward(st, q, k, v, ids, ids, where)
+        return device_forward(st, q, k, v, q_ids, kv_ids, where)
 
     def fwd_bwd(own, gathered, me, d_out):
         out, lse = fwd(own, gathered, me)
-        q, k, v, ids = own
+        q, k, v, q_ids, kv_ids = own
         where = Placement(me=me, size=n, gathered=gathered)
-        res = (q, k, v, ids, ids, out, lse)
+        res = (q, k, v, q_ids, kv_ids, out, lse)
         return device_backward(st, res, (d_out, jnp.zeros_like(lse)), where)
 
     return jax.jit(fwd_bwd if with_bwd else fwd)
@@ -112,26 +135,27 @@ def check(t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16) ->
     """Every device's work assembled against the float32 reference: max relative errors."""
     q, k, v, d_out = _inputs(t, dtype, seed=1)
     ids = _documents(t) if with_docs else None
-    blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
+    blocks = _device_blocks(strategy, n, q, k, v, ids, d_out)
     outs, lses, dqs = [], [], []
     dk = dv = 0.0
     for d in range(n):
-        own, gathered = _own(blocks, d), tuple(blocks[1:4])
-        out, lse = device_work(n, d, False, strategy)(own, gathered, jnp.int32(d))
+        own = _own(blocks, d)
+        out, lse = device_work(n, d, False, strategy)(own, blocks["kv"], jnp.int32(d))
         dq, dk_d, dv_d = device_work(n, d, True, strategy)(
-            own, gathered, jnp.int32(d), blocks[4][d]
+            own, blocks["kv"], jnp.int32(d), blocks["d_out"][d]
         )
         outs.append(out)
         lses.append(lse)
         dqs.append(dq)
         dk, dv = dk + dk_d, dv + dv_d
     unlay = lambda parts, axis=1: from_zigzag(jnp.concatenate(parts, axis), n, axis=axis)
+    unlay_kv = unlay if _keys_zigzag(strategy) else (lambda parts: jnp.concatenate(parts, 1))
     got = {
         "out": unlay(outs),
         "lse": unlay(lses, 2),
         "dq": unlay(dqs),
-        "dk": unlay(list(dk)),
-        "dv": unlay(list(dv)),
+        "dk": unlay_kv(list(dk)),
+        "dv": unlay_kv(list(dv)),
     }
     f32 = lambda x: x.astype(jnp.float32)
 
@@ -170,12 +194,11 @@ def bench(
             ({"impl": "unsharded", "n": 1, "bwd": with_bwd}, unsharded(with_bwd), args)
         )
         for n in ns:
-            blocks = [_blocks(x, n) for x in (q, k, v, ids, d_out)]
             for strategy in strategies:
+                blocks = _device_blocks(strategy, n, q, k, v, ids, d_out)
                 for d in sorted({0, n - 1}):
-                    own, gathered = _own(blocks, d), tuple(blocks[1:4])
-                    cot = (blocks[4][d],) if with_bwd else ()
-                    args = (own, gathered, jnp.int32(d), *cot)
+                    cot = (blocks["d_out"][d],) if with_bwd else ()
+                    args = (_own(blocks, d), blocks["kv"], jnp.int32(d), *cot)
                     row = {"impl": strategy, "n": n, "device": d, "bwd": with_bwd}
                     contenders.append((row, device_work(n, d, with_bwd, strategy), args))
     for _, fn, args in contenders:  # compile and warm up

@@ -36,7 +36,7 @@ def _documents(length, rng):
     return jnp.asarray(np.stack([ids] * B), jnp.int32)
 
 
-def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0):
+def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0, kv_layout=None):
     rng = np.random.default_rng(seed)
     t = 2 * n * CHUNK
     q, k, v = (
@@ -45,9 +45,11 @@ def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0):
     )
     seg = _documents(t, rng) if with_seg else None
     w = jnp.asarray(rng.standard_normal((B, t, N, H)), jnp.float32)
-    zig = layout == "zigzag"
-    lay = (lambda x, axis=1: to_zigzag(x, n, axis=axis)) if zig else (lambda x, axis=1: x)
-    unlay = (lambda x, axis=1: from_zigzag(x, n, axis=axis)) if zig else (lambda x, axis=1: x)
+    kv_layout = kv_layout or layout
+    keep = lambda x, axis=1: x
+    laid = lambda lay_out: (lambda x, axis=1: to_zigzag(x, n, axis=axis)) if lay_out else keep
+    lay, lay_kv = laid(layout == "zigzag"), laid(kv_layout == "zigzag")
+    unlay = (lambda x, axis=1: from_zigzag(x, n, axis=axis)) if layout == "zigzag" else keep
     seq = P(None, "sp")
 
     def local(q, k, v, seg):
@@ -60,6 +62,7 @@ def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0):
             return_lse=True,
             strategy=strategy,
             layout=layout,
+            kv_layout=kv_layout,
             implementation=implementation,
             **kw,
         )
@@ -67,12 +70,13 @@ def _run(n, kw, *, strategy, layout, implementation, dtype, with_seg, seed=0):
     sharded = shard_map_compat(
         local,
         mesh=_mesh(n),
-        in_specs=(seq, seq, seq, None if seg is None else seq),
+        in_specs=(seq, seq, seq, None if seg is None else (seq, seq)),
         out_specs=(seq, P(None, None, "sp")),
     )
 
     def ring(q, k, v):
-        out, lse = sharded(lay(q), lay(k), lay(v), None if seg is None else lay(seg))
+        ids = None if seg is None else (lay(seg), lay_kv(seg))
+        out, lse = sharded(lay(q), lay_kv(k), lay_kv(v), ids)
         return unlay(out), unlay(lse, axis=2)
 
     def ref(q, k, v):
@@ -201,6 +205,31 @@ def test_context_parallel_matches_reference(case):
 @pytest.mark.parametrize("case", list(SLOW_CASES))
 def test_context_parallel_grid(case):
     _run_and_check(*SLOW_CASES[case])
+
+
+def test_queries_in_zigzag_against_contiguous_keys():
+    """All-gather's one call: the keys keep the contiguous split (as the facade passes
+    them), the queries the zigzag; values and every gradient against the reference."""
+    res = _run(
+        4,
+        WINDOW,
+        strategy="all_gather",
+        layout="zigzag",
+        kv_layout="contiguous",
+        implementation="triton",
+        dtype="float32",
+        with_seg=True,
+    )
+    _check(*res, "float32")
+
+
+def test_keys_in_their_own_layout_only_for_the_one_call():
+    q = jnp.zeros((1, 8, 2, 8))
+    for kw in ({"strategy": "ring"}, {"strategy": "all_gather", "implementation": "xla"}):
+        with pytest.raises(ValueError, match="only all-gather's one call reads keys"):
+            ring_attention(q, q, q, axis_name="sp", layout="zigzag", kv_layout="contiguous", **kw)
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        ring_attention(q, q, q, axis_name="sp", kv_layout="striped")
 
 
 def test_strategies_and_layouts_are_checked():

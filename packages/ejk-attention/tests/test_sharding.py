@@ -208,6 +208,48 @@ def test_sequence_sharding_matches_unsharded(case):
         np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
 
 
+def test_sequence_sharding_runs_the_implementation_asked_for():
+    """``implementation="triton"`` runs the kernels' steps (on CPU the interpreter; with
+    all-gather one call per device, queries zigzag and keys contiguous); a backend without
+    steps is refused with the reason."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets the host device count)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "sp"))
+    rng = np.random.default_rng(6)
+    b, t, n, k, h = 2, 32, 4, 2, 8
+    q, key, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((b, t, n, h), (b, t, k, h), (b, t, k, h))
+    )
+    ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)
+    ids[:, -3:] = -1
+    kw = {"causal": True, "segment_ids": jnp.asarray(ids, jnp.int32), "return_lse": True}
+    w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    spec = P("data", "sp", None)
+
+    def loss(fn):
+        def f(q, key, v):
+            out, lse = fn(q, key, v)
+            return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return f
+
+    sharded = lambda q, key, v: flash_attention(
+        q, key, v, mesh=mesh, in_specs=spec, implementation="triton", **kw
+    )
+    plain = lambda q, key, v: reference_attention(q, key, v, **kw)
+    out, lse = jax.jit(sharded)(q, key, v)
+    want, want_lse = plain(q, key, v)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, key, v)
+    want_g = jax.grad(loss(plain), argnums=(0, 1, 2))(q, key, v)
+    for name, g, wg in zip("qkv", got, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+    with pytest.raises(NotImplementedError, match="names neither"):
+        flash_attention(q, key, v, mesh=mesh, in_specs=spec, implementation="cudnn", **kw)
+
+
 def test_sequence_sharding_refuses_what_it_cannot_serve(mesh):
     q, k, v, kw = _inputs()
     q, k, v = (x[:, :8] for x in (q, k, v))

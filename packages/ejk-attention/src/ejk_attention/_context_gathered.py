@@ -10,7 +10,10 @@ as on one GPU. The backward is one call too: dq of the rows, and dk/dv of the wh
 sequence from these rows, laid back out into device blocks for the reduce-scatter, in
 the inputs' dtype (each device's partial sum rounded once; half the bytes of float32).
 
-Dropout keys each call by one offset, so it keeps the steps (`_ring`).
+The keys may be laid out apart from the queries (``Layout.keys_zigzag``): once gathered,
+only the queries' split decides the balance, so the facade keeps keys and values in the
+contiguous split (no layout exchange for them or their gradients, and the global order a
+reshape). Dropout keys each call by one offset, so it keeps the steps (`_ring`).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _block_masks(cm: CallMasks) -> Any:
 
 def _whole(layout: Layout, gathered: Any) -> tuple[Array, Array, Array | None]:
     k, v, ids = gathered
-    whole = lambda x: None if x is None else global_order(x, layout.zigzag)
+    whole = lambda x: None if x is None else global_order(x, layout.kv_zigzag)
     return whole(k), whole(v), whole(ids)
 
 
@@ -104,5 +107,5 @@ def gathered_backward(
         q_offset=tuple(layout.offsets(me, layout.q_len)),
         segment_ids=None if q_ids is None else (q_ids, kv_ids),
     )
-    blocks = lambda x: device_blocks(x, layout.size, layout.zigzag)
+    blocks = lambda x: device_blocks(x, layout.size, layout.kv_zigzag)
     return dq, blocks(dk), blocks(dv)

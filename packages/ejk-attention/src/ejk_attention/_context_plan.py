@@ -44,6 +44,11 @@ class Layout:
     zigzag: bool
     q_len: int  # local query rows
     kv_len: int  # local key rows
+    keys_zigzag: bool | None = None  # the keys' own layout (all-gather's one call); None: same
+
+    @property
+    def kv_zigzag(self) -> bool:
+        return self.zigzag if self.keys_zigzag is None else self.keys_zigzag
 
     @property
     def chunks(self) -> int:

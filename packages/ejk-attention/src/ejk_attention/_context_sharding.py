@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 
 from ejk_sequtils import AttentionRequest
 
-from ._ring import ring_attention
+from ._ring import one_call_serves, pick_implementation, ring_attention
 from ._sharding import add_traced_seed, shard_start
 from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
 
@@ -79,9 +79,15 @@ def context_call(
     shards: int,
     shard_map: Any,
     strategy: str | None = None,
+    implementation: tuple[str, ...] | None = None,
 ) -> Any:
     """``request`` with T and S split over ``seq_axis`` (and B, N as given), run by
-    `ring_attention` in a ``shard_map`` with ``strategy`` (default `choose_strategy`'s).
+    `ring_attention` in a ``shard_map`` with ``strategy`` (default `choose_strategy`'s)
+    on the steps `pick_implementation` picks from the facade's ``implementation``.
+
+    Causal self-attention takes the zigzag layout; where all-gather runs one call per
+    device (`one_call_serves`), only the queries are laid out so (the keys, gathered
+    anyway, stay in the contiguous split: no exchange for them or their gradients).
 
     Packed self-attention (``cu_seqlens_q`` alone) runs as the segment ids it describes
     (sequence index, -1 past the last sequence): with one ``cu_seqlens`` for queries and
@@ -136,20 +142,28 @@ def context_call(
     lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
 
     def per_shard(local: dict[str, Any]) -> Any:
+        r = dataclasses.replace(request, **local)
+        steps = pick_implementation(implementation, r)
+        keys_zigzag = zigzag and not one_call_serves(r, strategy, steps)
+        lay_keys = lay if keys_zigzag else (lambda x: x)
         local = {
             **local,
-            **{name: lay(local[name]) for name in ("q", "k", "v")},
+            "q": lay(local["q"]),
+            "k": lay_keys(local["k"]),
+            "v": lay_keys(local["v"]),
         }
         if "segment_ids" in local:
-            local["segment_ids"] = tuple(lay(x) for x in local["segment_ids"])
+            q_ids, kv_ids = local["segment_ids"]
+            local["segment_ids"] = (lay(q_ids), lay_keys(kv_ids))
         r = dataclasses.replace(request, **local)
         options = {name: getattr(r, name) for name in _RING_OPTIONS}
-        layout = "zigzag" if zigzag else "contiguous"
         # B and N shards hash their global indices too (the ring adds rows and keys).
         offsets = (shard_start(batch_axis, r.q.shape[0]), shard_start(head_axis, r.q.shape[2]))
         out, lse = ring_attention(
-            r.q, r.k, r.v, axis_name=seq_axis, return_lse=True, strategy=strategy, layout=layout,
-            dropout_offsets=offsets, **options,
+            r.q, r.k, r.v, axis_name=seq_axis, return_lse=True, strategy=strategy,
+            layout="zigzag" if zigzag else "contiguous",
+            kv_layout="zigzag" if keys_zigzag else "contiguous",
+            implementation=steps, dropout_offsets=offsets, **options,
         )  # fmt: skip
         return unlay(out), unlay(lse, axis=2)
 

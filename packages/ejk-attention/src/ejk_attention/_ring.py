@@ -45,7 +45,15 @@ from ._context_calls import CallMasks, call_backward, call_forward, merge
 from ._context_gathered import gathered_backward, gathered_forward
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
 
-__all__ = ["STRATEGIES", "Placement", "device_backward", "device_forward", "ring_attention"]
+__all__ = [
+    "STRATEGIES",
+    "Placement",
+    "device_backward",
+    "device_forward",
+    "one_call_serves",
+    "pick_implementation",
+    "ring_attention",
+]
 
 AnyArray = Array | np.ndarray
 _F32 = jnp.float32
@@ -61,6 +69,7 @@ class _Ring:
     masks: CallMasks
     strategy: str
     zigzag: bool
+    kv_zigzag: bool | None = None  # the keys' layout where it differs (one call only)
 
 
 def _ring_size(axis_name: Any) -> int:
@@ -179,7 +188,13 @@ def _call_key(drop: Array | None, call: Call, q_offs: list, k_offs: list) -> Arr
 
 
 def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:
-    return Layout(size=where.size, zigzag=st.zigzag, q_len=q.shape[1], kv_len=k.shape[1])
+    return Layout(
+        size=where.size,
+        zigzag=st.zigzag,
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        keys_zigzag=st.kv_zigzag,
+    )
 
 
 def _one_call(st: _Ring, where: Placement) -> bool:
@@ -350,6 +365,43 @@ def _ring_fwd(st: _Ring, q, k, v, q_ids, kv_ids, drop):
 _ring.defvjp(_ring_fwd, _backward)
 
 
+def one_call_serves(request: Any, strategy: str, implementation: str | None = None) -> bool:
+    """Whether `ring_attention` with these arguments runs all-gather's one call per device
+    (`_context_gathered`): the Triton kernels serve the call and there is no dropout."""
+    return (
+        strategy == "all_gather"
+        and request.dropout_rate == 0.0
+        and _use_kernels(implementation, request)
+    )
+
+
+def pick_implementation(names: tuple[str, ...] | None, request: Any) -> str | None:
+    """The steps' ``implementation`` for a facade call asking for ``names`` (its
+    ``implementation`` resolved; None: the platform's pick): the first of ``"triton"`` and
+    ``"xla"`` among them that serves the call.
+
+    Raises:
+        NotImplementedError: ``names`` holds neither, or only a Triton that cannot serve
+            the call (the reason).
+    """
+    if names is None:
+        return None
+    served = [name for name in names if name in IMPLEMENTATIONS]
+    if not served:
+        raise NotImplementedError(
+            f"a sequence-sharded call runs ring_attention's steps on {IMPLEMENTATIONS}; "
+            f"implementation={names} names neither"
+        )
+    for name in served[:-1]:
+        try:
+            _use_kernels(name, request)
+        except NotImplementedError:
+            continue
+        return name
+    _use_kernels(served[-1], request)  # raises with the reason where it cannot serve
+    return served[-1]
+
+
 def _use_kernels(implementation: str | None, request: Any) -> bool:
     """Whether the steps run the Triton kernels (``implementation``: None picks them on GPU
     when they serve the call)."""
@@ -397,6 +449,7 @@ def ring_attention(
     return_lse: bool = False,
     strategy: str = "ring",
     layout: str = "contiguous",
+    kv_layout: str | None = None,
     implementation: str | None = None,
 ) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
     """Context-parallel attention; call it inside ``shard_map`` with T and S sharded over ``axis_name``.
@@ -432,6 +485,11 @@ def ring_attention(
         strategy: ``"ring"`` (k/v blocks travel, overlapped with compute) or
             ``"all_gather"`` (k/v gathered once, dk/dv reduce-scattered).
         layout: ``"contiguous"`` or ``"zigzag"`` (T and S even).
+        kv_layout: the keys' (and values', kv ids') layout, default ``layout``. Another
+            one only where all-gather runs a device's rows in one call (``strategy=
+            "all_gather"`` on the Triton kernels, no dropout; see `one_call_serves`):
+            after the gather only the queries' split matters, so zigzag queries with
+            contiguous keys balance causal work without laying the keys out.
         implementation: ``"triton"`` (the flash kernels per step), ``"xla"`` (einsums),
             or None: Triton on GPU where it serves the call, else XLA.
 
@@ -459,13 +517,15 @@ def ring_attention(
     )
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    kv_layout = layout if kv_layout is None else kv_layout
+    for name, value in (("layout", layout), ("kv_layout", kv_layout)):
+        if value not in LAYOUTS:
+            raise ValueError(f"{name} must be one of {LAYOUTS}, got {value!r}")
     t, s_len = request.q.shape[1], request.k.shape[1]
-    if layout == "zigzag" and (t % 2 or s_len % 2):
+    if (layout == "zigzag" and t % 2) or (kv_layout == "zigzag" and s_len % 2):
         raise ValueError(
             f"layout='zigzag' holds two equal chunks per device; local lengths {t=} and "
-            f"S={s_len} must be even"
+            f"S={s_len} must be even (layout={layout!r}, kv_layout={kv_layout!r})"
         )
     masks = CallMasks(
         scale=request.softmax_scale,
@@ -475,7 +535,20 @@ def ring_attention(
         kernels=_use_kernels(implementation, request),
         dropout_rate=request.dropout_rate,
     )
-    st = _Ring(axis_name=axis_name, masks=masks, strategy=strategy, zigzag=layout == "zigzag")
+    if kv_layout != layout and not one_call_serves(request, strategy, implementation):
+        raise ValueError(
+            f"kv_layout={kv_layout!r} differs from layout={layout!r}: only all-gather's one "
+            f"call reads keys in their own layout (strategy='all_gather' on the Triton "
+            f"kernels, no dropout); got strategy={strategy!r}, "
+            f"implementation={implementation!r}, dropout_rate={request.dropout_rate}"
+        )
+    st = _Ring(
+        axis_name=axis_name,
+        masks=masks,
+        strategy=strategy,
+        zigzag=layout == "zigzag",
+        kv_zigzag=None if kv_layout == layout else kv_layout == "zigzag",
+    )
     q_ids, kv_ids = request.segment_ids or (None, None)
     drop = None
     if request.dropout_rate > 0.0:  # [seed, b0, n0]; each call adds its rows' and keys' origin

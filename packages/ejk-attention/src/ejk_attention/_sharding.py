@@ -134,6 +134,7 @@ def sharded_call(
     mesh: Any,
     in_specs: Any,
     out_specs: Any,
+    implementation: tuple[str, ...] | None = None,
 ) -> Any:
     """Run ``compute(request)`` per shard of a batch/head sharded ``mesh``.
 
@@ -145,6 +146,8 @@ def sharded_call(
             axis split like N). Default: batch over every mesh axis.
         out_specs: None (derived from ``in_specs``) or the output's PartitionSpec, which
             must equal q's spec (the output is laid out as q).
+        implementation: the backends the call asked for (resolved), or None; a
+            sequence-sharded call takes its steps' implementation from them.
     """
     batch_axis, seq_axis, head_axis = _qkv_spec(mesh, in_specs, request)
     qkv_spec = PartitionSpec(batch_axis, seq_axis, head_axis, None)
@@ -161,6 +164,7 @@ def sharded_call(
             head_axis=head_axis,
             shards=_shards(mesh, seq_axis),
             shard_map=functools.partial(shard_map_compat, check=False),
+            implementation=implementation,
         )
     if request.cu_seqlens_q is not None and batch_axis is not None:
         raise ValueError(

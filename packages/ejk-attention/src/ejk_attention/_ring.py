@@ -211,7 +211,8 @@ def _one_call(st: _Ring, where: Placement) -> bool:
 def device_forward(
     st: _Ring, q, k, v, q_ids, kv_ids, where: Placement, drop: Array | None = None
 ) -> tuple[Array, Array]:
-    """``(out, lse)`` of this device's queries: the steps of `step_plan`, merged by lse."""
+    """``(out, lse)`` of this device's queries: all-gather's one call (`_one_call`), or the
+    steps of `step_plan` merged by lse."""
     layout = _layout(st, where, q, k)
     if _one_call(st, where):
         out, lse = gathered_forward(st.masks, layout, where.me, q, q_ids, where.gathered)

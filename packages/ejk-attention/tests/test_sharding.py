@@ -163,6 +163,30 @@ SEQ_CASES = {
 }
 
 
+def _matches_reference(sharded, kw, inputs, rng):
+    """``sharded(q, key, v) -> (out, lse)`` against `reference_attention` with ``kw``:
+    values, lse and the gradients of a random projection of both."""
+    q = inputs[0]
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def loss(fn):
+        def f(q, key, v):
+            out, lse = fn(q, key, v)
+            return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+        return f
+
+    plain = lambda q, key, v: reference_attention(q, key, v, **kw)
+    out, lse = jax.jit(sharded)(*inputs)
+    want, want_lse = plain(*inputs)
+    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(*inputs)
+    want_g = jax.grad(loss(plain), argnums=(0, 1, 2))(*inputs)
+    for name, g, wg in zip("qkv", got, want_g, strict=True):
+        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -187,25 +211,8 @@ def test_sequence_sharding_matches_unsharded(case):
         ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)
         ids[:, -3:] = -1
         kw.update(segment_ids=jnp.asarray(ids, jnp.int32), softmax_sinks=jnp.linspace(-1, 1, n))
-    w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
-
-    def loss(fn):
-        def f(q, key, v):
-            out, lse = fn(q, key, v)
-            return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return f
-
     sharded = lambda q, key, v: flash_attention(q, key, v, mesh=mesh, in_specs=spec, **kw)
-    plain = lambda q, key, v: reference_attention(q, key, v, **kw)
-    out, lse = jax.jit(sharded)(q, key, v)
-    want, want_lse = plain(q, key, v)
-    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
-    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, key, v)
-    want_g = jax.grad(loss(plain), argnums=(0, 1, 2))(q, key, v)
-    for name, g, wg in zip("qkv", got, want_g, strict=True):
-        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+    _matches_reference(sharded, kw, (q, key, v), rng)
 
 
 def test_sequence_sharding_runs_the_implementation_asked_for():
@@ -224,28 +231,11 @@ def test_sequence_sharding_runs_the_implementation_asked_for():
     ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)
     ids[:, -3:] = -1
     kw = {"causal": True, "segment_ids": jnp.asarray(ids, jnp.int32), "return_lse": True}
-    w = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
     spec = P("data", "sp", None)
-
-    def loss(fn):
-        def f(q, key, v):
-            out, lse = fn(q, key, v)
-            return jnp.sum(out * w) + 0.1 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-        return f
-
     sharded = lambda q, key, v: flash_attention(
         q, key, v, mesh=mesh, in_specs=spec, implementation="triton", **kw
     )
-    plain = lambda q, key, v: reference_attention(q, key, v, **kw)
-    out, lse = jax.jit(sharded)(q, key, v)
-    want, want_lse = plain(q, key, v)
-    np.testing.assert_allclose(out, want, rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(lse, want_lse, rtol=TOL, atol=TOL)
-    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, key, v)
-    want_g = jax.grad(loss(plain), argnums=(0, 1, 2))(q, key, v)
-    for name, g, wg in zip("qkv", got, want_g, strict=True):
-        np.testing.assert_allclose(g, wg, rtol=GRAD_TOL, atol=GRAD_TOL, err_msg=name)
+    _matches_reference(sharded, kw, (q, key, v), rng)
     with pytest.raises(NotImplementedError, match="names neither"):
         flash_attention(q, key, v, mesh=mesh, in_specs=spec, implementation="cudnn", **kw)
 

@@ -197,14 +197,15 @@ def _layout(st: _Ring, where: Placement, q: Array, k: Array) -> Layout:
     )
 
 
-def _one_call(st: _Ring, where: Placement) -> bool:
+def _gathers_in_one_call(strategy: str, kernels: bool, dropout_rate: float) -> bool:
     """All-gather on the kernels: the device's rows against the whole gathered sequence
     in one call (`_context_gathered`); dropout keeps the steps (one offset per call)."""
-    return (
-        where.gathered is not None
-        and st.strategy == "all_gather"
-        and st.masks.kernels
-        and st.masks.dropout_rate == 0.0
+    return strategy == "all_gather" and kernels and dropout_rate == 0.0
+
+
+def _one_call(st: _Ring, where: Placement) -> bool:
+    return where.gathered is not None and _gathers_in_one_call(
+        st.strategy, st.masks.kernels, st.masks.dropout_rate
     )
 
 
@@ -369,10 +370,10 @@ _ring.defvjp(_ring_fwd, _backward)
 def one_call_serves(request: Any, strategy: str, implementation: str | None = None) -> bool:
     """Whether `ring_attention` with these arguments runs all-gather's one call per device
     (`_context_gathered`): the Triton kernels serve the call and there is no dropout."""
-    return (
-        strategy == "all_gather"
-        and request.dropout_rate == 0.0
-        and _use_kernels(implementation, request)
+    if strategy != "all_gather" or request.dropout_rate > 0.0:
+        return False
+    return _gathers_in_one_call(
+        strategy, _use_kernels(implementation, request), request.dropout_rate
     )
 
 
@@ -536,7 +537,9 @@ def ring_attention(
         kernels=_use_kernels(implementation, request),
         dropout_rate=request.dropout_rate,
     )
-    if kv_layout != layout and not one_call_serves(request, strategy, implementation):
+    if kv_layout != layout and not _gathers_in_one_call(
+        strategy, masks.kernels, masks.dropout_rate
+    ):
         raise ValueError(
             f"kv_layout={kv_layout!r} differs from layout={layout!r}: only all-gather's one "
             f"call reads keys in their own layout (strategy='all_gather' on the Triton "

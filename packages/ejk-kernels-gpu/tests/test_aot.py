@@ -107,7 +107,8 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
 
 def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():
     """The Gluon forward's masked builds (window, soft cap, documents as segment ids, keys
-    off the tile; packed sequences at head_dim 128) at head_dim 64, 128 and 256: three
+    off the tile; packed sequences and context parallelism's global positions with
+    documents at head_dim 128) at head_dim 64, 128 and 256: three
     warpgroups, within shared memory, no register spills beyond the one value the
     persistent builds with per-block masks reload (`_aot.GLUON_SPILL_BYTES`; the unmasked
     and causal builds above spill nothing). (Every mask at once, and packed sequences at
@@ -117,11 +118,12 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
         "--space", "heuristic", "--kernels", "fwd_kernel",
     )  # fmt: skip
     rows += _compile(
-        "--head-dims", "128", "--variants", "packed", "--space", "heuristic", "--kernels", "fwd_kernel"
+        "--head-dims", "128", "--variants", "packed,relative", "--space", "heuristic",
+        "--kernels", "fwd_kernel",
     )  # fmt: skip
     gluon = [r for r in rows if r["config"]["gluon"]]
     built = {(r["variant"], r["head_dim"]) for r in gluon}
-    assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128)}  # fmt: skip
+    assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128), ("relative", 128)}  # fmt: skip
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
     allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon
@@ -163,16 +165,18 @@ def test_the_gluon_backward_kernels_build_for_hopper():
 
 def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     """The Gluon dk/dv kernel (two and three slots) and the Gluon dq kernel with windows,
-    documents as segment ids and packed sequences (the block tables' paths) at head_dim
-    64 and 128: three warpgroups, within shared memory; the dq kernel spills nothing, the
-    dk/dv kernel at most its allowance (`_aot.GLUON_SPILL_BYTES`)."""
+    documents as segment ids, packed sequences and context parallelism's global positions
+    with documents (the block tables' paths) at head_dim 64 and 128: three warpgroups,
+    within shared memory; the dq kernel spills nothing, the dk/dv kernel at most its
+    allowance (`_aot.GLUON_SPILL_BYTES`)."""
     rows = _compile(
-        "--head-dims", "64,128", "--variants", "window,documents,packed", "--space", "heuristic",
+        "--head-dims", "64,128", "--variants", "window,documents,packed,relative",
+        "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",
     )  # fmt: skip
     gluon = [r for r in rows if r["config"]["gluon"]]
     built = {(r["kernel"], r["variant"], r["head_dim"], r["config"]["num_stages"]) for r in gluon}
-    variants = ("window", "documents", "packed")
+    variants = ("window", "documents", "packed", "relative")
     assert built == {
         (kernel, variant, head_dim, stages)
         for variant in variants

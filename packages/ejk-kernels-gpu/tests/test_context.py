@@ -202,3 +202,21 @@ def test_query_chunks_are_checked():
     masks = BlockMasks(scale=0.25, causal=True, relative=True)
     with pytest.raises(ValueError, match="equal chunks of the 10 query rows; got 3"):
         block_forward(masks, q, q, q, q_offset=(0, 4, 8))
+
+
+def test_relative_calls_compare_positions_without_sequence_ids(rng, make_inputs):
+    """Global positions are the packed path without its sequence ids (one sequence): the
+    kernels get no id tables and build without ``SEQ_IDS`` (its loads spilled registers in
+    the Gluon builds: `_aot`'s "relative" variant)."""
+    from ejk_kernels_gpu._context import block_options, block_tables
+    from ejk_kernels_gpu._options import gluon_constexprs, kernel_constexprs
+
+    q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
+    masks = BlockMasks(scale=0.25, causal=True, relative=True)
+    opts = block_options(masks, q, k, v, has_segments=False)
+    assert opts.varlen and not opts.seq_ids
+    assert not kernel_constexprs(opts, q, k, None, False)["SEQ_IDS"]
+    assert not gluon_constexprs(opts, q, k, False, opts.fwd_cfg)["SEQ_IDS"]
+    tables = block_tables(opts, masks, 32, 32, 8, 0, None)
+    assert tables.q_sid.shape == tables.k_sid.shape == (1,)  # stand-ins
+    np.testing.assert_array_equal(tables.q_pos, 8 + np.arange(32))

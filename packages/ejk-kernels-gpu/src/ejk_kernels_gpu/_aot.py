@@ -76,6 +76,8 @@ VARIANTS = {
     "window": dict(causal=True, window=(1024, 0)),
     "documents": dict(causal=True, has_seg=True),
     "packed": dict(causal=True, window=(64, 0), varlen=True),
+    # context parallelism's one call (`_context`): global positions, no sequence ids
+    "relative": dict(causal=True, has_seg=True, varlen=True, seq_ids=False),
     "tail": dict(causal=False, kv_len=4000),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
@@ -97,6 +99,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
         dropout_rate=feats.get("dropout_rate", 0.0),
         has_seg=feats.get("has_seg", False),
         varlen=feats.get("varlen", False),
+        seq_ids=feats.get("seq_ids", True),
         fwd_cfg=cfg,
         bwd_cfg=cfg,
     )
@@ -240,13 +243,14 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 # runs without masks where it is fully visible (two softmax variants, `_consume_tile`), the
 # build with segment ids keeps a few more (40 bytes at head_dim 128: 38 local loads in
 # the SASS against 30, 2026-11-25); it measured 8 % faster all the same
-# (docs/gpu-runs/2026-11-25-h100-mask-sides-draft.json).
+# (docs/gpu-runs/2026-11-25-h100-mask-sides-draft.json). Global positions with segment ids
+# (context parallelism's call, the "relative" variant) keep 44 bytes.
 # The dk/dv kernel's builds with masks beyond causal (window, segment ids, packing; the
 # heuristic's, without dq in it) spill 64-120 bytes at head_dim 128 (none at 64): they
 # measured faster than the ordinary backward all the same (`_config.bwd_heuristic`).
 # Every mask and the soft cap at once spills ~800 bytes: not offered here as clean.
 GLUON_SPILL_BYTES = {
-    ("gluon_fwd_kernel", False): 40,
+    ("gluon_fwd_kernel", False): 48,
     ("gluon_dkdv_kernel", False): 128,
     ("gluon_dkdv_kernel", True): 320,
     # head_dim 256 (column split): none unmasked, causal or windowed; 16-28 bytes with

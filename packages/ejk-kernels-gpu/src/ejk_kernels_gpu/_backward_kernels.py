@@ -141,7 +141,7 @@ def dq_kernel(
     dq_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr, SEQ_IDS: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
@@ -154,7 +154,7 @@ def dq_kernel(
     bias ``lse_ptr`` holds the rows (max, log sum) instead (`softmax_rows`)."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
-        VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT, DROPOUT_THRESHOLD=DROPOUT_THRESHOLD,
         DROPOUT_SCALE=DROPOUT_SCALE, LOG2_FACTOR=LOG2_FACTOR, BIAS_SN=BIAS_SN, DQ_ATOMIC=False,
         DQ_TMA=False, LSE_FACTOR=1.0 if LOG2_FACTOR == LOG2E else LOG2E,
@@ -324,7 +324,7 @@ def dkdv_kernel(
     dk_ptr, dv_ptr, dbias_ptr, dq_acc_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
     BIAS_SB: tl.constexpr, BIAS_SN: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, HAS_SEG: tl.constexpr, SEQ_IDS: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
@@ -339,7 +339,7 @@ def dkdv_kernel(
     ``lse_ptr`` holds the rows (max, log sum) instead (`softmax_rows`)."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
-        VARLEN=VARLEN, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
+        VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT, DROPOUT_THRESHOLD=DROPOUT_THRESHOLD,
         DROPOUT_SCALE=DROPOUT_SCALE, LOG2_FACTOR=LOG2_FACTOR, BIAS_SN=BIAS_SN, DQ_ATOMIC=DQ_ATOMIC,
         DQ_TMA=DQ_TMA, LSE_FACTOR=1.0 if LOG2_FACTOR == LOG2E else LOG2E,

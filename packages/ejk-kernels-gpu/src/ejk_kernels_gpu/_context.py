@@ -13,8 +13,9 @@ output, so the pair's dq, dk and dv are exactly its share of the global gradient
 Global positions reach the kernels in one of two ways:
 
 - ``q_offset``/``k_offset`` given and a causal or window mask: the packed-sequence path
-  (``VARLEN``): every token has sequence id 0 and position ``offset + index``, and the
-  kernels compare positions (`_kernel_common.visibility`). Block tables computed here
+  (``VARLEN``) without its sequence ids (``SEQ_IDS`` off: one sequence, nothing to
+  compare or load, and registers to spare): every token has position ``offset + index``,
+  and the kernels compare positions (`_kernel_common.visibility`). Block tables computed here
   skip every key block the offsets hide and run the fully visible ones unmasked.
   ``q_offset`` may also give one offset per equal chunk of the rows (a zigzag
   device's two chunks in one call).
@@ -101,7 +102,7 @@ def block_options(
     opts = call_options(request, config, bwd_config)
     if not masks.relative:
         return opts
-    opts = dataclasses.replace(opts, varlen=True)
+    opts = dataclasses.replace(opts, varlen=True, seq_ids=False)
     head_dim, itemsize = q.shape[3], q.dtype.itemsize
     if config is None:  # the packed path reads side inputs: the heuristics leave room
         gluon = offer_gluon(
@@ -218,12 +219,10 @@ def block_tables(
         # blocks of other documents are skipped, as on one GPU).
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
     fwd_table, dq_table, dkdv_table = range_tables(opts, (rlo, rhi), (clo, chi), segment_ids)
+    q_sid = k_sid = q_pos = k_pos = dummy()  # one sequence: no ids (``SEQ_IDS`` off)
     if masks.relative:
-        q_sid, k_sid = jnp.zeros((q_len,), _I32), jnp.zeros((kv_len,), _I32)
         q_pos = q_positions
         k_pos = ko + jnp.arange(kv_len, dtype=_I32)
-    else:
-        q_sid = k_sid = q_pos = k_pos = dummy()
     if (dropout_key is None) != (masks.dropout_rate == 0.0):
         raise ValueError(
             f"a dropout key comes with dropout_rate > 0 and only then, got "

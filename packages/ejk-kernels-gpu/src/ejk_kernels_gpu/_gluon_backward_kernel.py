@@ -70,7 +70,8 @@ class DkdvOptions(NamedTuple):
     CAUSAL: bool
     WINDOW_LEFT: int  # -1: no window
     WINDOW_RIGHT: int
-    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    VARLEN: bool  # positions per token (packed sequences, context-parallel blocks)
+    SEQ_IDS: bool  # with VARLEN: sequence ids per token too (packed sequences)
     HAS_SEG: bool  # segment ids per (batch, token)
     TABLE: bool  # query ranges from the block table (window, packing, segment ids)
     DQ: bool  # dq too, added into a float32 buffer by TMA reduce (head_dim 128)
@@ -285,6 +286,7 @@ def gluon_dkdv_kernel(
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
     DQ: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
@@ -314,6 +316,7 @@ def gluon_dkdv_kernel(
         WINDOW_LEFT=WINDOW_LEFT,
         WINDOW_RIGHT=WINDOW_RIGHT,
         VARLEN=VARLEN,
+        SEQ_IDS=SEQ_IDS,
         HAS_SEG=HAS_SEG,
         TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         DQ=DQ,
@@ -388,7 +391,8 @@ class DqOptions(NamedTuple):
     CAUSAL: bool
     WINDOW_LEFT: int  # -1: no window
     WINDOW_RIGHT: int
-    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    VARLEN: bool  # positions per token (packed sequences, context-parallel blocks)
+    SEQ_IDS: bool  # with VARLEN: sequence ids per token too (packed sequences)
     HAS_SEG: bool  # segment ids per (batch, token)
     TABLE: bool  # key ranges from the block table (window, packing, segment ids)
 
@@ -508,6 +512,7 @@ def gluon_dq_kernel(
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
     INTERPRET: gl.constexpr,
 ):  # fmt: skip
@@ -521,7 +526,7 @@ def gluon_dq_kernel(
     F: gl.constexpr = DqOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN,
         CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
-        VARLEN=VARLEN, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
+        VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G

@@ -172,6 +172,7 @@ def gluon_dkdv_wide_kernel(
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
     CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr, CAUSAL: gl.constexpr,
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
     DQ: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
@@ -180,7 +181,7 @@ def gluon_dkdv_wide_kernel(
     F: gl.constexpr = DkdvOptions(
         T=T, S=S, N=N, G=G, H=H, BM=BM, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP,
         CAP_IN=CAP_IN, CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-        WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN, HAS_SEG=HAS_SEG,
+        WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG,
         TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG, DQ=DQ,
     )  # fmt: skip
     gl.static_assert(H == 2 * _COLS and not DQ, "head_dim 256, dq beside")

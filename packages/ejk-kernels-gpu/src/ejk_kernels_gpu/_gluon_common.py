@@ -60,8 +60,9 @@ def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.
     sid = idx
     pos = idx
     seg = idx
-    if F.VARLEN:
+    if F.SEQ_IDS:
         sid = gl.load(sid_ptr + idx, mask=ok, other=SID_PAD)
+    if F.VARLEN:
         pos = gl.load(pos_ptr + idx, mask=ok, other=0)
     if F.HAS_SEG:
         seg = gl.load(seg_ptr + b * length + idx, mask=ok, other=-1)
@@ -85,7 +86,7 @@ def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.conste
     dk/dv kernel's Sᵀ); keys past the end, another packed sequence or segment, outside
     causal or the window (on the tokens' positions) are hidden, as
     `_kernel_common.visibility` decides for the ordinary kernels. ``F`` names CAUSAL,
-    WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN and HAS_SEG. ``SIDE``: the bounds to
+    WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN, SEQ_IDS and HAS_SEG. ``SIDE``: the bounds to
     evaluate (``ALL_SIDES``, ``LEFT_SIDE``, ``RIGHT_SIDE``: the others hold for the block);
     ``KEYS_IN_RANGE``: no key is past the end."""
     KEY_AXIS: gl.constexpr = 1 - ROW_AXIS
@@ -98,7 +99,7 @@ def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.conste
     vis = ok
     if KEYS_IN_RANGE or not RIGHT:
         vis = gl.full(ok.shape, True, gl.int1, ok.type.layout)
-    if F.VARLEN:
+    if F.SEQ_IDS:
         vis = vis & (gl.expand_dims(rows[1], KEY_AXIS) == gl.expand_dims(keys[1], ROW_AXIS))
     if F.CAUSAL and RIGHT:
         vis = vis & (pos_k <= pos_q)

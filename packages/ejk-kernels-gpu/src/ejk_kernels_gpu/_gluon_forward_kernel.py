@@ -83,7 +83,8 @@ class GluonOptions(NamedTuple):
     CAUSAL: bool
     WINDOW_LEFT: int  # -1: no window
     WINDOW_RIGHT: int
-    VARLEN: bool  # packed sequences: sequence ids and local positions per token
+    VARLEN: bool  # positions per token (packed sequences, context-parallel blocks)
+    SEQ_IDS: bool  # with VARLEN: sequence ids per token too (packed sequences)
     HAS_SEG: bool  # segment ids per (batch, token)
     MASKED: bool  # some key block needs a mask (any of the above, or S off the key tile)
     TABLE: bool  # key ranges from the block table (window, packing, segment ids); else from
@@ -469,7 +470,8 @@ def gluon_fwd_kernel(
     H: gl.constexpr,
     QK: gl.constexpr, SOFT_CAP: gl.constexpr, CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-    VARLEN: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr, HAS_SINKS: gl.constexpr,
+    VARLEN: gl.constexpr, SEQ_IDS: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     OBUF: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
@@ -484,7 +486,7 @@ def gluon_fwd_kernel(
     F: gl.constexpr = GluonOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
-        HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
+        SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
         N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF,
     )  # fmt: skip

@@ -54,7 +54,8 @@ class Options(NamedTuple):
     SCALE: float  # softmax scale
     SOFT_CAP: float  # 0.0: none
     HAS_BIAS: bool
-    VARLEN: bool  # packed sequences (cu_seqlens)
+    VARLEN: bool  # masks on per-token positions (packed sequences, context-parallel blocks)
+    SEQ_IDS: bool  # with VARLEN: also compare sequence ids (packed sequences)
     HAS_SEG: bool  # segment ids
     CAUSAL: bool
     WINDOW_LEFT: int  # -1: no window
@@ -160,10 +161,12 @@ def visibility(offs_m, offs_n, b, P, F: tl.constexpr, TRANS: tl.constexpr):
     visible = along_q(m_ok, TRANS) & along_k(n_ok, TRANS)
     if F.VARLEN:
         # Packed input: sequence ids (padding rows/columns get ids that never match)
-        # and positions local to their sequence.
-        qsid = tl.load(P.qsid + offs_m, mask=m_ok, other=-1)
-        ksid = tl.load(P.ksid + offs_n, mask=n_ok, other=-2)
-        visible = visible & (along_q(qsid, TRANS) == along_k(ksid, TRANS))
+        # and positions local to their sequence; context-parallel blocks: global
+        # positions alone.
+        if F.SEQ_IDS:
+            qsid = tl.load(P.qsid + offs_m, mask=m_ok, other=-1)
+            ksid = tl.load(P.ksid + offs_n, mask=n_ok, other=-2)
+            visible = visible & (along_q(qsid, TRANS) == along_k(ksid, TRANS))
         pos_q = along_q(tl.load(P.qpos + offs_m, mask=m_ok, other=0), TRANS)
         pos_k = along_k(tl.load(P.kpos + offs_n, mask=n_ok, other=0), TRANS)
     else:

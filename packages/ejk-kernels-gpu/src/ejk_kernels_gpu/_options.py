@@ -53,9 +53,12 @@ class CallOptions:
     soft_cap: float
     dropout_rate: float
     has_seg: bool
-    varlen: bool
+    varlen: bool  # masks on per-token positions (`_masks.Tables`' q_pos, k_pos)
     fwd_cfg: FlashConfig
     bwd_cfg: FlashConfig
+    # With varlen: compare sequence ids too (packed sequences); False: positions alone
+    # (context-parallel blocks, `_context`: every token is in one sequence).
+    seq_ids: bool = True
 
     def fully_visible(self) -> bool:
         """Whether every query sees every key (nothing masks a block; bias aside)."""
@@ -217,7 +220,7 @@ def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
     left, right = opts.window if opts.window is not None else (-1, -1)
     return dict(
         WINDOW_LEFT=left, WINDOW_RIGHT=right, VARLEN=opts.varlen, HAS_SEG=opts.has_seg,
-        B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
+        SEQ_IDS=opts.varlen and opts.seq_ids, B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
         SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), SOFT_CAP=float(opts.soft_cap),
         CAP_IN=float(opts.scale / opts.soft_cap) if opts.soft_cap > 0.0 else 0.0,
         CAP_OUT=float(opts.soft_cap * LOG2E), CAUSAL=opts.causal,
@@ -294,6 +297,7 @@ def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: b
         HAS_BIAS=bias is not None,
         HAS_SINKS=has_sinks,
         VARLEN=opts.varlen,
+        SEQ_IDS=opts.varlen and opts.seq_ids,
         HAS_SEG=opts.has_seg,
         CAUSAL=opts.causal,
         WINDOW_LEFT=left,
@@ -322,7 +326,8 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         QK=float(opts.scale * LOG2E), SOFT_CAP=float(cap),
         CAP_IN=float(opts.scale / cap) if cap > 0.0 else 0.0,
         CAP_OUT=float(cap * LOG2E), CAUSAL=opts.causal, WINDOW_LEFT=left, WINDOW_RIGHT=right,
-        VARLEN=opts.varlen, HAS_SEG=opts.has_seg, MASKED=masked, HAS_SINKS=has_sinks,
+        VARLEN=opts.varlen, SEQ_IDS=opts.varlen and opts.seq_ids, HAS_SEG=opts.has_seg,
+        MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
         PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),
     )  # fmt: skip

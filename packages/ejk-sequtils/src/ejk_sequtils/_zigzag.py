@@ -8,11 +8,13 @@ shards would give device 0 one block of work and device ``n - 1`` n of them.
 `to_zigzag` reorders any per-token array (tokens, segment ids, positions) along its
 sequence axis so that an ordinary contiguous split of the result (``PartitionSpec`` on
 that axis, or ``shard_map``) gives each device its two chunks; `from_zigzag` undoes it.
-Both are static gathers (the order depends on shapes only): jit-, vmap- and grad-safe.
+Both move whole chunks (static slices concatenated: the order depends on shapes only, and
+XLA copies the chunks instead of gathering token by token): jit-, vmap- and grad-safe.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
 
@@ -82,9 +84,7 @@ def to_zigzag(
     Returns:
         An array like ``x`` (same type, shape and dtype) in the zigzag order.
     """
-    axis = _axis(x, axis)
-    order = zigzag_positions(x.shape[axis], num_shards)
-    return x.take(order, axis=axis)
+    return _chunks_in_order(x, zigzag_chunks(num_shards), num_shards, axis)
 
 
 def from_zigzag(
@@ -100,6 +100,18 @@ def from_zigzag(
     Returns:
         ``x`` in the original token order.
     """
+    inverse = tuple(int(i) for i in np.argsort(zigzag_chunks(num_shards)))
+    return _chunks_in_order(x, inverse, num_shards, axis)
+
+
+def _chunks_in_order(
+    x: Shaped[AnyArray, " *dims"], chunks: tuple[int, ...], num_shards: int, axis: int
+) -> Shaped[AnyArray, " *dims"]:
+    """``x``'s ``2 * num_shards`` equal chunks along ``axis``, concatenated in the order
+    ``chunks``."""
     axis = _axis(x, axis)
-    order = zigzag_positions(x.shape[axis], num_shards)
-    return x.take(np.argsort(order).astype(np.int32), axis=axis)
+    c = _chunk_len(x.shape[axis], num_shards)
+    before = (slice(None),) * axis
+    parts = [x[(*before, slice(i * c, (i + 1) * c))] for i in chunks]
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.concatenate(parts, axis=axis)

@@ -99,9 +99,10 @@ def _visible(c, b, rows, keys, tabs, lengths):
     qr, kk = np.minimum(rows, q_len - 1), np.minimum(keys, kv_len - 1)
     vis = np.broadcast_to((keys < kv_len)[None, :], (len(rows), len(keys))).copy()
     pos_q, pos_k = rows, keys
-    if c["VARLEN"]:
+    if c["SEQ_IDS"]:  # packed sequences; context-parallel blocks compare positions alone
         vis &= (np.where(rows < q_len, qsid[qr], -1)[:, None] ==
                 np.where(keys < kv_len, ksid[kk], -2)[None, :])  # fmt: skip
+    if c["VARLEN"]:
         pos_q, pos_k = qpos[qr], kpos[kk]
     if c["CAUSAL"]:
         vis &= pos_k[None, :] <= pos_q[:, None]
@@ -767,7 +768,7 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     assert grid == (3, batch * kv_heads)
     left, right = kwargs.get("sliding_window", (-1, -1))
     assert (consts["WINDOW_LEFT"], consts["WINDOW_RIGHT"]) == (left, right)
-    assert consts["VARLEN"] == ("cu_seqlens_q" in kwargs)
+    assert consts["VARLEN"] == consts["SEQ_IDS"] == ("cu_seqlens_q" in kwargs)
     assert consts["HAS_SEG"] == ("segment_ids" in kwargs)
     assert consts["DQ"] == dq_inside
     if dq_inside:
@@ -775,9 +776,8 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     else:
         [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
         assert dq_grid == (3, batch * heads)
-        assert {n: dq_consts[n] for n in ("WINDOW_LEFT", "VARLEN", "HAS_SEG")} == {
-            n: consts[n] for n in ("WINDOW_LEFT", "VARLEN", "HAS_SEG")
-        }
+        names = ("WINDOW_LEFT", "VARLEN", "SEQ_IDS", "HAS_SEG")
+        assert {n: dq_consts[n] for n in names} == {n: consts[n] for n in names}
     kwargs.pop("bwd_config", None)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)

@@ -371,7 +371,7 @@ def one_call_serves(request: Any, strategy: str, implementation: str | None = No
     """Whether `ring_attention` with these arguments runs all-gather's one call per device
     (`_context_gathered`): the Triton kernels serve the call and there is no dropout."""
     if strategy != "all_gather" or request.dropout_rate > 0.0:
-        return False
+        return False  # before `_use_kernels`, which imports the kernels and may refuse
     return _gathers_in_one_call(
         strategy, _use_kernels(implementation, request), request.dropout_rate
     )

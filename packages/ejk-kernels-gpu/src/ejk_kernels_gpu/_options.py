@@ -66,6 +66,11 @@ class CallOptions:
             self.causal or self.window is not None or self.has_seg or self.varlen
         ) and self.dropout_rate == 0.0 and self.soft_cap == 0.0  # fmt: skip
 
+    def compares_seq_ids(self) -> bool:
+        """Whether the kernels load and compare sequence ids (``SEQ_IDS``): packed
+        sequences; context-parallel blocks (``seq_ids`` off) compare positions alone."""
+        return self.varlen and self.seq_ids
+
     def side_inputs(self, bias: Any) -> bool:
         """Whether tiles of side inputs (bias, segment ids, packed offsets, dropout) need
         shared memory too: the heuristics and `ordinary_config` leave room for them."""
@@ -220,7 +225,8 @@ def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
     left, right = opts.window if opts.window is not None else (-1, -1)
     return dict(
         WINDOW_LEFT=left, WINDOW_RIGHT=right, VARLEN=opts.varlen, HAS_SEG=opts.has_seg,
-        SEQ_IDS=opts.varlen and opts.seq_ids, B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
+        SEQ_IDS=opts.compares_seq_ids(),
+        B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
         SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), SOFT_CAP=float(opts.soft_cap),
         CAP_IN=float(opts.scale / opts.soft_cap) if opts.soft_cap > 0.0 else 0.0,
         CAP_OUT=float(opts.soft_cap * LOG2E), CAUSAL=opts.causal,
@@ -297,7 +303,7 @@ def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: b
         HAS_BIAS=bias is not None,
         HAS_SINKS=has_sinks,
         VARLEN=opts.varlen,
-        SEQ_IDS=opts.varlen and opts.seq_ids,
+        SEQ_IDS=opts.compares_seq_ids(),
         HAS_SEG=opts.has_seg,
         CAUSAL=opts.causal,
         WINDOW_LEFT=left,
@@ -326,7 +332,7 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         QK=float(opts.scale * LOG2E), SOFT_CAP=float(cap),
         CAP_IN=float(opts.scale / cap) if cap > 0.0 else 0.0,
         CAP_OUT=float(cap * LOG2E), CAUSAL=opts.causal, WINDOW_LEFT=left, WINDOW_RIGHT=right,
-        VARLEN=opts.varlen, SEQ_IDS=opts.varlen and opts.seq_ids, HAS_SEG=opts.has_seg,
+        VARLEN=opts.varlen, SEQ_IDS=opts.compares_seq_ids(), HAS_SEG=opts.has_seg,
         MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
         PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),

@@ -8,8 +8,8 @@ segment ids the query blocks come from the dk/dv block table (`_masks.block_tabl
 loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide pairs by
 the forward's rule (`_gluon_common.visible`); causal alone needs no table.
 
-- a producer warp copies the program's k and v once, then q and dO of each visited
-  query block into a ring of ``STAGES`` slots by TMA (``ready``: the copy landed;
+- a producer warp copies the program's k and v once (not at all for keys no query block
+  sees: their dk and dv are zeros), then q and dO of each visited query block into a ring of ``STAGES`` slots by TMA (``ready``: the copy landed;
   ``empty``: both consumers are done with the slot);
 - two consumer warpgroups own 64 keys each. Per query block they issue ``Sᵀ = k·qᵀ``
   and ``dPᵀ = v·dOᵀ`` together, rebuild ``Pᵀ`` from the saved lse while the second runs,
@@ -143,13 +143,14 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     q_smem, do_smem, k_smem, v_smem = smem[:4]
     kv_ready, ready, empty = bars[:3]
     HALF: gl.constexpr = F.BN // 2
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        key = pid_n * F.BN + c * HALF
-        tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
     first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
+    if steps > 0:  # keys no row sees (dk = dv = 0) need no k or v: see `_consumer`
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for c in gl.static_range(2):
+            key = pid_n * F.BN + c * HALF
+            tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
+            tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -233,7 +234,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     cols = gl.arange(0, F.BM, layout=col_layout)
     first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
-    mbarrier.wait(kv_ready, 0)
+    if steps > 0:  # without steps the producer loads no k or v (zeros are stored below)
+        mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps

@@ -41,16 +41,17 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     q_desc, do_desc, k_desc, v_desc = descs
     q_smem, do_smem, k_smem, v_smem = smem[:4]
     kv_ready, ready, empty = bars[:3]
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(
-            k_desc, [pid_n * F.BN, h * _COLS], kv_ready, k_smem.index(h)
-        )
-        tma.async_copy_global_to_shared(
-            v_desc, [pid_n * F.BN, h * _COLS], kv_ready, v_smem.index(h)
-        )
     first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
+    if steps > 0:  # keys no row sees need no k or v (as `_gluon_backward_kernel`'s)
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(
+                k_desc, [pid_n * F.BN, h * _COLS], kv_ready, k_smem.index(h)
+            )
+            tma.async_copy_global_to_shared(
+                v_desc, [pid_n * F.BN, h * _COLS], kv_ready, v_smem.index(h)
+            )
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -110,7 +111,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     cols = gl.arange(0, R, layout=col_layout)
     first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
     steps = end - first
-    mbarrier.wait(kv_ready, 0)
+    if steps > 0:  # without steps the producer loads no k or v
+        mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps

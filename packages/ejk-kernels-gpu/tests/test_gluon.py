@@ -89,11 +89,12 @@ def test_ordinary_config_keeps_the_tiles():
     assert ordinary_config(GLUON2, 128, 2, side_inputs=False) == twin
 
 
-def _visible(c, b, rows, keys, tabs, lengths):
+def _visible(c, b, rows, keys, tabs, lengths, ids=True):
     """The Gluon kernels' mask rule (`_gluon_common.visible`) in NumPy: ``[rows, keys]``,
     True where row sees key (keys past the end, other packed sequences or segments,
     outside causal or the window on positions hidden). ``tabs``: the launch's mask tables
-    (q/k sequence ids, q/k positions, q/k segment ids)."""
+    (q/k sequence ids, q/k positions, q/k segment ids); ``ids`` False: segment ids are
+    not compared (the kernel's ``IDS``)."""
     qsid, ksid, qpos, kpos, qseg, kseg = tabs
     q_len, kv_len = lengths
     qr, kk = np.minimum(rows, q_len - 1), np.minimum(keys, kv_len - 1)
@@ -109,7 +110,7 @@ def _visible(c, b, rows, keys, tabs, lengths):
     if c["WINDOW_LEFT"] >= 0:
         vis &= pos_k[None, :] >= pos_q[:, None] - c["WINDOW_LEFT"]
         vis &= pos_k[None, :] <= pos_q[:, None] + c["WINDOW_RIGHT"]
-    if c["HAS_SEG"]:
+    if c["HAS_SEG"] and ids:
         qs = np.where(rows < q_len, qseg[b, qr], -1)[:, None]
         vis &= (qs == np.where(keys < kv_len, kseg[b, kk], -1)[None, :]) & (qs >= 0)
     return vis
@@ -120,8 +121,10 @@ def _emulate_gluon(inputs, consts):
     its table row (unmasked and causal-only calls: the range from its rows) walked as the
     kernel walks them (the first one masked when ``MASKED``, the
     full range unmasked, the rest masked, masked loops compiled out without ``MASKED``),
-    each masked block through the kernel's mask rules. A table that sends a block needing a
-    mask down the unmasked path, or misses a visible block, gives a wrong answer here."""
+    each masked block through the kernel's mask rules (causal: those after the full range
+    without segment ids). A table that sends a block needing a mask down the unmasked
+    path, misses a visible block or leaves other ids after its full range in a causal call,
+    gives a wrong answer here."""
     q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges = (np.asarray(x) for x in inputs)
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
     c = consts
@@ -147,14 +150,16 @@ def _emulate_gluon(inputs, consts):
         m = np.full(bm, -np.inf if sink is None else sink, np.float32)
         l_sum = np.zeros(bm, np.float32) if sink is None else np.ones(bm, np.float32)
         acc = np.zeros((bm, head_dim), np.float32)
-        order = [(j_lo, c["MASKED"])] if j_hi > j_lo else []
+        # (block, masked, segment ids compared)
+        order = [(j_lo, c["MASKED"], True)] if j_hi > j_lo else []
         if j_hi > j_lo:
             if c["MASKED"]:
-                order += [(j, True) for j in range(j_lo + 1, jf_lo)]
-            order += [(j, False) for j in range(max(jf_lo, j_lo + 1), jf_hi)]
+                order += [(j, True, True) for j in range(j_lo + 1, jf_lo)]
+            order += [(j, False, True) for j in range(max(jf_lo, j_lo + 1), jf_hi)]
             if c["MASKED"]:
-                order += [(j, True) for j in range(max(jf_hi, j_lo + 1), j_hi)]
-        for j, masked in order:
+                after = range(max(jf_hi, j_lo + 1), j_hi)
+                order += [(j, True, not c["CAUSAL"]) for j in after]
+        for j, masked, ids in order:
             keys = j * bn + np.arange(bn)
             kk = np.minimum(keys, kv_len - 1)
             kh = n // c["G"]
@@ -164,7 +169,8 @@ def _emulate_gluon(inputs, consts):
             x = np.tanh(s * c["CAP_IN"]) * c["CAP_OUT"] if cap > 0 else s * qk
             if masked:
                 tabs = (qsid, ksid, qpos, kpos, qseg, kseg)
-                x = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)), x, -np.inf)
+                seen = _visible(c, b, rows, keys, tabs, (q_len, kv_len), ids)
+                x = np.where(seen, x, -np.inf)
             m_new = np.maximum(m, x.max(1))
             m_use = np.where(m_new == -np.inf, 0.0, m_new) if masked else m_new
             p = np.exp2(x - m_use[:, None])
@@ -396,6 +402,11 @@ MASKED_CALLS = [
     ("keys off the tile", 128, 130, 200, {}),
     ("documents", 128, 384, 384, dict(causal=True, documents=True)),
     ("documents repeat", 64, 256, 256, dict(documents="repeat")),
+    # Causal blocks after the unmasked ones compare positions alone: with documents of
+    # whole tiles they run so; where the keys' ids differ from the rows' (cross ids) the
+    # table must mask the whole range instead.
+    ("documents whole tiles", 128, 384, 384, dict(causal=True, documents="tiles")),
+    ("documents cross ids", 128, 384, 384, dict(causal=True, documents="cross")),
     ("packed", 128, 400, 400, dict(causal=True, packed=True)),
     ("head_dim 256 window cap", 256, 256, 256, dict(causal=True, sliding_window=(70, 0), logits_soft_cap=8.0)),
     ("decode row", 128, 1, 300, dict(causal=True)),
@@ -406,13 +417,20 @@ def _documents_or_packing(rng, kwargs, batch, q_len, max_len):
     """Turn a case's ``packed`` / ``documents`` keywords into the call's side inputs (in
     place): packed sequences of 90, 1, 159 and the rest of ``q_len`` tokens but 3 padding
     ones (batch 1), or documents of 20-``max_len`` tokens with 5 padding rows at the end
-    (``"repeat"``: ids that come back in a later run). Returns the batch size."""
+    (``"repeat"``: ids that come back in a later run; ``"tiles"``: documents of 256 and 128
+    tokens; ``"cross"``: those for the rows, the keys' second document from token 192).
+    Returns the batch size."""
     if kwargs.pop("packed", False):
         batch = 1
         cu = jnp.asarray([0, 90, 91, 250, q_len - 3], jnp.int32)  # padding at the end
         kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu)
     documents = kwargs.pop("documents", False)
-    if documents:
+    if documents in ("tiles", "cross"):
+        split = lambda at: np.repeat(np.int32([[0, 1]]), [at, q_len - at], axis=1).repeat(batch, 0)
+        rows = split(256)
+        keys = rows if documents == "tiles" else split(192)
+        kwargs["segment_ids"] = (jnp.asarray(rows), jnp.asarray(keys))
+    elif documents:
         ids = random_document_ids(
             rng, batch, q_len, min_len=20, max_len=max_len, padding=5,
             repeat=documents == "repeat",

@@ -176,3 +176,52 @@ def test_segment_block_table_covers_every_meeting_pair(seed):
         for m, (lo, flo, fhi, hi) in enumerate(np.asarray(tables[b])):
             assert lo % inner == 0 and lo <= flo <= fhi and hi <= other, (m, lo, flo, fhi, hi)
             assert fhi <= -(-hi // inner) * inner, (m, hi, fhi)
+
+
+def _tables_with_ids(q_ids, kv_ids, **kw):
+    """The (fwd, dq, dk/dv) tables of segment ids ``q_ids``, ``kv_ids`` ([B, T], [B, S])
+    under ``kw`` (causal, sliding_window): forward tiles of 32 rows by 16 keys."""
+    causal, window = kw.get("causal", False), kw.get("sliding_window")
+    q_len, kv_len = q_ids.shape[1], kv_ids.shape[1]
+    opts = CallOptions(
+        scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
+        varlen=False, fwd_cfg=FlashConfig(block_q=32, block_k=16),
+        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+    )  # fmt: skip
+    rows = _masks.ranges(q_len, kv_len, causal, window, None, of_queries=True)
+    cols = _masks.ranges(q_len, kv_len, causal, window, None, of_queries=False)
+    return _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+
+
+@pytest.mark.parametrize("window", [None, (20, 0)])
+@pytest.mark.parametrize("seed", range(4))
+def test_causal_forward_blocks_after_the_unmasked_ones_hold_the_rows_one_id(window, seed):
+    # The causal Gluon forward compares positions alone in the blocks after a tile's
+    # unmasked range: the table may give a tile such a range only where every key after
+    # it holds the one id of all the tile's rows.
+    rng = np.random.default_rng(seed)
+    length = 96
+    lengths = rng.choice([16, 32, 48, 7, 23], size=12)
+    ids = np.repeat(np.arange(12, dtype=np.int32), lengths)[:length]
+    ids = np.pad(ids, (0, length - ids.shape[0]), constant_values=-1)
+    if seed % 2:  # an id back in a later run; padding at the end
+        ids[ids == ids[-20]] = ids[0]
+        ids[-5:] = -1
+    q_ids = np.stack([ids, np.roll(ids, 16)])
+    kv_ids = np.stack([ids, np.roll(ids, 16 + 8 * seed)])  # cross ids in row 1
+    fwd = np.asarray(_tables_with_ids(q_ids, kv_ids, causal=True, sliding_window=window)[0])
+    for b, m in np.ndindex(fwd.shape[:2]):
+        _, full_lo, full_hi, hi = fwd[b, m]
+        if full_lo < full_hi < hi:
+            held = np.concatenate([q_ids[b, m * 32 : (m + 1) * 32], kv_ids[b, full_hi:hi]])
+            assert held.min() == held.max() >= 0, (b, m, fwd[b, m], held)
+
+
+def test_documents_of_whole_tiles_keep_their_unmasked_blocks():
+    ids = np.repeat(np.arange(2, dtype=np.int32), 64)[None]
+    fwd = np.asarray(_tables_with_ids(ids, ids, causal=True)[0])[0]
+    # Each document's second tile: the first 32 keys unmasked, its diagonal masked.
+    np.testing.assert_array_equal(fwd[1::2], [[0, 0, 32, 64], [64, 64, 96, 128]])
+    # Keys of another document in the diagonal block (cross ids): all masked.
+    fwd = np.asarray(_tables_with_ids(ids, np.roll(ids, -8, axis=1), causal=True)[0])[0]
+    assert (fwd[:, 1] == fwd[:, 2]).all(), fwd

@@ -49,12 +49,14 @@ def operand_layout(acc_layout):
 
 
 @gluon.jit
-def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.constexpr):
+def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.constexpr,
+               IDS: gl.constexpr = True):  # fmt: skip
     """What the masks read per token ``idx`` (a vector of query rows or of keys of batch row
     ``b``), loaded once: (in range, sequence id, position, segment id). ``tabs``: the
     axis's (sequence ids, positions, segment ids) pointers; ``length``: its T or S; tokens
     past it get sequence id ``SID_PAD`` and segment id -1 (they match nothing). Without a
-    table ``idx`` stands in (unused by `visible`)."""
+    table ``idx`` stands in (unused by `visible`); so do segment ids without ``IDS``
+    (`visible` then compares none)."""
     sid_ptr, pos_ptr, seg_ptr = tabs
     ok = idx < length
     sid = idx
@@ -64,7 +66,7 @@ def token_info(idx, length: gl.constexpr, b, tabs, F: gl.constexpr, SID_PAD: gl.
         sid = gl.load(sid_ptr + idx, mask=ok, other=SID_PAD)
     if F.VARLEN:
         pos = gl.load(pos_ptr + idx, mask=ok, other=0)
-    if F.HAS_SEG:
+    if F.HAS_SEG and IDS:
         seg = gl.load(seg_ptr + b * length + idx, mask=ok, other=-1)
     return ok, sid, pos, seg
 
@@ -80,7 +82,7 @@ RIGHT_SIDE = gl.constexpr(2)
 
 @gluon.jit
 def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES,
-            KEYS_IN_RANGE: gl.constexpr = False):  # fmt: skip
+            KEYS_IN_RANGE: gl.constexpr = False, IDS: gl.constexpr = True):  # fmt: skip
     """Which (query, key) pairs of a tile the call's masks let through: ``rows`` and ``keys``
     from `token_info`, rows along axis ``ROW_AXIS`` of the tile (0: the forward's S, 1: the
     dk/dv kernel's Sᵀ); keys past the end, another packed sequence or segment, outside
@@ -88,7 +90,8 @@ def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.conste
     `_kernel_common.visibility` decides for the ordinary kernels. ``F`` names CAUSAL,
     WINDOW_LEFT (-1: none), WINDOW_RIGHT, VARLEN, SEQ_IDS and HAS_SEG. ``SIDE``: the bounds to
     evaluate (``ALL_SIDES``, ``LEFT_SIDE``, ``RIGHT_SIDE``: the others hold for the block);
-    ``KEYS_IN_RANGE``: no key is past the end."""
+    ``KEYS_IN_RANGE``: no key is past the end; ``IDS`` off: segment ids are not compared
+    (the block table says they hold across the block)."""
     KEY_AXIS: gl.constexpr = 1 - ROW_AXIS
     LEFT: gl.constexpr = SIDE != RIGHT_SIDE
     RIGHT: gl.constexpr = SIDE != LEFT_SIDE
@@ -108,7 +111,7 @@ def visible(rows, keys, ROW_AXIS: gl.constexpr, F: gl.constexpr, SIDE: gl.conste
     # A causal call's right window edge is at or past the diagonal: causal decides.
     if F.WINDOW_LEFT >= 0 and RIGHT and not (F.CAUSAL and F.WINDOW_RIGHT >= 0):
         vis = vis & (pos_k <= pos_q + F.WINDOW_RIGHT)
-    if F.HAS_SEG:
+    if F.HAS_SEG and IDS:
         # Equal ids see each other; a negative id is padding (0 is an ordinary segment).
         seg_q = gl.expand_dims(rows[3], KEY_AXIS)
         vis = vis & (seg_q == gl.expand_dims(keys[3], ROW_AXIS)) & (seg_q >= 0)

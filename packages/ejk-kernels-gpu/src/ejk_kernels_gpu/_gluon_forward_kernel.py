@@ -20,7 +20,9 @@ kernel's (`_masks.block_table`: ``(lo, full_lo, full_hi, hi)``): blocks outside
 ids), blocks inside ``[full_lo, full_hi)`` run without a mask, the others evaluate the
 call's masks per score (`_gluon_common.visible`: causal and window on positions,
 packed-sequence ids, segment ids, keys past the end; the keys' ids and positions are
-loaded while the block's q·kᵀ runs, `_key_info`). A soft cap is one
+loaded while the block's q·kᵀ runs, `_key_info`). In a causal call the blocks after the
+unmasked range compare positions alone: there the table keeps an unmasked range only
+where those keys hold the block's own segment id (`_masks._intersect`). A soft cap is one
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
 rest of the softmax.
 
@@ -239,22 +241,24 @@ def _producer(descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr, t
 
 
 @gluon.jit
-def _key_info(j, masks, F: gl.constexpr):
-    """The `token_info` of key block j, in the S tile's column layout. Loaded before the
-    block's q·kᵀ is waited for, so that the loads' latency hides behind the matmul."""
+def _key_info(j, masks, F: gl.constexpr, IDS: gl.constexpr = True):
+    """The `token_info` of key block j, in the S tile's column layout (its segment ids
+    with ``IDS``). Loaded before the block's q·kᵀ is waited for, so that the loads'
+    latency hides behind the matmul."""
     _, b, key_tabs = masks
     cols: gl.constexpr = gl.SliceLayout(0, wgmma_layout(F.BN))
     keys = j * F.BN + gl.arange(0, F.BN, layout=cols)
-    return token_info(keys, F.S, b, key_tabs, F, -2)
+    return token_info(keys, F.S, b, key_tabs, F, -2, IDS)
 
 
 @gluon.jit
 def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
-             DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES):  # fmt: skip
+             DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True):  # fmt: skip
     """Online-softmax update for an S tile: (p, alpha, m, l), in log2 units.
 
     MASK: the block needs the call's masks (`_gluon_common.visible` of the rows' and its
-    keys' `token_info`, the bounds on ``SIDE``); a row may then have seen no key yet
+    keys' `token_info`, the bounds on ``SIDE``, segment ids with ``IDS``); a row may then
+    have seen no key yet
     (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
     """
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
@@ -264,7 +268,7 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     if F.SOFT_CAP > 0.0:
         x = tanh(s * F.CAP_IN)
     if MASK:
-        seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0)
+        seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0, IDS)
         x = gl.where(seen, x, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
     m_use = m_new
@@ -298,9 +302,9 @@ def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
 
 @gluon.jit
 def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
-          MASK: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES):  # fmt: skip
+          MASK: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True):  # fmt: skip
     """Key block j (the program's ``j - base``-th): issue q·kⱼᵀ and p·v of block j-1,
-    softmax of block j meanwhile (``MASK``, ``SIDE``: `_softmax`)."""
+    softmax of block j meanwhile (``MASK``, ``SIDE``, ``IDS``: `_softmax`)."""
     p, alpha, m_i, l_i, acc = state
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = bufs
     ks, kph = ring_slot(j - base, F.STAGES)
@@ -311,10 +315,11 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts)
     key_info = 0
     if MASK:
-        key_info = _key_info(j, masks, F)
+        key_info = _key_info(j, masks, F, IDS)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype, SIDE)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype, SIDE,
+                                  IDS)  # fmt: skip
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)
     return p, alpha, m_i, l_i, acc
@@ -383,11 +388,12 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
             state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, False)
         # (A table moves an empty fully visible range to the end, `_masks._with_full`, so
-        # these blocks follow a non-empty one; builds without a table bound no key's left.)
+        # these blocks follow a non-empty one; builds without a table bound no key's left.
+        # Causal: their keys hold the rows' one segment id, `_masks._intersect`.)
         if F.MASKED:
             for j in range(gl.maximum(jf_hi, j_lo + 1), j_hi):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True,
-                              RIGHT_SIDE)  # fmt: skip
+                              RIGHT_SIDE, not F.CAUSAL)  # fmt: skip
         p, alpha, m_i, l_i, acc = state
         if F.OBUF:  # every q·kᵀ of the tile is done: the next tile's q may come in
             mbarrier.arrive(q_empty, count=1)

@@ -235,15 +235,24 @@ def segment_block_table(ids: Array, other_ids: Array, block: int, inner_block: i
     return _with_full(start, full_first * inner_block, full_last * inner_block, end, inner_block)
 
 
-def _intersect(table: Table, seg: Array, inner: int) -> Array:
+def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bool) -> Array:
     """Tables ``[blocks, 4]`` (masks) and ``[B, blocks, 4]`` (segment ids) of the same
-    blocks combined: visit what both visit, unmasked where both are."""
+    blocks combined: visit what both visit, unmasked where both are.
+
+    ``positions_after_full``: the kernel compares positions alone in the masked blocks
+    after the unmasked range (the causal Gluon forward: there only the causal bound can
+    hide a pair, `_gluon_forward_kernel`). Then an entry keeps its unmasked range only
+    where every key after it lies in `segment_block_table`'s unmasked run, so holds the
+    block's own single id (a block of one document: its keys up to the diagonal are of
+    that document); otherwise every block it visits is masked with the ids compared."""
     start = jnp.maximum(table[..., 0], seg[..., 0])
     end = jnp.minimum(table[..., 3], seg[..., 3])
     none = start >= end
     start, end = jnp.where(none, 0, start), jnp.where(none, 0, end)
     full_lo = jnp.maximum(table[..., 1], seg[..., 1])
     full_hi = jnp.minimum(table[..., 2], seg[..., 2])
+    if positions_after_full:
+        full_hi = jnp.where(end <= seg[..., 2], full_hi, full_lo)
     return _with_full(start, full_lo, full_hi, end, inner)
 
 
@@ -263,7 +272,8 @@ def range_tables(
 
     Returns:
         ``(fwd, dq, dkdv)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with segment ids
-        (the masks' table intersected with `segment_block_table`'s).
+        (the masks' table intersected with `segment_block_table`'s; a causal forward's
+        blocks after its unmasked range hold the block's own id, `_intersect`).
     """
     fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
@@ -277,9 +287,10 @@ def range_tables(
         return tuple(jnp.asarray(t) for t in tables)
     q_seg, k_seg = segment_ids
     ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
+    after_full = (opts.causal, False, False)  # the forward's (see `_intersect`)
     return tuple(
-        _intersect(table, segment_block_table(*ids, *blocks), blocks[1])
-        for table, ids, blocks in zip(tables, ids_of, shapes, strict=True)
+        _intersect(table, segment_block_table(*ids, *blocks), blocks[1], positions_after_full=p)
+        for table, ids, blocks, p in zip(tables, ids_of, shapes, after_full, strict=True)
     )
 
 

@@ -85,6 +85,22 @@ def _documents(rng, length, repeat):
     return ids
 
 
+def _tables_with_ids(q_ids, kv_ids, packing=None, *, causal=False, sliding_window=None):
+    """The (fwd, dq, dk/dv) tables of segment ids ``q_ids``, ``kv_ids`` ([B, T], [B, S])
+    (and ``packing``) under causal / ``sliding_window``: forward tiles of 32 rows by 16
+    keys, backward 16 by 32."""
+    q_len, kv_len = q_ids.shape[1], kv_ids.shape[1]
+    window = sliding_window
+    opts = CallOptions(
+        scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
+        varlen=packing is not None, fwd_cfg=FlashConfig(block_q=32, block_k=16),
+        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+    )  # fmt: skip
+    rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
+    cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
+    return _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -115,16 +131,7 @@ def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, re
         )
     )[:, 0]
     packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
-    causal, window = kw.get("causal", False), kw.get("sliding_window")
-    opts = CallOptions(
-        scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
-        varlen=packed, fwd_cfg=FlashConfig(block_q=32, block_k=16),
-        bwd_cfg=FlashConfig(block_q=16, block_k=32),
-    )  # fmt: skip
-    rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
-    cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
-    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    fwd, dq, dkdv = _masks.range_tables(opts, rows, cols, ids)
+    fwd, dq, dkdv = _tables_with_ids(q_ids, kv_ids, packing, **kw)
     skipped = full_pairs = 0
     for tables, of_queries, block, inner in ((fwd, True, 32, 16), (dq, True, 16, 32), (dkdv, False, 16, 32)):  # fmt: skip
         assert tables.shape[0] == batch
@@ -176,21 +183,6 @@ def test_segment_block_table_covers_every_meeting_pair(seed):
         for m, (lo, flo, fhi, hi) in enumerate(np.asarray(tables[b])):
             assert lo % inner == 0 and lo <= flo <= fhi and hi <= other, (m, lo, flo, fhi, hi)
             assert fhi <= -(-hi // inner) * inner, (m, hi, fhi)
-
-
-def _tables_with_ids(q_ids, kv_ids, **kw):
-    """The (fwd, dq, dk/dv) tables of segment ids ``q_ids``, ``kv_ids`` ([B, T], [B, S])
-    under ``kw`` (causal, sliding_window): forward tiles of 32 rows by 16 keys."""
-    causal, window = kw.get("causal", False), kw.get("sliding_window")
-    q_len, kv_len = q_ids.shape[1], kv_ids.shape[1]
-    opts = CallOptions(
-        scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
-        varlen=False, fwd_cfg=FlashConfig(block_q=32, block_k=16),
-        bwd_cfg=FlashConfig(block_q=16, block_k=32),
-    )  # fmt: skip
-    rows = _masks.ranges(q_len, kv_len, causal, window, None, of_queries=True)
-    cols = _masks.ranges(q_len, kv_len, causal, window, None, of_queries=False)
-    return _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
 
 
 @pytest.mark.parametrize("window", [None, (20, 0)])

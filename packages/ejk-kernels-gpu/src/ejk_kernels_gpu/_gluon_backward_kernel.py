@@ -9,8 +9,9 @@ loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide
 the forward's rule (`_gluon_common.visible`); causal alone needs no table.
 
 - a producer warp copies the program's k and v once (not at all for keys no query block
-  sees: their dk and dv are zeros), then q and dO of each visited query block into a ring of ``STAGES`` slots by TMA (``ready``: the copy landed;
-  ``empty``: both consumers are done with the slot);
+  sees: their dk and dv are zeros), then q and dO of each visited query block into a
+  ring of ``STAGES`` slots by TMA (``ready``: the copy landed; ``empty``: both consumers
+  are done with the slot);
 - two consumer warpgroups own 64 keys each. Per query block they issue ``Sᵀ = k·qᵀ``
   and ``dPᵀ = v·dOᵀ`` together, rebuild ``Pᵀ`` from the saved lse while the second runs,
   issue ``dV += Pᵀ·dO``, form ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` while that runs, then issue

@@ -258,8 +258,8 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
 
     MASK: the block needs the call's masks (`_gluon_common.visible` of the rows' and its
     keys' `token_info`, the bounds on ``SIDE``, segment ids with ``IDS``); a row may then
-    have seen no key yet
-    (m = -inf), and 0 is subtracted instead so that its p and alpha are 0, not NaN.
+    have seen no key yet (m = -inf), and 0 is subtracted instead so that its p and alpha
+    are 0, not NaN.
     """
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
     # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ejk_kernels_gpu._aot import GLUON_SPILL_BYTES
+from ejk_kernels_gpu._aot import GLUON_SPILL_BYTES, TABLE_BUILDS
 from ejk_kernels_gpu._config import SHARED_MEMORY_LIMIT
 
 pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
@@ -239,3 +239,14 @@ def test_warp_specialised_backward_builds_for_hopper():
         for variant in ("plain", "causal")
     }
     assert all(r["threads"] == 384 and r["fits"] for r in ws), ws
+
+
+def test_segment_table_kernel_compiles_for_hopper_without_spills():
+    """`_masks.fused_segment_table`'s builds (`_aot.TABLE_BUILDS`): no wgmma, no spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "ejk_kernels_gpu._aot", "--kernels", "segment_table"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(TABLE_BUILDS), proc.stderr[-3000:]
+    bad = [row for row in rows if "error" in row or row["spill_stores"] != 0]
+    assert not bad and proc.returncode == 0, (bad, proc.stderr[-3000:])

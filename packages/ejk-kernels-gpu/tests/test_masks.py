@@ -217,3 +217,58 @@ def test_documents_of_whole_tiles_keep_their_unmasked_blocks():
     # Keys of another document in the diagonal block (cross ids): all masked.
     fwd = np.asarray(_tables_with_ids(ids, np.roll(ids, -8, axis=1), causal=True)[0])[0]
     assert (fwd[:, 1] == fwd[:, 2]).all(), fwd
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
+    # The one-kernel table (run by Triton's interpreter here) against `_masks`' definition:
+    # random, sorted, padded and cross ids, odd block sizes, masks' tables of causal and
+    # window calls, and chunks of a few inner blocks so the kernel walks several.
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(_masks, "CHUNK_ELEMENTS", int(rng.choice([4, 16, 4096])))
+    batch, length, other = 2, int(rng.integers(1, 70)), int(rng.integers(1, 70))
+    ids = rng.integers(-2, 5, (batch, length)).astype(np.int32)
+    other_ids = rng.integers(-2, 5, (batch, other)).astype(np.int32)
+    if seed % 2:  # runs, as documents come
+        ids, other_ids = np.sort(ids), np.sort(other_ids)
+    if seed % 4 == 3:
+        other_ids[:, : other // 2] = ids[:, :1]  # one long run of the block's id
+    block, inner = int(rng.choice([1, 3, 4, 16])), int(rng.choice([1, 5, 8, 16]))
+    window = None if seed % 3 else (int(rng.integers(0, 30)), int(rng.integers(0, 5)))
+    causal = seed % 3 != 1
+    lo, hi = _masks.ranges(length, other, causal, window, None, of_queries=True)
+    table = _masks.block_table(lo, hi, block, inner)
+    ids, other_ids = jnp.asarray(ids), jnp.asarray(other_ids)
+    for after_full in (False, True):
+        want = _masks._intersect(
+            table,
+            _masks.segment_block_table(ids, other_ids, block, inner),
+            inner,
+            positions_after_full=after_full,
+        )
+        got = _masks.fused_segment_table(
+            table, ids, other_ids, block, inner, positions_after_full=after_full
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
+
+
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_range_tables_fused_or_not_agree(window):
+    # Documents of random lengths (one id back in a later run), documents of whole tiles
+    # (the forward's unmasked ranges reach the diagonal), and cross ids.
+    rng = np.random.default_rng(5)
+    tiles = np.repeat(np.arange(2, dtype=np.int32), 64)
+    q_ids = np.stack([_documents(rng, 128, True), tiles, tiles])
+    kv_ids = np.stack([_documents(rng, 128, False), tiles, np.roll(tiles, 8)])
+    opts = CallOptions(
+        scale=1.0, causal=True, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
+        varlen=False, fwd_cfg=FlashConfig(block_q=32, block_k=16),
+        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+    )  # fmt: skip
+    rows = _masks.ranges(128, 128, True, window, None, of_queries=True)
+    cols = _masks.ranges(128, 128, True, window, None, of_queries=False)
+    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    fused = _masks.range_tables(opts, rows, cols, ids, fused=True)
+    plain = _masks.range_tables(opts, rows, cols, ids, fused=False)
+    for got, want in zip(fused, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -209,6 +209,50 @@ def compile_kernel(
     )
 
 
+# `_masks.fused_segment_table`'s builds: (block, inner block) pairs of the Gluon and
+# ordinary configs' tiles, with and without the causal forward's rule.
+TABLE_BUILDS = tuple(
+    (block, inner, after_full)
+    for block, inner in ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32))
+    for after_full in (False, True)
+)
+
+
+def compile_table(block: int, inner: int, after_full: bool, length: int = 16384) -> dict[str, Any]:
+    """Compile `_table_kernel.segment_table_kernel` for sm_90 (``length`` ids a row on both
+    axes) and report its resources and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from ._masks import CHUNK_ELEMENTS, _power_of_two
+
+    module = importlib.import_module("ejk_kernels_gpu._jit_kernels")
+    if module.INTERPRET:
+        raise RuntimeError("compile_table needs TRITON_INTERPRET unset (run it in a subprocess)")
+    fn = module.segment_table_kernel
+    num_inner = -(-length // inner)
+    consts = dict(
+        L=length, M=length, NBLK=-(-length // block), BLOCK=block, INNER=inner,
+        BLOCK_P2=_power_of_two(block), INNER_P2=_power_of_two(inner),
+        CHUNK=min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // _power_of_two(inner))),
+        AFTER_FULL=after_full, INTERPRET=False,
+    )  # fmt: skip
+    pointers = {name: "*i32" for name in fn.arg_names if name not in consts}
+    signature, attrs = source_signature(fn, pointers, consts)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1)
+    )
+    return dict(
+        kernel="segment_table_kernel",
+        block=block,
+        inner=inner,
+        after_full=after_full,
+        shared=int(compiled.metadata.shared),
+        spill_stores=spill_stores(compiled.asm["ptx"]),
+    )
+
+
 def spill_stores(ptx: str) -> int | None:
     """Bytes of register spill stores ptxas reports for ``ptx`` (sm_90a); None if Triton's
     ptxas cannot be found."""
@@ -280,10 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--variants", default="plain,all")
     parser.add_argument("--space", choices=["heuristic", "full"], default="heuristic")
-    parser.add_argument("--kernels", default="fwd_kernel,dq_kernel,dkdv_kernel")
+    parser.add_argument(
+        "--kernels", default="fwd_kernel,dq_kernel,dkdv_kernel", help="and segment_table"
+    )
     args = parser.parse_args(argv)
     wanted = set(args.kernels.split(","))
     failed = 0
+    if "segment_table" in wanted:  # `_masks.fused_segment_table`: no head dim or dtype
+        for build in TABLE_BUILDS:
+            try:
+                row = compile_table(*build)
+                if row["spill_stores"]:
+                    row["error"] = f"ptxas spills {row['spill_stores']} bytes"
+            except Exception as exc:  # report every failure, then fail the run
+                row = dict(kernel="segment_table_kernel", build=build, error=repr(exc)[:2000])
+            print(json.dumps(row), flush=True)
+            failed += "error" in row
+        wanted.discard("segment_table")
     itemsize = jnp.dtype(args.dtype).itemsize
     for head_dim in (int(h) for h in args.head_dims.split(",")):
         for variant in args.variants.split(","):

@@ -10,5 +10,6 @@ from ._gluon_backward_kernel import gluon_dkdv_kernel as gluon_dkdv_kernel
 from ._gluon_backward_kernel import gluon_dq_kernel as gluon_dq_kernel
 from ._gluon_backward_wide import gluon_dkdv_wide_kernel as gluon_dkdv_wide_kernel
 from ._gluon_forward_kernel import gluon_fwd_kernel as gluon_fwd_kernel
+from ._table_kernel import segment_table_kernel as segment_table_kernel
 
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)

@@ -23,6 +23,7 @@ from jax import Array
 
 from ejk_sequtils import AttentionRequest, dropout_key
 
+from . import _triton
 from ._config import gluon_dq_beside
 from ._options import CallOptions
 
@@ -31,6 +32,7 @@ __all__ = [
     "Tables",
     "block_table",
     "dummy",
+    "fused_segment_table",
     "kernel_tables",
     "range_tables",
     "ranges",
@@ -256,11 +258,56 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
     return _with_full(start, full_lo, full_hi, end, inner)
 
 
+# Other-axis ids one program of `fused_segment_table` summarises at once (16 KiB).
+CHUNK_ELEMENTS = 4096
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def fused_segment_table(
+    table: Table,
+    ids: Array,
+    other_ids: Array,
+    block: int,
+    inner_block: int,
+    *,
+    positions_after_full: bool,
+) -> Array:
+    """``_intersect(table, segment_block_table(ids, other_ids, block, inner_block), ...)``
+    in one Triton kernel (`_table_kernel`): the same int32 ``[B, blocks, 4]``, one launch
+    in place of a few XLA kernels."""
+    batch, length = ids.shape
+    other_len = other_ids.shape[1]
+    nblk = -(-length // block)
+    inner_p2 = _power_of_two(inner_block)
+    num_inner = -(-other_len // inner_block)
+    chunk = min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // inner_p2))
+    constexprs = dict(
+        L=length, M=other_len, NBLK=nblk, BLOCK=block, INNER=inner_block,
+        BLOCK_P2=_power_of_two(block), INNER_P2=inner_p2, CHUNK=chunk,
+        AFTER_FULL=positions_after_full,
+    )  # fmt: skip
+    (out,) = _triton.launch(
+        _triton.kernels().segment_table_kernel,
+        (nblk, batch),
+        (ids.astype(jnp.int32), other_ids.astype(jnp.int32), jnp.asarray(table, jnp.int32)),
+        (jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),),
+        constexprs,
+        num_warps=4,
+        num_stages=1,
+    )
+    return out
+
+
 def range_tables(
     opts: CallOptions,
     rows: tuple[Table, Table],
     cols: tuple[Table, Table],
     segment_ids: tuple[Array, Array] | None,
+    *,
+    fused: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """The forward, dq and dk/dv block tables of a call.
 
@@ -269,6 +316,9 @@ def range_tables(
         rows: ``(lo, hi)``, ``[T]`` each: the keys each query row may see (`ranges`).
         cols: ``(lo, hi)``, ``[S]`` each: the queries that may see each key.
         segment_ids: int32 ``(q_ids [B, T], kv_ids [B, S])`` or None.
+        fused: build each table with segment ids in one Triton kernel
+            (`fused_segment_table`) or in jnp; None: the kernel where Triton compiles (on a
+            GPU: one launch a table), jnp in Triton's interpreter (the same tables).
 
     Returns:
         ``(fwd, dq, dkdv)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with segment ids
@@ -288,6 +338,13 @@ def range_tables(
     q_seg, k_seg = segment_ids
     ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
     after_full = (opts.causal, False, False)  # the forward's (see `_intersect`)
+    if fused is None:
+        fused = not _triton.interpreting()
+    if fused:
+        return tuple(
+            fused_segment_table(table, *ids, *blocks, positions_after_full=p)
+            for table, ids, blocks, p in zip(tables, ids_of, shapes, after_full, strict=True)
+        )
     return tuple(
         _intersect(table, segment_block_table(*ids, *blocks), blocks[1], positions_after_full=p)
         for table, ids, blocks, p in zip(tables, ids_of, shapes, after_full, strict=True)

@@ -224,7 +224,7 @@ def compile_table(block: int, inner: int, after_full: bool, length: int = 16384)
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from ._masks import CHUNK_ELEMENTS, _power_of_two
+    from ._masks import CHUNK_ELEMENTS, TABLE_WARPS, _power_of_two
 
     module = importlib.import_module("ejk_kernels_gpu._jit_kernels")
     if module.INTERPRET:
@@ -241,7 +241,7 @@ def compile_table(block: int, inner: int, after_full: bool, length: int = 16384)
     signature, attrs = source_signature(fn, pointers, consts)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1)
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=TABLE_WARPS, num_stages=1)
     )
     return dict(
         kernel="segment_table_kernel",

@@ -258,8 +258,10 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
     return _with_full(start, full_lo, full_hi, end, inner)
 
 
-# Other-axis ids one program of `fused_segment_table` summarises at once (16 KiB).
-CHUNK_ELEMENTS = 4096
+# Other-axis ids one program of `fused_segment_table` summarises at once (64 KiB, 64
+# registers a thread at `TABLE_WARPS`): 16384 keys of 128-key blocks in one step.
+CHUNK_ELEMENTS = 16384
+TABLE_WARPS = 8
 
 
 def _power_of_two(n: int) -> int:
@@ -295,7 +297,7 @@ def fused_segment_table(
         (ids.astype(jnp.int32), other_ids.astype(jnp.int32), jnp.asarray(table, jnp.int32)),
         (jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),),
         constexprs,
-        num_warps=4,
+        num_warps=TABLE_WARPS,
         num_stages=1,
     )
     return out

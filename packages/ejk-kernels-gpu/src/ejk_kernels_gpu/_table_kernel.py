@@ -60,6 +60,12 @@ def segment_table_kernel(
     top = tl.max(ids, axis=0)
     high = tl.where(top >= 0, top, -1)
     uniform = (tl.min(ids, axis=0) == top) & (top >= 0)
+    # The masks' entry, loaded before the walk so that its latency hides behind it.
+    row = mask_ptr + m * 4
+    mask_start = tl.load(row)
+    mask_lo = tl.load(row + 1)
+    mask_hi = tl.load(row + 2)
+    mask_end = tl.load(row + 3)
     # The other axis, CHUNK inner blocks at a time; keys past the end are padding (-1).
     cols = tl.arange(0, INNER_P2)
     first = tl.full([], num_inner, tl.int32)
@@ -89,14 +95,13 @@ def segment_table_kernel(
     s_end = tl.where(none, 0, tl.minimum((last + 1) * INNER, M))
     s_lo, s_hi = _with_full(s_start, full_first * INNER, full_last * INNER, s_end, INNER)
     # Intersect with the masks' entry (`_masks._intersect`).
-    row = mask_ptr + m * 4
-    start = tl.maximum(tl.load(row), s_start)
-    end = tl.minimum(tl.load(row + 3), s_end)
+    start = tl.maximum(mask_start, s_start)
+    end = tl.minimum(mask_end, s_end)
     empty = start >= end
     start = tl.where(empty, 0, start)
     end = tl.where(empty, 0, end)
-    full_lo = tl.maximum(tl.load(row + 1), s_lo)
-    full_hi = tl.minimum(tl.load(row + 2), s_hi)
+    full_lo = tl.maximum(mask_lo, s_lo)
+    full_hi = tl.minimum(mask_hi, s_hi)
     if AFTER_FULL:
         full_hi = tl.where(end <= s_hi, full_hi, full_lo)
     full_lo, full_hi = _with_full(start, full_lo, full_hi, end, INNER)

@@ -7,7 +7,8 @@ the compiled call instead of a few small kernels launched with each call. A row'
 table entry covers its rows' ranges (`block_table`). With segment ids the tables are per
 batch row (``[B, blocks, 4]``): the masks' table intersected with one built from each
 block's range of document ids (`segment_block_table`, a few fused reductions), so blocks
-of other documents are never visited.
+of other documents are never visited. Where Triton compiles, one kernel builds each such
+table (`fused_segment_table`, the same entries in one launch instead of four).
 `kernel_tables` gathers every integer side input of a call's kernels (`Tables`).
 """
 

@@ -195,11 +195,14 @@ def _emulate_gluon_dkdv(inputs, consts):
     the first block that reaches its keys, causal on indices), each head of the group, P
     rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the
     end, keys past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed
-    into a float32 dq (else a one-element placeholder, as the launch's).
+    into a float32 dq (else a one-element placeholder, as the launch's). Programs take
+    their tiles from the order input as the kernel does (`program_tile`), which must be a
+    permutation of the grid's tiles.
     A range that skips a block some key sees, or a full range that holds a hidden pair,
     gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
     tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
+    order = np.asarray(inputs[13])
     c = consts
     table = c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]
     batch, q_len = q.shape[:2]
@@ -208,7 +211,10 @@ def _emulate_gluon_dkdv(inputs, consts):
     dk = np.zeros(k.shape, np.float32)
     dv = np.zeros(v.shape, np.float32)
     dq = np.zeros(q.shape if c["DQ"] else (1,), np.float32)
-    for b, kh, pid_n in itertools.product(range(batch), range(kv_heads), range(-(-kv_len // bn))):
+    blocks = -(-kv_len // bn)
+    np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
+    for tile in order:
+        pid_n, (b, kh) = tile % blocks, divmod(int(tile) // blocks, kv_heads)
         keys = pid_n * bn + np.arange(bn)
         valid = keys < kv_len
         kk = np.minimum(keys, kv_len - 1)

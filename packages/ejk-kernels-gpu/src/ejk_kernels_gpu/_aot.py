@@ -61,7 +61,7 @@ _POINTER_TYPES = {
     "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
     "dq_acc_ptr": "fp32", "counter_ptr": "i32",
     "scratch_ptr": "u8", "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
-    "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "seed_ptr": "u32",
+    "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "order_ptr": "i32", "seed_ptr": "u32",
 }  # fmt: skip
 
 # Features switched on for the compile: the heaviest variant (every mask branch) and the plain one;

@@ -68,7 +68,7 @@ def _gluon_dkdv(
     dk, dv, dq_sum, _ = launch(
         kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel,
         grid,
-        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges),
+        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, tables.dkdv_order),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),

@@ -79,6 +79,16 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
+def program_tile(order_ptr, K: gl.constexpr):
+    """(key block, batch, kv head) of this program: the tile ``order_ptr`` gives its linear
+    index (`_schedule.dkdv_order`: heaviest first within blocks of (batch, kv head))."""
+    blocks = gl.num_programs(0)
+    tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
+    group = tile // blocks
+    return tile % blocks, group // K, group % K
+
+
+@gluon.jit
 def query_blocks(pid_n, b, ranges_ptr, F: gl.constexpr):
     """(first, full_lo, full_hi, end) query blocks of a program's keys: it visits
     ``[first, end)`` and needs no mask in ``[full_lo, full_hi)``. From the block table
@@ -283,7 +293,7 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
 @gluon.jit
 def gluon_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
     dk_ptr, dv_ptr, dq_acc_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
@@ -298,7 +308,8 @@ def gluon_dkdv_kernel(
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
     keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
-    4]`` with segment ids), as the ordinary dk/dv kernel's; with ``DQ``, ``dq_acc_ptr``
+    4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` the tile of each
+    program (int32 ``[B·K·key blocks]``, `program_tile`); with ``DQ``, ``dq_acc_ptr``
     [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled; head_dim 128), else it
     is unused; ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET
     is unused."""
@@ -326,9 +337,7 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    pid_n = gl.program_id(0)
-    b = gl.program_id(1) // K
-    kh = gl.program_id(1) % K
+    pid_n, b, kh = program_tile(order_ptr, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

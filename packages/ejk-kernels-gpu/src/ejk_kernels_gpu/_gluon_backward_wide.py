@@ -27,7 +27,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ._gluon_backward_kernel import DkdvOptions, probabilities, query_blocks, store_dkdv
+from ._gluon_backward_kernel import (
+    DkdvOptions,
+    probabilities,
+    program_tile,
+    query_blocks,
+    store_dkdv,
+)
 from ._gluon_common import barriers, ring_slot, token_info, wgmma_layout
 
 _COLS = gl.constexpr(128)  # columns of a half (of head_dim 256)
@@ -168,7 +174,7 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
 @gluon.jit
 def gluon_dkdv_wide_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
     dk_ptr, dv_ptr, dq_acc_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
@@ -189,9 +195,7 @@ def gluon_dkdv_wide_kernel(
     gl.static_assert(H == 2 * _COLS and not DQ, "head_dim 256, dq beside")
     K: gl.constexpr = N // G
     R: gl.constexpr = BM // 2
-    pid_n = gl.program_id(0)
-    b = gl.program_id(1) // K
-    kh = gl.program_id(1) % K
+    pid_n, b, kh = program_tile(order_ptr, K)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

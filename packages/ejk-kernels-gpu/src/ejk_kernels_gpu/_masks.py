@@ -27,6 +27,7 @@ from ejk_sequtils import AttentionRequest, dropout_key
 from . import _triton
 from ._config import gluon_dq_beside
 from ._options import CallOptions
+from ._schedule import dkdv_order
 
 __all__ = [
     "Packing",
@@ -373,6 +374,7 @@ class Tables:
     dq_ranges: Any
     dkdv_ranges: Any
     seed: Any  # dropout: uint32 [seed, b0, n0, i0, j0] (`ejk_sequtils.dropout_key`)
+    dkdv_order: Any  # the Gluon dk/dv kernel's program order (`_schedule.dkdv_order`)
 
     def masking(self) -> tuple[Any, ...]:
         """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
@@ -411,4 +413,9 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         seed = dummy(jnp.uint32)
     else:
         seed = dropout_key(request.dropout_seed, request.dropout_offsets)
-    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
+    groups = request.shape[0] * request.shape[4]  # B * K
+    order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, _triton.multiprocessors())
+    return Tables(
+        q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed,
+        jnp.asarray(order),
+    )  # fmt: skip

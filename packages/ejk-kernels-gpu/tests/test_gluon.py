@@ -195,9 +195,9 @@ def _emulate_gluon_dkdv(inputs, consts):
     the first block that reaches its keys, causal on indices), each head of the group, P
     rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the
     end, keys past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed
-    into a float32 dq (else a one-element placeholder, as the launch's). Programs take
-    their tiles from the order input as the kernel does (`program_tile`), which must be a
-    permutation of the grid's tiles.
+    into a float32 dq (else a one-element placeholder, as the launch's). With segment ids
+    or positions, programs take their tiles from the order input as the kernel does
+    (`program_tile`), which must be a permutation of the grid's tiles.
     A range that skips a block some key sees, or a full range that holds a hidden pair,
     gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
@@ -212,7 +212,10 @@ def _emulate_gluon_dkdv(inputs, consts):
     dv = np.zeros(v.shape, np.float32)
     dq = np.zeros(q.shape if c["DQ"] else (1,), np.float32)
     blocks = -(-kv_len // bn)
-    np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
+    if c["HAS_SEG"] or c["VARLEN"]:
+        np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
+    else:  # the grid's order
+        order = np.arange(batch * kv_heads * blocks)
     for tile in order:
         pid_n, (b, kh) = tile % blocks, divmod(int(tile) // blocks, kv_heads)
         keys = pid_n * bn + np.arange(bn)

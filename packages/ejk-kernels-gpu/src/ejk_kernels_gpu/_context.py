@@ -233,7 +233,9 @@ def block_tables(
             f"dropout_rate={masks.dropout_rate} and a key {'' if dropout_key is None else 'not '}None"
         )
     seed = dummy(jnp.uint32) if dropout_key is None else jnp.asarray(dropout_key, jnp.uint32)
-    order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, multiprocessors())
+    order = dummy()  # read by the Gluon dk/dv kernel with documents or positions only
+    if opts.ordered_dkdv():
+        order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, multiprocessors())
     return Tables(
         q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed,
         jnp.asarray(order),

@@ -6,7 +6,9 @@ Alg. 2, on Hopper's warpgroup matrix instructions). With a window, packed sequen
 segment ids the query blocks come from the dk/dv block table (`_masks.block_table`,
 ``(lo, full_lo, full_hi, hi)`` in query rows): blocks outside ``[lo, hi)`` are never
 loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide pairs by
-the forward's rule (`_gluon_common.visible`); causal alone needs no table.
+the forward's rule (`_gluon_common.visible`); causal alone needs no table. With segment
+ids or positions the programs take their tiles in the order `_schedule.dkdv_order` gives
+(`program_tile`).
 
 - a producer warp copies the program's k and v once (not at all for keys no query block
   sees: their dk and dv are zeros), then q and dO of each visited query block into a
@@ -79,13 +81,20 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
-def program_tile(order_ptr, K: gl.constexpr):
-    """(key block, batch, kv head) of this program: the tile ``order_ptr`` gives its linear
-    index (`_schedule.dkdv_order`: heaviest first within blocks of (batch, kv head))."""
-    blocks = gl.num_programs(0)
-    tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
-    group = tile // blocks
-    return tile % blocks, group // K, group % K
+def program_tile(order_ptr, K: gl.constexpr, F: gl.constexpr):
+    """(key block, batch, kv head) of this program. With segment ids or positions, the
+    tile ``order_ptr`` gives its linear index (`_schedule.dkdv_order`: heaviest first within
+    blocks of (batch, kv head)); else the grid's (causal: each group's heaviest first; a
+    window's programs hold equal work but for the last few)."""
+    if F.HAS_SEG or F.VARLEN:
+        blocks = gl.num_programs(0)
+        tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
+        pid_n = tile % blocks
+        group = tile // blocks
+    else:
+        pid_n = gl.program_id(0)
+        group = gl.program_id(1)
+    return pid_n, group // K, group % K
 
 
 @gluon.jit
@@ -308,9 +317,10 @@ def gluon_dkdv_kernel(
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
     keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
-    4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` the tile of each
-    program (int32 ``[B·K·key blocks]``, `program_tile`); with ``DQ``, ``dq_acc_ptr``
-    [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled; head_dim 128), else it
+    4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` each program's
+    tile with segment ids or positions (int32 ``[B·K·key blocks]``, `program_tile`); with ``DQ``,
+    ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled; head_dim
+    128), else it
     is unused; ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET
     is unused."""
     F: gl.constexpr = DkdvOptions(
@@ -337,7 +347,7 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    pid_n, b, kh = program_tile(order_ptr, K)
+    pid_n, b, kh = program_tile(order_ptr, K, F)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

@@ -195,7 +195,7 @@ def gluon_dkdv_wide_kernel(
     gl.static_assert(H == 2 * _COLS and not DQ, "head_dim 256, dq beside")
     K: gl.constexpr = N // G
     R: gl.constexpr = BM // 2
-    pid_n, b, kh = program_tile(order_ptr, K)
+    pid_n, b, kh = program_tile(order_ptr, K, F)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

@@ -374,7 +374,7 @@ class Tables:
     dq_ranges: Any
     dkdv_ranges: Any
     seed: Any  # dropout: uint32 [seed, b0, n0, i0, j0] (`ejk_sequtils.dropout_key`)
-    dkdv_order: Any  # the Gluon dk/dv kernel's program order (`_schedule.dkdv_order`)
+    dkdv_order: Any  # the Gluon dk/dv kernel's program order, documents or positions (`_schedule`)
 
     def masking(self) -> tuple[Any, ...]:
         """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
@@ -413,8 +413,10 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         seed = dummy(jnp.uint32)
     else:
         seed = dropout_key(request.dropout_seed, request.dropout_offsets)
-    groups = request.shape[0] * request.shape[4]  # B * K
-    order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, _triton.multiprocessors())
+    order = dummy()  # read by the Gluon dk/dv kernel with documents or positions only
+    if opts.ordered_dkdv():
+        groups = request.shape[0] * request.shape[4]  # B * K
+        order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, _triton.multiprocessors())
     return Tables(
         q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed,
         jnp.asarray(order),

@@ -1,14 +1,14 @@
-"""The order in which the Gluon dk/dv kernel's programs start.
+"""The order in which the Gluon dk/dv kernel's programs start with segment ids or positions.
 
 A dk/dv program owns a block of keys of one (batch, kv head) and walks the query blocks
-its table entry gives, so programs differ in work: causal ones by their keys' place,
-with documents by their keys' place in their document, and keys no query row of the call
-sees have none (the all-gather call of context parallelism: most of them). The GPU starts
-programs in the order of their index. In the grid's own order, a (batch, kv head)'s
-programs run together (they read the same queries: the L2 serves them), and the last
-group's heaviest programs start last: the kernel waits for them (a model of the order on
-132 SMs: 1.29x the balanced time for one device's call at n = 4 with 16 documents, 1.14x
-for causal B4 T4096 K8).
+its table entry gives, so programs differ in work: with documents by their keys' place
+in their document, and keys no query row of the call sees have none (the all-gather call
+of context parallelism: most of them). The GPU starts programs in the order of their
+index. In the grid's own order, a (batch, kv head)'s programs run together (they read the
+same queries: the L2 serves them), and the last group's heaviest programs start last:
+the kernel waits for them (a model of the order on 132 SMs: 1.29x the balanced time for
+one device's call at n = 4 with 16 documents, `tests/test_schedule.py`). Causal calls
+and windows keep the grid's order (not yet measured with this one).
 
 `dkdv_order` keeps the groups in order but takes them in blocks, each block's programs
 heaviest first: a block holds about as many programs with work as the GPU runs at once

@@ -318,11 +318,10 @@ def gluon_dkdv_kernel(
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
     keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
     4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` each program's
-    tile with segment ids or positions (int32 ``[B·K·key blocks]``, `program_tile`); with ``DQ``,
-    ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled; head_dim
-    128), else it
-    is unused; ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix); INTERPRET
-    is unused."""
+    tile with segment ids or positions (int32 ``[B·K·key blocks]``, `program_tile`); with
+    ``DQ``, ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled;
+    head_dim 128), else it is unused; ``scratch_ptr`` holds the TMA descriptors (see
+    _jax_triton_fix); INTERPRET is unused."""
     F: gl.constexpr = DkdvOptions(
         T=T,
         S=S,

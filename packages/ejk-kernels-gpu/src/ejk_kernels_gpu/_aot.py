@@ -224,19 +224,13 @@ def compile_table(block: int, inner: int, after_full: bool, length: int = 16384)
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from ._masks import CHUNK_ELEMENTS, TABLE_WARPS, _power_of_two
+    from ._masks import TABLE_WARPS, table_constexprs
 
     module = importlib.import_module("ejk_kernels_gpu._jit_kernels")
     if module.INTERPRET:
         raise RuntimeError("compile_table needs TRITON_INTERPRET unset (run it in a subprocess)")
     fn = module.segment_table_kernel
-    num_inner = -(-length // inner)
-    consts = dict(
-        L=length, M=length, NBLK=-(-length // block), BLOCK=block, INNER=inner,
-        BLOCK_P2=_power_of_two(block), INNER_P2=_power_of_two(inner),
-        CHUNK=min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // _power_of_two(inner))),
-        AFTER_FULL=after_full, INTERPRET=False,
-    )  # fmt: skip
+    consts = dict(table_constexprs(length, length, block, inner, after_full), INTERPRET=False)
     pointers = {name: "*i32" for name in fn.arg_names if name not in consts}
     signature, attrs = source_signature(fn, pointers, consts)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)

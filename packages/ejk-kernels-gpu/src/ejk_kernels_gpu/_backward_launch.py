@@ -19,7 +19,8 @@ from ._options import (
     kernel_constexprs,
     runnable_config,
 )
-from ._triton import hopper_gpu, kernels, launch
+from ._schedule import dkdv_order
+from ._triton import hopper_gpu, kernels, launch, multiprocessors
 
 __all__ = ["backward"]
 
@@ -65,10 +66,13 @@ def _gluon_dkdv(
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     # head_dim 256: the consumers split dK's and dV's columns (`_gluon_backward_wide`)
     wide = q.shape[3] == 256
+    order = dummy()  # read with documents or positions only (`program_tile`)
+    if opts.ordered_dkdv():
+        order = jnp.asarray(dkdv_order(tables.dkdv_ranges, grid[1], cfg.block_k, multiprocessors()))
     dk, dv, dq_sum, _ = launch(
         kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel,
         grid,
-        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, tables.dkdv_order),
+        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, order),
         (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),

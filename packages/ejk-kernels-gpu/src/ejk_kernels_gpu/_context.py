@@ -50,8 +50,6 @@ from ._options import (
     gluon_dkdv_tiles,
     offer_gluon,
 )
-from ._schedule import dkdv_order
-from ._triton import multiprocessors
 
 __all__ = ["BlockMasks", "block_backward", "block_forward", "block_options"]
 
@@ -198,11 +196,9 @@ def block_tables(
     k_offset: Offset,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None,
     dropout_key: UInt32[Array, 5] | None = None,
-    *,
-    groups: int,
 ) -> Tables:
     """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``;
-    ``q_offset`` a tuple: the rows are equal chunks at those offsets); ``groups``: B·K."""
+    ``q_offset`` a tuple: the rows are equal chunks at those offsets)."""
     chunks = _chunk_offsets(q_offset, q_len)
     if len(chunks) > 1 and masks.dropout_rate > 0.0:
         raise ValueError(
@@ -233,13 +229,7 @@ def block_tables(
             f"dropout_rate={masks.dropout_rate} and a key {'' if dropout_key is None else 'not '}None"
         )
     seed = dummy(jnp.uint32) if dropout_key is None else jnp.asarray(dropout_key, jnp.uint32)
-    order = dummy()  # read by the Gluon dk/dv kernel with documents or positions only
-    if opts.ordered_dkdv():
-        order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, multiprocessors())
-    return Tables(
-        q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed,
-        jnp.asarray(order),
-    )  # fmt: skip
+    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
 
 
 def block_forward(
@@ -279,9 +269,8 @@ def block_forward(
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, config)
     tables = block_tables(
-        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key,
-        groups=q.shape[0] * k.shape[2],
-    )  # fmt: skip
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
+    )
     out, lse, _ = forward(opts, q, k, v, None, None, tables)
     return out, lse
 
@@ -318,8 +307,7 @@ def block_backward(
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
     tables = block_tables(
-        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key,
-        groups=q.shape[0] * k.shape[2],
-    )  # fmt: skip
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
+    )
     dq, dk, dv, _, _ = backward(opts, q, k, v, None, None, tables, out, lse, d_out, d_lse)
     return dq, dk, dv

@@ -27,7 +27,6 @@ from ejk_sequtils import AttentionRequest, dropout_key
 from . import _triton
 from ._config import gluon_dq_beside
 from ._options import CallOptions
-from ._schedule import dkdv_order
 
 __all__ = [
     "Packing",
@@ -270,6 +269,20 @@ def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def table_constexprs(
+    length: int, other_len: int, block: int, inner_block: int, positions_after_full: bool
+) -> dict[str, Any]:
+    """`_table_kernel.segment_table_kernel`'s compile-time arguments (`fused_segment_table`)."""
+    inner_p2 = _power_of_two(inner_block)
+    num_inner = -(-other_len // inner_block)
+    return dict(
+        L=length, M=other_len, NBLK=-(-length // block), BLOCK=block, INNER=inner_block,
+        BLOCK_P2=_power_of_two(block), INNER_P2=inner_p2,
+        CHUNK=min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // inner_p2)),
+        AFTER_FULL=positions_after_full,
+    )  # fmt: skip
+
+
 def fused_segment_table(
     table: Table,
     ids: Array,
@@ -283,22 +296,14 @@ def fused_segment_table(
     in one Triton kernel (`_table_kernel`): the same int32 ``[B, blocks, 4]``, one launch
     in place of a few XLA kernels."""
     batch, length = ids.shape
-    other_len = other_ids.shape[1]
-    nblk = -(-length // block)
-    inner_p2 = _power_of_two(inner_block)
-    num_inner = -(-other_len // inner_block)
-    chunk = min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // inner_p2))
-    constexprs = dict(
-        L=length, M=other_len, NBLK=nblk, BLOCK=block, INNER=inner_block,
-        BLOCK_P2=_power_of_two(block), INNER_P2=inner_p2, CHUNK=chunk,
-        AFTER_FULL=positions_after_full,
-    )  # fmt: skip
+    consts = table_constexprs(length, other_ids.shape[1], block, inner_block, positions_after_full)
+    nblk = consts["NBLK"]
     (out,) = _triton.launch(
         _triton.kernels().segment_table_kernel,
         (nblk, batch),
         (ids.astype(jnp.int32), other_ids.astype(jnp.int32), jnp.asarray(table, jnp.int32)),
         (jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),),
-        constexprs,
+        consts,
         num_warps=TABLE_WARPS,
         num_stages=1,
     )
@@ -344,15 +349,14 @@ def range_tables(
     after_full = (opts.causal, False, False)  # the forward's (see `_intersect`)
     if fused is None:
         fused = not _triton.interpreting()
-    if fused:
-        return tuple(
-            fused_segment_table(table, *ids, *blocks, positions_after_full=p)
-            for table, ids, blocks, p in zip(tables, ids_of, shapes, after_full, strict=True)
-        )
-    return tuple(
-        _intersect(table, segment_block_table(*ids, *blocks), blocks[1], positions_after_full=p)
-        for table, ids, blocks, p in zip(tables, ids_of, shapes, after_full, strict=True)
-    )
+
+    def with_ids(table, ids, blocks, after):
+        if fused:
+            return fused_segment_table(table, *ids, *blocks, positions_after_full=after)
+        seg = segment_block_table(*ids, *blocks)
+        return _intersect(table, seg, blocks[1], positions_after_full=after)
+
+    return tuple(map(with_ids, tables, ids_of, shapes, after_full))
 
 
 def dummy(dtype: object = jnp.int32) -> Array:
@@ -374,7 +378,6 @@ class Tables:
     dq_ranges: Any
     dkdv_ranges: Any
     seed: Any  # dropout: uint32 [seed, b0, n0, i0, j0] (`ejk_sequtils.dropout_key`)
-    dkdv_order: Any  # the Gluon dk/dv kernel's program order, documents or positions (`_schedule`)
 
     def masking(self) -> tuple[Any, ...]:
         """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
@@ -413,11 +416,4 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         seed = dummy(jnp.uint32)
     else:
         seed = dropout_key(request.dropout_seed, request.dropout_offsets)
-    order = dummy()  # read by the Gluon dk/dv kernel with documents or positions only
-    if opts.ordered_dkdv():
-        groups = request.shape[0] * request.shape[4]  # B * K
-        order = dkdv_order(dkdv_table, groups, opts.bwd_cfg.block_k, _triton.multiprocessors())
-    return Tables(
-        q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed,
-        jnp.asarray(order),
-    )  # fmt: skip
+    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)

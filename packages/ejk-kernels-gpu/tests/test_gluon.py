@@ -124,8 +124,11 @@ def _emulate_gluon(inputs, consts):
     each masked block through the kernel's mask rules (causal: those after the full range
     without segment ids). A table that sends a block needing a mask down the unmasked
     path, misses a visible block or leaves other ids after its full range in a causal call,
-    gives a wrong answer here."""
-    q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges = (np.asarray(x) for x in inputs)
+    gives a wrong answer here. Tiles are taken in the order the launch passes
+    (`_schedule.tile_order`), which must be a permutation of them."""
+    q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
+        np.asarray(x) for x in inputs
+    )
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
     c = consts
     batch, q_len, heads, head_dim = q.shape
@@ -134,7 +137,9 @@ def _emulate_gluon(inputs, consts):
     out = np.zeros(q.shape, np.float32)
     lse = np.full((batch, heads, q_len), -np.inf, np.float32)
     n_m = -(-q_len // bm)
-    for b, n, pid in itertools.product(range(batch), range(heads), range(n_m)):
+    np.testing.assert_array_equal(np.sort(order), np.arange(batch * heads * n_m))
+    for tile in order:
+        (b, n), pid = divmod(int(tile) // n_m, heads), int(tile) % n_m
         row0 = pid * bm
         if c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]:  # the block table's range
             lo, full_lo, full_hi, hi = ranges[b, pid] if c["HAS_SEG"] else ranges[pid]
@@ -151,15 +156,15 @@ def _emulate_gluon(inputs, consts):
         l_sum = np.zeros(bm, np.float32) if sink is None else np.ones(bm, np.float32)
         acc = np.zeros((bm, head_dim), np.float32)
         # (block, masked, segment ids compared)
-        order = [(j_lo, c["MASKED"], True)] if j_hi > j_lo else []
+        walk = [(j_lo, c["MASKED"], True)] if j_hi > j_lo else []
         if j_hi > j_lo:
             if c["MASKED"]:
-                order += [(j, True, True) for j in range(j_lo + 1, jf_lo)]
-            order += [(j, False, True) for j in range(max(jf_lo, j_lo + 1), jf_hi)]
+                walk += [(j, True, True) for j in range(j_lo + 1, jf_lo)]
+            walk += [(j, False, True) for j in range(max(jf_lo, j_lo + 1), jf_hi)]
             if c["MASKED"]:
                 after = range(max(jf_hi, j_lo + 1), j_hi)
-                order += [(j, True, not c["CAUSAL"]) for j in after]
-        for j, masked, ids in order:
+                walk += [(j, True, not c["CAUSAL"]) for j in after]
+        for j, masked, ids in walk:
             keys = j * bn + np.arange(bn)
             kk = np.minimum(keys, kv_len - 1)
             kh = n // c["G"]
@@ -196,8 +201,8 @@ def _emulate_gluon_dkdv(inputs, consts):
     rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the
     end, keys past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed
     into a float32 dq (else a one-element placeholder, as the launch's). With segment ids
-    or positions, programs take their tiles from the order input as the kernel does
-    (`program_tile`), which must be a permutation of the grid's tiles.
+    Programs take their tiles from the order input as the kernel does (`program_tile`),
+    which must be a permutation of the grid's tiles.
     A range that skips a block some key sees, or a full range that holds a hidden pair,
     gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
@@ -212,10 +217,7 @@ def _emulate_gluon_dkdv(inputs, consts):
     dv = np.zeros(v.shape, np.float32)
     dq = np.zeros(q.shape if c["DQ"] else (1,), np.float32)
     blocks = -(-kv_len // bn)
-    if c["HAS_SEG"] or c["VARLEN"]:
-        np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
-    else:  # the grid's order
-        order = np.arange(batch * kv_heads * blocks)
+    np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
     for tile in order:
         pid_n, (b, kh) = tile % blocks, divmod(int(tile) // blocks, kv_heads)
         keys = pid_n * bn + np.arange(bn)
@@ -261,16 +263,21 @@ def _emulate_gluon_dq(inputs, consts):
     one (batch, head)), the key blocks it visits (with a window, packing or segment ids the
     dq table's range, masked outside its full range; else causal up to its last row's key,
     causal on indices and keys past the end masked), P from the saved lse (soft-capped
-    logits, their slope in dS); dq scaled at the end."""
+    logits, their slope in dS); dq scaled at the end. Programs take their tiles from the
+    order input (`program_tile`), a permutation of the grid's tiles."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
     tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
+    order = np.asarray(inputs[13])
     c = consts
     table = c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]
     batch, q_len, heads, _ = q.shape
     kv_len = k.shape[1]
     bm, bn = c["BM"], c["BN"]
     dq = np.zeros(q.shape, np.float32)
-    for b, n, pid_m in itertools.product(range(batch), range(heads), range(-(-q_len // bm))):
+    n_m = -(-q_len // bm)
+    np.testing.assert_array_equal(np.sort(order), np.arange(batch * heads * n_m))
+    for tile in order:
+        (b, n), pid_m = divmod(int(tile) // n_m, heads), int(tile) % n_m
         rows = pid_m * bm + np.arange(bm)
         valid = rows < q_len
         rr = np.minimum(rows, q_len - 1)

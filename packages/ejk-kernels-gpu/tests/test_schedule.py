@@ -1,6 +1,7 @@
-"""The Gluon dk/dv kernel's program order (`_schedule.dkdv_order`): a permutation of the
-grid's tiles, heaviest first within blocks of (batch, kv head) groups, and a shorter
-schedule than the grid's own order where programs' work is uneven."""
+"""The Gluon kernels' program order (`_schedule.tile_order`): a permutation of the grid's
+tiles, heaviest first within blocks of (batch, head) groups, and a shorter schedule than
+the grid's own order where programs' work is uneven; the steps it weighs, from block
+tables and from causal alone, are the blocks the kernels walk."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu._schedule import dkdv_order
+from ejk_kernels_gpu._schedule import causal_steps, table_steps, tile_order
 
 
 def _documents_table(key_blocks, busy_documents, doc_blocks=16, rows=64):
@@ -45,7 +46,7 @@ def test_the_order_is_a_permutation_heaviest_first_within_blocks(batch_rows):
         table = np.stack([_documents_table(key_blocks, set(rng.choice(3, 2))) for _ in range(2)])
     else:
         table = _documents_table(key_blocks, {0, 2})
-    order = dkdv_order(table, groups, 64, multiprocessors=16)
+    order = tile_order(table_steps(table, 64), groups, multiprocessors=16)
     assert isinstance(order, np.ndarray) and order.dtype == np.int32
     np.testing.assert_array_equal(np.sort(order), np.arange(groups * key_blocks))
     steps = np.broadcast_to(
@@ -69,13 +70,54 @@ def test_the_order_ends_with_light_programs_where_the_grid_order_does_not():
     steps = np.tile(np.ceil((table[:, 3] - table[:, 0]) / 64) * 4, groups)  # four q heads
     ideal = (steps + 0.5).sum() / 132
     grid = _makespan(np.arange(steps.size), steps) / ideal
-    ordered = _makespan(dkdv_order(table, groups, 64, 132), steps) / ideal
+    ordered = _makespan(tile_order(table_steps(table, 64), groups, 132), steps) / ideal
     assert grid > 1.2 and ordered < 1.05, (grid, ordered)
+
+
+def test_a_context_forward_ends_with_light_tiles():
+    # One device's all-gather forward at n = 4, T = 32768, causal (zigzag: its query chunks
+    # 0 and 7 of 4096 rows against the whole sequence), 32 heads: in the grid's order each
+    # head's tiles run heaviest first but the heads in order, so the last head's heaviest
+    # start late.
+    rows = np.concatenate([np.arange(4096), 7 * 4096 + np.arange(4096)])
+    table = np.zeros((64, 4), np.int32)
+    table[:, 3] = rows[127::128] + 1  # keys [0, last row]
+    steps = table_steps(table, 128)
+    heads = 32
+    work = np.tile(steps, heads)
+    ideal = (work + 0.5).sum() / 132
+    per_head = np.arange(64)[::-1]  # the earlier order: each head's tiles heaviest first
+    before = (np.arange(heads)[:, None] * 64 + per_head[None, :]).reshape(-1)
+    assert _makespan(before, work) / ideal > 1.03
+    assert _makespan(tile_order(steps, heads, 132), work) / ideal < 1.01
 
 
 def test_traced_tables_give_the_same_order():
     rng = np.random.default_rng(1)
     table = np.stack([_documents_table(24, set(rng.choice(2, 1)), doc_blocks=8) for _ in range(3)])
-    want = dkdv_order(table, 6, 64, 4)
-    got = jax.jit(lambda t: dkdv_order(t, 6, 64, 4))(jnp.asarray(table))
+    want = tile_order(table_steps(table, 64), 6, 4)
+    got = jax.jit(lambda t: tile_order(table_steps(t, 64), 6, 4))(jnp.asarray(table))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_steps_are_the_blocks_the_kernels_walk():
+    # Table entries [lo, full_lo, full_hi, hi): blocks lo // b to cdiv(hi, b); none if empty.
+    table = np.array([[0, 0, 0, 128], [100, 128, 256, 300], [64, 64, 64, 64], [5, 0, 0, 0]])
+    np.testing.assert_array_equal(table_steps(table, 128), [1, 3, 0, 0])
+    # Without a table: a query block walks the keys up to its last row (causal on indices),
+    # a key block the query blocks from the one holding its first key; else all of them.
+    rows = causal_steps(programs=4, own_block=128, walked=448, walked_block=64, causal=True,
+                        rows_own=True)  # fmt: skip
+    np.testing.assert_array_equal(rows, [2, 4, 6, 7])
+    keys = causal_steps(programs=3, own_block=128, walked=384, walked_block=64, causal=True,
+                        rows_own=False)  # fmt: skip
+    np.testing.assert_array_equal(keys, [6, 4, 2])
+    plain = causal_steps(programs=3, own_block=128, walked=384, walked_block=64, causal=False,
+                         rows_own=False)  # fmt: skip
+    np.testing.assert_array_equal(plain, [6, 6, 6])
+
+
+def test_equal_work_keeps_the_grid_order():
+    steps = causal_steps(programs=16, own_block=128, walked=2048, walked_block=128,
+                         causal=False, rows_own=True)  # fmt: skip
+    np.testing.assert_array_equal(tile_order(steps, 12, 132), np.arange(12 * 16))

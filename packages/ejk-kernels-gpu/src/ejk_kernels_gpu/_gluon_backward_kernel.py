@@ -6,9 +6,9 @@ Alg. 2, on Hopper's warpgroup matrix instructions). With a window, packed sequen
 segment ids the query blocks come from the dk/dv block table (`_masks.block_table`,
 ``(lo, full_lo, full_hi, hi)`` in query rows): blocks outside ``[lo, hi)`` are never
 loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide pairs by
-the forward's rule (`_gluon_common.visible`); causal alone needs no table. With segment
-ids or positions the programs take their tiles in the order `_schedule.dkdv_order` gives
-(`program_tile`).
+the forward's rule (`_gluon_common.visible`); causal alone needs no table. Programs take
+their tiles in the order the launch gives (`_schedule.tile_order`, `program_tile`): a few
+groups at a time, the heaviest first.
 
 - a producer warp copies the program's k and v once (not at all for keys no query block
   sees: their dk and dv are zeros), then q and dO of each visited query block into a
@@ -81,20 +81,15 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
-def program_tile(order_ptr, K: gl.constexpr, F: gl.constexpr):
-    """(key block, batch, kv head) of this program. With segment ids or positions, the
-    tile ``order_ptr`` gives its linear index (`_schedule.dkdv_order`: heaviest first within
-    blocks of (batch, kv head)); else the grid's (causal: each group's heaviest first; a
-    window's programs hold equal work but for the last few)."""
-    if F.HAS_SEG or F.VARLEN:
-        blocks = gl.num_programs(0)
+def program_tile(order_ptr, blocks: gl.constexpr, ORDERED: gl.constexpr = True):
+    """(block, group) of this program of a (blocks, groups) grid: the tile ``order_ptr``
+    gives its linear index (`_schedule.tile_order`: heaviest first within blocks of
+    groups, a group being one (batch, head) or (batch, kv head)); without ``ORDERED`` the
+    grid's own."""
+    if ORDERED:
         tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
-        pid_n = tile % blocks
-        group = tile // blocks
-    else:
-        pid_n = gl.program_id(0)
-        group = gl.program_id(1)
-    return pid_n, group // K, group % K
+        return tile % blocks, tile // blocks
+    return gl.program_id(0), gl.program_id(1)
 
 
 @gluon.jit
@@ -318,7 +313,7 @@ def gluon_dkdv_kernel(
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
     keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
     4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` each program's
-    tile with segment ids or positions (int32 ``[B·K·key blocks]``, `program_tile`); with
+    tile (int32 ``[B·K·key blocks]``, `program_tile`); with
     ``DQ``, ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled;
     head_dim 128), else it is unused; ``scratch_ptr`` holds the TMA descriptors (see
     _jax_triton_fix); INTERPRET is unused."""
@@ -346,7 +341,9 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    pid_n, b, kh = program_tile(order_ptr, K, F)
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN)
+    b = group // K
+    kh = group % K
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:
@@ -527,7 +524,7 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
 @gluon.jit
 def gluon_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr,
-    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
     dq_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr, SCALE: gl.constexpr, QK: gl.constexpr, SOFT_CAP: gl.constexpr,
@@ -540,7 +537,8 @@ def gluon_dq_kernel(
     """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T],
     the mask tables and ``ranges_ptr``, the dq block table (``[query blocks, 4]``,
     ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
-    grid (query blocks of BM, B·N), causal programs heaviest first. Two consumer
+    grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr``
+    (`program_tile`). Two consumer
     warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
     STAGES slots (the forward's schedule, `_gluon_forward_kernel`, without its pipelining
     across steps); rows and keys past the ends are zero-filled on load, clipped on store."""
@@ -552,8 +550,7 @@ def gluon_dq_kernel(
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
     n_m: gl.constexpr = (T + BM - 1) // BM
-    pid_m = n_m - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    bn = gl.program_id(1)
+    pid_m, bn = program_tile(order_ptr, n_m)
     b = (bn // N).to(gl.int64)
     n = bn % N
     dtype: gl.constexpr = q_ptr.dtype.element_ty

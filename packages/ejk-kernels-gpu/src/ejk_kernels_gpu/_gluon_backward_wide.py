@@ -195,7 +195,11 @@ def gluon_dkdv_wide_kernel(
     gl.static_assert(H == 2 * _COLS and not DQ, "head_dim 256, dq beside")
     K: gl.constexpr = N // G
     R: gl.constexpr = BM // 2
-    pid_n, b, kh = program_tile(order_ptr, K, F)
+    # The order only with segment ids or positions: loading it costs this kernel a register
+    # (4 bytes of spills unmasked and windowed), and causal programs start heaviest first.
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, HAS_SEG or VARLEN)
+    b = group // K
+    kh = group % K
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

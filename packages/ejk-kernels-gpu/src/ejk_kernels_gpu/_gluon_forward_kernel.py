@@ -26,10 +26,11 @@ where those keys hold the block's own segment id (`_masks._intersect`). A soft c
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
 rest of the softmax.
 
-A tile is one query block of one (batch, head). Where T and S fill whole tiles
+A tile is one query block of one (batch, head); programs take tiles in the order the
+launch gives (`_schedule.tile_order`: a few heads' query blocks at a time, so the programs
+at work share k and v in L2, the heaviest first). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
-atomic counter (`_producer`; the query blocks of a head consecutive, so the programs at
-work share k and v in L2, and programs with lighter tiles take more): the producer copies
+atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
 tile's epilogue, and the ring's slots and phases run on across tiles (``count``). Where
 shared memory has room (``OBUF``, `_options.gluon_obuf`: head_dim 64, or 128 with two
@@ -42,7 +43,7 @@ through the same per-tile bodies (`_produce_tile`, `_consume_tile`).
 Calls it takes (`_options.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
 (256 with 64-key tiles), a positive scale, no bias or dropout; any masks, soft cap,
 sinks, grouped heads, key and query lengths (TMA zero-fills rows past the ends on load
-and clips them on store). Causal programs start with the heaviest query blocks.
+and clips them on store).
 Rows that see no key (and no sink) give 0 with lse -inf, as the ordinary kernel's.
 
 Gluon kernels do not run in Triton's interpreter: on CPU the ordinary kernels run
@@ -103,13 +104,9 @@ class GluonOptions(NamedTuple):
 
 @gluon.jit
 def _tile(tile, n_m, F: gl.constexpr):
-    """(b, n, b·N + n, query block) of a tile: the query blocks of one (batch, head) are
-    consecutive tiles (programs at work together share k and v in L2), causal ones
-    heaviest first."""
+    """(b, n, b·N + n, query block) of tile ``(b·N + n)·n_m + query block``."""
     bn = tile // n_m
-    m = tile % n_m
-    pid_m = n_m - 1 - m if F.CAUSAL else m
-    return bn // F.N, bn % F.N, bn, pid_m
+    return bn // F.N, bn % F.N, bn, tile - bn * n_m
 
 
 @gluon.jit
@@ -215,29 +212,33 @@ def _publish_tile(tile, it, sched):
 
 
 @gluon.jit
-def _producer(descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr, total, n_m,
+def _producer(descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_m,
               F: gl.constexpr):  # fmt: skip
     """Copy each tile's q and k and v, in the consumers' order (`_produce_tile`).
 
-    Persistent programs take tiles from a counter: each its program id first, then
-    ``num_programs + atomic_add(counter, 1)`` until past the last, so that programs whose
-    tiles hold less work take more of them (causal tiles, documents); the tile order keeps
-    a head's query blocks together (they share k and v in L2). Each tile id is passed to
-    the consumers through the schedule ring (`_publish_tile`); ``total`` ends them."""
+    Persistent programs take places in the tile order from a counter: each its program id
+    first, then ``num_programs + atomic_add(counter, 1)`` until past the last, so that
+    programs whose tiles hold less work take more of them (causal tiles, documents). The
+    order (`_schedule.tile_order`) keeps a head's query blocks together (they share k and v
+    in L2) and starts the heaviest first. Each tile id is passed to the consumers through
+    the schedule ring (`_publish_tile`); ``total`` ends them. ``first``: the tile of this
+    program's id and its key range; ``sched_ptrs``: (the tile order, the counter)."""
     if F.PERSISTENT:
+        order_ptr, counter_ptr = sched_ptrs
         count = 0  # key blocks copied by this program
         it = 0  # tiles taken by this program
-        tile = gl.program_id(0)
-        while tile < total:
+        place = gl.program_id(0)
+        while place < total:
+            tile = gl.load(order_ptr + place)
             _publish_tile(tile, it, sched)
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
             count = _produce_tile(tile, count, it & 1, blocks, descs, smem, bars, n_m, F)
-            tile = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)
+            place = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)
             it += 1
         _publish_tile(total, it, sched)
     else:
-        _produce_tile(gl.program_id(0), 0, 0, first_blocks, descs, smem, bars, n_m, F)
+        _produce_tile(first[0], 0, 0, first[1], descs, smem, bars, n_m, F)
 
 
 @gluon.jit
@@ -445,7 +446,7 @@ def _read_tile(it, sched):
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total, n_m, tabs,
+def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total, n_m, tabs,
               F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
     """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`); persistent
     programs take the tiles the producer publishes (`_producer`) until ``total``."""
@@ -461,8 +462,8 @@ def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, tota
             it += 1
             tile = _read_tile(it, sched)
     else:  # the one tile's key range, read before the partitions split the registers
-        _consume_tile(gl.program_id(0), 0, 0, first_blocks, smem, bars, dest, sinks_ptr, n_m,
-                      tabs, F, HAS_SINKS, C)  # fmt: skip
+        _consume_tile(first[0], 0, 0, first[1], smem, bars, dest, sinks_ptr, n_m, tabs, F,
+                      HAS_SINKS, C)  # fmt: skip
     if F.OBUF:
         tma.store_wait(0)
 
@@ -470,7 +471,7 @@ def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, tota
 @gluon.jit
 def gluon_fwd_kernel(
     q_ptr, k_ptr, v_ptr, sinks_ptr,
-    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr,
+    qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
     o_ptr, lse_ptr, counter_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr,
@@ -483,8 +484,9 @@ def gluon_fwd_kernel(
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
-    segment ids); ``counter_ptr``: one int32, zero on entry, the persistent programs' tile
-    counter (`_producer`); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
+    segment ids); ``order_ptr``: the tiles in the order programs take them
+    (`_schedule.tile_order`); ``counter_ptr``: one int32, zero on entry, the persistent
+    programs' counter of places in that order (`_producer`); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
     INTERPRET is unused. A one-dimensional grid: one program per tile, or with
     ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it
     takes from the counter, so that a tile's first copies overlap the previous one's
@@ -514,7 +516,8 @@ def gluon_fwd_kernel(
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
     else:  # this program's (batch, head): TMA zero-fills and clips rows past T and S
-        where = _tile(gl.program_id(0), n_m, F)
+        tile0 = gl.load(order_ptr + gl.program_id(0))  # this program's tile
+        where = _tile(tile0, n_m, F)
         b = where[0].to(gl.int64)
         n = where[1]
         q_base = b * T * N * H + n * H
@@ -552,19 +555,21 @@ def gluon_fwd_kernel(
     bars = (q_ready, q_empty, kv_bars)
     descs = (q_desc, k_desc, v_desc)
     dest = (o_desc, lse_ptr)  # where o and lse go
-    first = _tile(gl.program_id(0), n_m, F)
-    first_blocks = _key_blocks(ranges_ptr, first[0], first[3], n_m, F)  # unused if persistent
+    if PERSISTENT:  # programs take their tiles in `_producer`
+        first = (0, (0, 0, 0, 0))
+    else:  # the one tile and its key range
+        first = (tile0, _key_blocks(ranges_ptr, where[0], where[3], n_m, F))
     tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr))  # rows', keys' tables
     # Consumers get 240 registers a thread (the default partition gets what is left: 240),
     # the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total,
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total,
                          n_m, tabs, F, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first_blocks, sched, total,
+            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total,
                          n_m, tabs, F, HAS_SINKS, 1)),
-            (_producer, (descs, smem, bars, ranges_ptr, first_blocks, sched, counter_ptr,
+            (_producer, (descs, smem, bars, ranges_ptr, first, sched, (order_ptr, counter_ptr),
                          total, n_m, F)),
         ],
         [4, 1],

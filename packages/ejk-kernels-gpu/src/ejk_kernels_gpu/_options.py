@@ -81,12 +81,6 @@ class CallOptions:
         ids): the Gluon backward then walks the dk/dv block table."""
         return self.window is not None or self.has_seg or self.varlen
 
-    def ordered_dkdv(self) -> bool:
-        """Whether the Gluon dk/dv kernel takes its programs' order (`_schedule`): with
-        segment ids or per-token positions (documents, packing, context parallelism's
-        calls), where the programs' work follows the data."""
-        return self.has_seg or self.varlen
-
     def ws_masks(self) -> bool:
         """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""
         return self.fully_visible() or (

@@ -1,19 +1,25 @@
-"""The order in which the Gluon dk/dv kernel's programs start with segment ids or positions.
+"""The order in which the Gluon kernels' programs start.
 
-A dk/dv program owns a block of keys of one (batch, kv head) and walks the query blocks
-its table entry gives, so programs differ in work: with documents by their keys' place
-in their document, and keys no query row of the call sees have none (the all-gather call
-of context parallelism: most of them). The GPU starts programs in the order of their
-index. In the grid's own order, a (batch, kv head)'s programs run together (they read the
-same queries: the L2 serves them), and the last group's heaviest programs start last:
-the kernel waits for them (a model of the order on 132 SMs: 1.29x the balanced time for
-one device's call at n = 4 with 16 documents, `tests/test_schedule.py`). Causal calls
-and windows keep the grid's order (not yet measured with this one).
+A program owns one block of one (batch, head): a forward or dq program a block of query
+rows, walking key blocks; a dk/dv program a block of keys of one (batch, kv head),
+walking query blocks. Programs differ in work: causal ones by their block's place in the
+sequence, with documents by its place in its document, and in context parallelism's
+all-gather call most keys are seen by no row of the device's. The GPU starts programs
+in the order of their index (the persistent forward: the order its programs take tiles
+from its counter). In the grid's own order a (batch, head)'s programs run together (they
+read the same keys or queries: the L2 serves them), and the last group's heaviest
+programs start last: the kernel waits for them. A model of the order on 132 SMs
+(`tests/test_schedule.py`): one device's dk/dv call at n = 4 with 16 documents takes 1.29x
+the balanced time; forwards with each head's heaviest first 1.03x (that device's, T =
+32768; causal B4 T4096 N32) to 1.07x (B8 T2048 N16).
 
-`dkdv_order` keeps the groups in order but takes them in blocks, each block's programs
+`tile_order` keeps the groups in order but takes them in blocks, each block's programs
 heaviest first: a block holds about as many programs with work as the GPU runs at once
 (groups of programs that run together, as before; the model gives 1.00-1.02x), so the
-last ones to start are light.
+last ones to start are light. The kernels read their tile from the order
+(`_gluon_forward_kernel._producer`, `_gluon_backward_kernel.program_tile`); the steps
+each program takes come from its block table (`table_steps`) or, for calls without one,
+from causal alone (`causal_steps`).
 """
 
 from __future__ import annotations
@@ -24,32 +30,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["dkdv_order"]
+from ._triton import multiprocessors
+
+__all__ = ["causal_steps", "grid_order", "launch_order", "table_steps", "tile_order"]
 
 
-def dkdv_order(table: Any, groups: int, query_block: int, multiprocessors: int) -> Any:
-    """int32 ``[groups * key blocks]``: program ``i`` of the dk/dv grid (its linear index,
-    key blocks fastest) runs tile ``order[i] = group * key blocks + key block``.
+def _xp(x: Any):
+    """jnp for values only known when the call runs, else NumPy (the order is then a
+    constant of the compiled call)."""
+    return jnp if isinstance(x, jax.core.Tracer) else np
+
+
+def table_steps(table: Any, block: int) -> Any:
+    """Blocks each program of a block table walks: ``[programs]``, or ``[B, programs]``
+    with segment ids (`_masks.range_tables`: entry ``[lo, full_lo, full_hi, hi)`` in rows
+    or keys; the kernels walk blocks ``lo // block`` to ``cdiv(hi, block)``)."""
+    xp = _xp(table)
+    table = xp.asarray(table)
+    lo, hi = table[..., 0], table[..., 3]
+    return xp.where(hi > lo, -(-hi // block) - lo // block, 0).astype(np.int32)
+
+
+def causal_steps(*, programs: int, own_block: int, walked: int, walked_block: int,
+                 causal: bool, rows_own: bool) -> np.ndarray:  # fmt: skip
+    """Blocks each program walks in a call without a block table: ``programs`` blocks of
+    ``own_block`` (query rows if ``rows_own``, else keys) walking ``walked`` rows or keys
+    in blocks of ``walked_block``; causal on indices as the kernels' own ranges: a query
+    block walks the key blocks up to its last row, a key block the query blocks from the
+    one holding its first key."""
+    walked_blocks = -(-walked // walked_block)
+    start = np.arange(programs) * own_block
+    if not causal:
+        return np.full(programs, walked_blocks, np.int32)
+    if rows_own:
+        return (-(-np.minimum(start + own_block, walked) // walked_block)).astype(np.int32)
+    return (walked_blocks - np.minimum(start // walked_block, walked_blocks)).astype(np.int32)
+
+
+def tile_order(steps: Any, groups: int, multiprocessors: int) -> Any:
+    """int32 ``[groups * programs]``: program ``i`` of the grid (its linear index, blocks
+    fastest) runs tile ``order[i] = group * programs + block``.
 
     Args:
-        table: the dk/dv block table, ``[key blocks, 4]`` or ``[B, key blocks, 4]``
-            (`_masks.range_tables`; a program's query rows are ``[lo, hi)``).
-        groups: ``B * K``, the grid's second axis (group ``g`` is batch ``g // K``).
-        query_block: query rows a step (work is counted in steps).
+        steps: each program's work, ``[programs]`` (every group alike) or ``[B,
+            programs]`` (per batch row; group ``g`` is batch row ``g // (groups // B)``).
+        groups: the (batch, head) pairs, batch-major.
         multiprocessors: programs the GPU runs at once (one a multiprocessor).
 
     Returns:
-        A permutation of the tiles; NumPy where ``table`` is known when the call is traced
+        A permutation of the tiles; NumPy where ``steps`` is known when the call is traced
         (a constant of the compiled call), else jnp.
     """
-    if not isinstance(table, jax.core.Tracer):
-        table = np.asarray(table)
-    xp = np if isinstance(table, np.ndarray) else jnp
-    nk = table.shape[-2]
-    steps = -(-xp.maximum(table[..., 3] - table[..., 0], 0) // query_block)
-    per_batch = groups // (table.shape[0] if table.ndim == 3 else 1)
-    steps = xp.broadcast_to(steps.reshape(-1, 1, nk), (groups // per_batch, per_batch, nk))
-    steps = steps.reshape(groups, nk).astype(np.int32)
+    xp = _xp(steps)
+    steps = xp.asarray(steps)
+    programs = steps.shape[-1]
+    rows = steps.shape[0] if steps.ndim == 2 else 1
+    steps = xp.broadcast_to(steps.reshape(rows, 1, programs), (rows, groups // rows, programs))
+    steps = steps.reshape(groups, programs).astype(np.int32)
     busy = xp.maximum(xp.sum(steps > 0), 1)
     # Groups a block: the power of two nearest above multiprocessors / busy programs a group.
     wanted = xp.maximum(multiprocessors * groups / busy, 1.0)
@@ -60,3 +97,33 @@ def dkdv_order(table: Any, groups: int, query_block: int, multiprocessors: int) 
     if xp is np:
         return np.argsort(key.reshape(-1), kind="stable").astype(np.int32)
     return jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def grid_order(groups: int, programs: int, *, reverse: bool) -> np.ndarray:
+    """The grid's own order, each group's programs last to first with ``reverse`` (causal
+    forward and dq programs: the heaviest first)."""
+    per_group = np.arange(programs)[::-1] if reverse else np.arange(programs)
+    return (np.arange(groups)[:, None] * programs + per_group[None, :]).reshape(-1).astype(np.int32)
+
+
+def launch_order(table: Any, *, data: bool, blocked: bool, causal: bool, groups: int,
+                 programs: int, own_block: int, walked: int, walked_block: int,
+                 rows_own: bool) -> Any:  # fmt: skip
+    """The tile order a Gluon kernel's launch passes.
+
+    - ``data`` (segment ids or positions, where the work follows the data: the dk/dv
+      kernel): `tile_order` of the block table's steps, sorted when the call runs.
+    - ``blocked`` (calls without a table where the launch measured faster so): `tile_order`
+      of `causal_steps`, a constant of the call.
+    - Else the grid's order, causal forward and dq programs heaviest first.
+
+    ``programs`` of ``own_block`` rows (``rows_own``) or keys over ``walked`` keys or rows
+    in steps of ``walked_block``; ``groups`` of them, batch-major.
+    """
+    if data:
+        return jnp.asarray(tile_order(table_steps(table, walked_block), groups, multiprocessors()))
+    if blocked:
+        steps = causal_steps(programs=programs, own_block=own_block, walked=walked,
+                             walked_block=walked_block, causal=causal, rows_own=rows_own)  # fmt: skip
+        return jnp.asarray(tile_order(steps, groups, multiprocessors()))
+    return jnp.asarray(grid_order(groups, programs, reverse=causal and rows_own))

@@ -341,7 +341,9 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN)
+    # The order with segment ids or positions, or grouped heads (`_backward_launch`); one
+    # head a program keeps the grid's order, without the load (its register).
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, HAS_SEG or VARLEN or G > 1)
     b = group // K
     kh = group % K
     dtype: gl.constexpr = q_ptr.dtype.element_ty

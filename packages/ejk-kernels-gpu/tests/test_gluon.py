@@ -116,6 +116,16 @@ def _visible(c, b, rows, keys, tabs, lengths, ids=True):
     return vis
 
 
+def _tiles(order, count, consts):
+    """The tiles a Gluon kernel's programs take, in order: with ``ORDERED`` the launch's
+    order, which must be a permutation of them; else the grid's (a placeholder order)."""
+    if consts["ORDERED"]:
+        np.testing.assert_array_equal(np.sort(order), np.arange(count))
+        return order
+    assert order.shape == (1,), order.shape
+    return range(count)
+
+
 def _emulate_gluon(inputs, consts):
     """The Gluon forward's algorithm in NumPy (float32): per query block, the key blocks of
     its table row (unmasked and causal-only calls: the range from its rows) walked as the
@@ -124,8 +134,8 @@ def _emulate_gluon(inputs, consts):
     each masked block through the kernel's mask rules (causal: those after the full range
     without segment ids). A table that sends a block needing a mask down the unmasked
     path, misses a visible block or leaves other ids after its full range in a causal call,
-    gives a wrong answer here. Tiles are taken in the order the launch passes
-    (`_schedule.tile_order`), which must be a permutation of them."""
+    gives a wrong answer here. With ``ORDERED`` tiles are taken in the order the launch
+    passes (`_schedule.launch_order`), which must be a permutation of them."""
     q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
         np.asarray(x) for x in inputs
     )
@@ -137,8 +147,7 @@ def _emulate_gluon(inputs, consts):
     out = np.zeros(q.shape, np.float32)
     lse = np.full((batch, heads, q_len), -np.inf, np.float32)
     n_m = -(-q_len // bm)
-    np.testing.assert_array_equal(np.sort(order), np.arange(batch * heads * n_m))
-    for tile in order:
+    for tile in _tiles(order, batch * heads * n_m, c):
         (b, n), pid = divmod(int(tile) // n_m, heads), int(tile) % n_m
         row0 = pid * bm
         if c["WINDOW_LEFT"] >= 0 or c["VARLEN"] or c["HAS_SEG"]:  # the block table's range
@@ -201,8 +210,8 @@ def _emulate_gluon_dkdv(inputs, consts):
     rebuilt from the saved lse (rows without mass: 0; soft-capped logits); dk scaled at the
     end, keys past the end dropped; with ``DQ`` the unscaled ``dS·k`` of every step summed
     into a float32 dq (else a one-element placeholder, as the launch's). With segment ids
-    Programs take their tiles from the order input as the kernel does (`program_tile`),
-    which must be a permutation of the grid's tiles.
+    With ``ORDERED`` programs take their tiles from the order input as the kernel does
+    (`program_tile`), which must be a permutation of the grid's tiles.
     A range that skips a block some key sees, or a full range that holds a hidden pair,
     gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
@@ -217,8 +226,7 @@ def _emulate_gluon_dkdv(inputs, consts):
     dv = np.zeros(v.shape, np.float32)
     dq = np.zeros(q.shape if c["DQ"] else (1,), np.float32)
     blocks = -(-kv_len // bn)
-    np.testing.assert_array_equal(np.sort(order), np.arange(batch * kv_heads * blocks))
-    for tile in order:
+    for tile in _tiles(order, batch * kv_heads * blocks, c):
         pid_n, (b, kh) = tile % blocks, divmod(int(tile) // blocks, kv_heads)
         keys = pid_n * bn + np.arange(bn)
         valid = keys < kv_len
@@ -263,8 +271,8 @@ def _emulate_gluon_dq(inputs, consts):
     one (batch, head)), the key blocks it visits (with a window, packing or segment ids the
     dq table's range, masked outside its full range; else causal up to its last row's key,
     causal on indices and keys past the end masked), P from the saved lse (soft-capped
-    logits, their slope in dS); dq scaled at the end. Programs take their tiles from the
-    order input (`program_tile`), a permutation of the grid's tiles."""
+    logits, their slope in dS); dq scaled at the end. With ``ORDERED`` programs take their
+    tiles from the order input (`program_tile`), a permutation of the grid's tiles."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
     tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
     order = np.asarray(inputs[13])
@@ -275,8 +283,7 @@ def _emulate_gluon_dq(inputs, consts):
     bm, bn = c["BM"], c["BN"]
     dq = np.zeros(q.shape, np.float32)
     n_m = -(-q_len // bm)
-    np.testing.assert_array_equal(np.sort(order), np.arange(batch * heads * n_m))
-    for tile in order:
+    for tile in _tiles(order, batch * heads * n_m, c):
         (b, n), pid_m = divmod(int(tile) // n_m, heads), int(tile) % n_m
         rows = pid_m * bm + np.arange(bm)
         valid = rows < q_len
@@ -393,6 +400,8 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
         T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=128, CAUSAL=causal, HAS_SINKS=sinks
     )
     assert consts["MASKED"] == causal  # the keys fill their 128-key tiles
+    # the launch's tile order for one program a tile, causal; persistent ones, the grid's
+    assert consts["ORDERED"] == (causal and not persistent)
     assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
     assert (consts["BM"], consts["BN"], consts["STAGES"], kw["num_warps"]) == (128, 128, 3, 4)
     assert outs[:3] == [(q.shape, q.dtype), ((2, heads, q_len), jnp.float32), ((1,), jnp.int32)]
@@ -707,6 +716,7 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
             assert dq_grid == (-(-q_len // 128), 2 * heads)
             assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 2)
             assert dq_outs[0] == (q.shape, q.dtype)
+            assert dq_consts["ORDERED"] == causal  # blocks of heads, the heaviest first
         [(grid, consts, outs, kw)] = gluon_launches.dkdv
         assert grid == (-(-kv_len // 128), 2 * kv_heads)
         assert {n: consts[n] for n in ("B", "T", "S", "N", "G", "H", "CAUSAL", "BM", "BN", "STAGES")} == dict(
@@ -720,6 +730,8 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
             assert consts["CAP_IN"] == pytest.approx(128**-0.5 / cap)
             assert consts["CAP_OUT"] == pytest.approx(cap * math.log2(math.e))
         assert consts["DQ"] is dq_inside
+        # the launch's order where a program walks grouped heads, causal; else the grid's
+        assert consts["ORDERED"] == (causal and kv_heads < heads)
         dq_out = (q.shape if dq_inside else (1,), jnp.float32)
         assert outs[:3] == [(k.shape, k.dtype), (v.shape, v.dtype), dq_out]
         assert outs[3][0][0] >= _jax_triton_fix.scratch_bytes(grid)

@@ -66,12 +66,8 @@ def _gluon_dkdv(
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     # head_dim 256: the consumers split dK's and dV's columns (`_gluon_backward_wide`)
     wide = q.shape[3] == 256
-    # Programs in blocks of groups, heaviest first: with segment ids or positions from the
-    # table; causal calls without one where a program walks grouped heads (H100, B4 T4096
-    # N32 K8: forward+backward 4.74 against 4.91 ms; one head a program measured 2-4 %
-    # slower so, `_schedule`).
-    grouped = q.shape[2] > kv_heads and not opts.tabled()
-    order = launch_order(tables.dkdv_ranges, data=opts.has_seg or opts.varlen, blocked=grouped,
+    consts = gluon_dkdv_constexprs(opts, q, k, cfg)
+    order = launch_order(tables.dkdv_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,
                          walked=q.shape[1], walked_block=cfg.block_k, rows_own=False)  # fmt: skip
     dk, dv, dq_sum, _ = launch(
@@ -84,7 +80,7 @@ def _gluon_dkdv(
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        gluon_dkdv_constexprs(opts, q, k, cfg),
+        consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         zeroed=(False, False, cfg.atomic_dq, False),
@@ -97,9 +93,9 @@ def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: Fla
     packing or segment ids it walks the dq block table, built for the same tiles)."""
     batch, q_len, heads = q.shape[:3]
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    # Causal calls without a table start the programs in blocks, heaviest first (`_schedule`).
-    order = launch_order(tables.dq_ranges, data=False, blocked=not opts.tabled(), causal=opts.causal,
-                         groups=grid[1], programs=grid[0], own_block=cfg.block_q,
+    consts = gluon_dq_constexprs(opts, q, k, cfg)
+    order = launch_order(tables.dq_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
+                         causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,
                          walked=k.shape[1], walked_block=cfg.block_k, rows_own=True)  # fmt: skip
     dq, _ = launch(
         kernels().gluon_dq_kernel,
@@ -109,7 +105,7 @@ def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: Fla
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        gluon_dq_constexprs(opts, q, k, cfg),
+        consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -29,12 +29,8 @@ def _gluon_forward(
     batch, q_len, heads, _ = q.shape
     consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
-    # One program a tile (head_dim 256) starts its tiles in blocks, heaviest first (H100,
-    # B2 T4096 N16 K8 causal: 0.48 against 0.50 ms); persistent programs, which take their
-    # tiles from a counter, and calls with a table keep each head's heaviest first (the
-    # blocked order measured 2-5 % slower there, `_schedule`).
-    blocked = not (opts.tabled() or consts["PERSISTENT"])
-    order = launch_order(tables.fwd_ranges, data=False, blocked=blocked, causal=opts.causal,
+    order = launch_order(tables.fwd_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
+                         causal=opts.causal,
                          groups=batch * heads, programs=-(-q_len // cfg.block_q),
                          own_block=cfg.block_q, walked=k.shape[1], walked_block=cfg.block_k,
                          rows_own=True)  # fmt: skip

@@ -7,8 +7,9 @@ segment ids the query blocks come from the dk/dv block table (`_masks.block_tabl
 ``(lo, full_lo, full_hi, hi)`` in query rows): blocks outside ``[lo, hi)`` are never
 loaded, blocks inside ``[full_lo, full_hi)`` run without a mask, the others hide pairs by
 the forward's rule (`_gluon_common.visible`); causal alone needs no table. Programs take
-their tiles in the order the launch gives (`_schedule.tile_order`, `program_tile`): a few
-groups at a time, the heaviest first.
+their tiles in the grid's order (each group's heaviest first) or, with ``ORDERED``, in the
+launch's (`_schedule.launch_order`, `program_tile`): a few groups at a time, the heaviest
+first.
 
 - a producer warp copies the program's k and v once (not at all for keys no query block
   sees: their dk and dv are zeros), then q and dO of each visited query block into a
@@ -81,15 +82,19 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
-def program_tile(order_ptr, blocks: gl.constexpr, ORDERED: gl.constexpr = True):
+def program_tile(order_ptr, blocks: gl.constexpr, ORDERED: gl.constexpr):
     """(block, group) of this program of a (blocks, groups) grid: the tile ``order_ptr``
     gives its linear index (`_schedule.tile_order`: heaviest first within blocks of
     groups, a group being one (batch, head) or (batch, kv head)); without ``ORDERED`` the
     grid's own."""
     if ORDERED:
         tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
-        return tile % blocks, tile // blocks
-    return gl.program_id(0), gl.program_id(1)
+        block = tile % blocks
+        group = tile // blocks
+    else:
+        block = gl.program_id(0)
+        group = gl.program_id(1)
+    return block, group
 
 
 @gluon.jit
@@ -305,15 +310,15 @@ def gluon_dkdv_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
     keys) and ``ranges_ptr``, the dk/dv block table (``[key blocks, 4]``, ``[B, key blocks,
-    4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` each program's
-    tile (int32 ``[B·K·key blocks]``, `program_tile`); with
+    4]`` with segment ids), as the ordinary dk/dv kernel's; ``order_ptr`` with ``ORDERED``
+    each program's tile (int32 ``[B·K·key blocks]``, `program_tile`), else the grid's; with
     ``DQ``, ``dq_acc_ptr`` [B, T, N, H] float32, zeros on entry, gains ``dS·k`` (unscaled;
     head_dim 128), else it is unused; ``scratch_ptr`` holds the TMA descriptors (see
     _jax_triton_fix); INTERPRET is unused."""
@@ -341,9 +346,7 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    # The order with segment ids or positions, or grouped heads (`_backward_launch`); one
-    # head a program keeps the grid's order, without the load (its register).
-    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, HAS_SEG or VARLEN or G > 1)
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -534,13 +537,13 @@ def gluon_dq_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    INTERPRET: gl.constexpr,
+    ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T],
     the mask tables and ``ranges_ptr``, the dq block table (``[query blocks, 4]``,
     ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
-    grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr``
-    (`program_tile`). Two consumer
+    grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr`` with
+    ``ORDERED`` (`program_tile`), else causal ones heaviest first. Two consumer
     warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
     STAGES slots (the forward's schedule, `_gluon_forward_kernel`, without its pipelining
     across steps); rows and keys past the ends are zero-filled on load, clipped on store."""
@@ -552,7 +555,8 @@ def gluon_dq_kernel(
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
     n_m: gl.constexpr = (T + BM - 1) // BM
-    pid_m, bn = program_tile(order_ptr, n_m)
+    pid, bn = program_tile(order_ptr, n_m, ORDERED)
+    pid_m = n_m - 1 - pid if CAUSAL and not ORDERED else pid  # the grid's: heaviest first
     b = (bn // N).to(gl.int64)
     n = bn % N
     dtype: gl.constexpr = q_ptr.dtype.element_ty

@@ -182,7 +182,7 @@ def gluon_dkdv_wide_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, 256]: the arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`
     (``dq_acc_ptr`` unused: ``DQ`` must be False); grid (key blocks of BN = 64, B·K)."""
@@ -195,9 +195,7 @@ def gluon_dkdv_wide_kernel(
     gl.static_assert(H == 2 * _COLS and not DQ, "head_dim 256, dq beside")
     K: gl.constexpr = N // G
     R: gl.constexpr = BM // 2
-    # The order only with segment ids or positions: loading it costs this kernel a register
-    # (4 bytes of spills unmasked and windowed), and causal programs start heaviest first.
-    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, HAS_SEG or VARLEN)
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
     dtype: gl.constexpr = q_ptr.dtype.element_ty

@@ -26,9 +26,10 @@ where those keys hold the block's own segment id (`_masks._intersect`). A soft c
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
 rest of the softmax.
 
-A tile is one query block of one (batch, head); programs take tiles in the order the
-launch gives (`_schedule.tile_order`: a few heads' query blocks at a time, so the programs
-at work share k and v in L2, the heaviest first). Where T and S fill whole tiles
+A tile is one query block of one (batch, head); programs take tiles in the grid's order (a
+head's query blocks consecutive, so the programs at work share k and v in L2; causal
+ones heaviest first) or, with ``ORDERED``, in the launch's (`_schedule.launch_order`: a few
+heads' query blocks at a time, the heaviest first). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
@@ -98,15 +99,23 @@ class GluonOptions(NamedTuple):
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
+    ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
     OBUF: bool  # o leaves through a buffer of its own (else q's): q is released after the
     # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
 
 
 @gluon.jit
 def _tile(tile, n_m, F: gl.constexpr):
-    """(b, n, b·N + n, query block) of tile ``(b·N + n)·n_m + query block``."""
+    """(b, n, b·N + n, query block) of a tile: tile ``(b·N + n)·n_m + query block`` taken
+    from the launch's order (``ORDERED``), else the grid's, where the query blocks of one
+    (batch, head) are consecutive tiles (programs at work together share k and v in L2),
+    causal ones heaviest first."""
     bn = tile // n_m
-    return bn // F.N, bn % F.N, bn, tile - bn * n_m
+    if F.ORDERED:
+        return bn // F.N, bn % F.N, bn, tile - bn * n_m
+    m = tile % n_m
+    pid_m = n_m - 1 - m if F.CAUSAL else m
+    return bn // F.N, bn % F.N, bn, pid_m
 
 
 @gluon.jit
@@ -216,20 +225,20 @@ def _producer(descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_
               F: gl.constexpr):  # fmt: skip
     """Copy each tile's q and k and v, in the consumers' order (`_produce_tile`).
 
-    Persistent programs take places in the tile order from a counter: each its program id
-    first, then ``num_programs + atomic_add(counter, 1)`` until past the last, so that
-    programs whose tiles hold less work take more of them (causal tiles, documents). The
-    order (`_schedule.tile_order`) keeps a head's query blocks together (they share k and v
-    in L2) and starts the heaviest first. Each tile id is passed to the consumers through
-    the schedule ring (`_publish_tile`); ``total`` ends them. ``first``: the tile of this
-    program's id and its key range; ``sched_ptrs``: (the tile order, the counter)."""
+    Persistent programs take places in the tile order (`_tile`) from a counter: each its
+    program id first, then ``num_programs + atomic_add(counter, 1)`` until past the last,
+    so that programs whose tiles hold less work take more of them (causal tiles,
+    documents). Each tile id is passed to the consumers through the schedule ring
+    (`_publish_tile`); ``total`` ends them. ``first``: the tile of this program's id and
+    its key range (one program a tile); ``sched_ptrs``: (the launch's tile order, read
+    with ``ORDERED``, the counter)."""
     if F.PERSISTENT:
         order_ptr, counter_ptr = sched_ptrs
         count = 0  # key blocks copied by this program
         it = 0  # tiles taken by this program
         place = gl.program_id(0)
         while place < total:
-            tile = gl.load(order_ptr + place)
+            tile = gl.load(order_ptr + place) if F.ORDERED else place
             _publish_tile(tile, it, sched)
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
@@ -480,13 +489,14 @@ def gluon_fwd_kernel(
     VARLEN: gl.constexpr, SEQ_IDS: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    OBUF: gl.constexpr, INTERPRET: gl.constexpr,
+    OBUF: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
-    segment ids); ``order_ptr``: the tiles in the order programs take them
-    (`_schedule.tile_order`); ``counter_ptr``: one int32, zero on entry, the persistent
-    programs' counter of places in that order (`_producer`); ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
+    segment ids); ``order_ptr``: with ``ORDERED``, the tiles in the order programs take
+    them (`_schedule.launch_order`); ``counter_ptr``: one int32, zero on entry, the
+    persistent programs' counter of places in the order (`_producer`); ``scratch_ptr``
+    holds the TMA descriptors (see _jax_triton_fix);
     INTERPRET is unused. A one-dimensional grid: one program per tile, or with
     ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it
     takes from the counter, so that a tile's first copies overlap the previous one's
@@ -496,7 +506,7 @@ def gluon_fwd_kernel(
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF,
+        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -516,7 +526,7 @@ def gluon_fwd_kernel(
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
     else:  # this program's (batch, head): TMA zero-fills and clips rows past T and S
-        tile0 = gl.load(order_ptr + gl.program_id(0))  # this program's tile
+        tile0 = gl.load(order_ptr + gl.program_id(0)) if ORDERED else gl.program_id(0)
         where = _tile(tile0, n_m, F)
         b = where[0].to(gl.int64)
         n = where[1]

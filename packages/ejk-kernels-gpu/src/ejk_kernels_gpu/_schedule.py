@@ -32,7 +32,7 @@ import numpy as np
 
 from ._triton import multiprocessors
 
-__all__ = ["causal_steps", "grid_order", "launch_order", "table_steps", "tile_order"]
+__all__ = ["causal_steps", "launch_order", "table_steps", "tile_order"]
 
 
 def _xp(x: Any):
@@ -99,31 +99,20 @@ def tile_order(steps: Any, groups: int, multiprocessors: int) -> Any:
     return jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
 
 
-def grid_order(groups: int, programs: int, *, reverse: bool) -> np.ndarray:
-    """The grid's own order, each group's programs last to first with ``reverse`` (causal
-    forward and dq programs: the heaviest first)."""
-    per_group = np.arange(programs)[::-1] if reverse else np.arange(programs)
-    return (np.arange(groups)[:, None] * programs + per_group[None, :]).reshape(-1).astype(np.int32)
-
-
-def launch_order(table: Any, *, data: bool, blocked: bool, causal: bool, groups: int,
+def launch_order(table: Any, *, ordered: bool, tabled: bool, causal: bool, groups: int,
                  programs: int, own_block: int, walked: int, walked_block: int,
                  rows_own: bool) -> Any:  # fmt: skip
-    """The tile order a Gluon kernel's launch passes.
-
-    - ``data`` (segment ids or positions, where the work follows the data: the dk/dv
-      kernel): `tile_order` of the block table's steps, sorted when the call runs.
-    - ``blocked`` (calls without a table where the launch measured faster so): `tile_order`
-      of `causal_steps`, a constant of the call.
-    - Else the grid's order, causal forward and dq programs heaviest first.
-
-    ``programs`` of ``own_block`` rows (``rows_own``) or keys over ``walked`` keys or rows
-    in steps of ``walked_block``; ``groups`` of them, batch-major.
-    """
-    if data:
-        return jnp.asarray(tile_order(table_steps(table, walked_block), groups, multiprocessors()))
-    if blocked:
+    """The tile order a Gluon kernel's launch passes where it takes one (``ordered``, the
+    kernel's ``ORDERED``: `_options.CallOptions.ordered_tiles`), else a placeholder:
+    `tile_order` of the block table's steps (``tabled``: segment ids or positions, sorted
+    when the call runs) or of `causal_steps` (a constant of the call). ``programs`` of
+    ``own_block`` rows (``rows_own``) or keys over ``walked`` keys or rows in steps of
+    ``walked_block``; ``groups`` of them, batch-major."""
+    if not ordered:
+        return jnp.zeros((1,), jnp.int32)
+    if tabled:
+        steps = table_steps(table, walked_block)
+    else:
         steps = causal_steps(programs=programs, own_block=own_block, walked=walked,
                              walked_block=walked_block, causal=causal, rows_own=rows_own)  # fmt: skip
-        return jnp.asarray(tile_order(steps, groups, multiprocessors()))
-    return jnp.asarray(grid_order(groups, programs, reverse=causal and rows_own))
+    return jnp.asarray(tile_order(steps, groups, multiprocessors()))

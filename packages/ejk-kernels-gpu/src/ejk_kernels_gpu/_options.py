@@ -88,9 +88,9 @@ class CallOptions:
         faster (H100, docs/performance.md): ``"dkdv"`` with segment ids or positions (the
         programs' work follows the data) and, causal without a table, where a program
         walks ``grouped`` heads; ``"dq"`` and the forward (``"fwd"``, one program a tile,
-        not ``persistent``) causal without a table. Elsewhere it measured 2-7 % slower
-        (windows, one head a dk/dv program, persistent forwards) or its sort when the call
-        runs costs more than it gains (forwards with segment ids)."""
+        not ``persistent``) causal without a table. Elsewhere it measured level or up to
+        7 % slower (windows, one head a dk/dv program, persistent forwards), or its sort
+        when the call runs cost more than it gained (forwards with segment ids)."""
         plain = self.causal and not self.tabled()
         if kernel == "dkdv":
             return self.has_seg or self.varlen or (plain and grouped)

@@ -16,10 +16,12 @@ the balanced time; forwards with each head's heaviest first 1.03x (that device's
 `tile_order` keeps the groups in order but takes them in blocks, each block's programs
 heaviest first: a block holds about as many programs with work as the GPU runs at once
 (groups of programs that run together, as before; the model gives 1.00-1.02x), so the
-last ones to start are light. The kernels read their tile from the order
-(`_gluon_forward_kernel._producer`, `_gluon_backward_kernel.program_tile`); the steps
-each program takes come from its block table (`table_steps`) or, for calls without one,
-from causal alone (`causal_steps`).
+last ones to start are light. The steps each program takes come from its block table
+(`table_steps`) or, for calls without one, from causal alone (`causal_steps`). A kernel
+reads its tiles from the order (`_gluon_forward_kernel._tile`,
+`_gluon_backward_kernel.program_tile`) only where that measured faster on an H100
+(`CallOptions.ordered_tiles`, docs/performance.md "The tile order"): the L2 and the
+persistent forward's counter make the model's gains real for some calls only.
 """
 
 from __future__ import annotations

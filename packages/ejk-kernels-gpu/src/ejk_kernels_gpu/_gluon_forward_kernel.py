@@ -112,9 +112,10 @@ def _tile(tile, n_m, F: gl.constexpr):
     causal ones heaviest first."""
     bn = tile // n_m
     if F.ORDERED:
-        return bn // F.N, bn % F.N, bn, tile - bn * n_m
-    m = tile % n_m
-    pid_m = n_m - 1 - m if F.CAUSAL else m
+        pid_m = tile - bn * n_m
+    else:
+        m = tile % n_m
+        pid_m = n_m - 1 - m if F.CAUSAL else m
     return bn // F.N, bn % F.N, bn, pid_m
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu._schedule import causal_steps, table_steps, tile_order
+from ejk_kernels_gpu._schedule import causal_steps, launch_order, table_steps, tile_order
 
 
 def _documents_table(key_blocks, busy_documents, doc_blocks=16, rows=64):
@@ -121,3 +121,23 @@ def test_equal_work_keeps_the_grid_order():
     steps = causal_steps(programs=16, own_block=128, walked=2048, walked_block=128,
                          causal=False, rows_own=True)  # fmt: skip
     np.testing.assert_array_equal(tile_order(steps, 12, 132), np.arange(12 * 16))
+
+
+def test_a_launch_passes_an_order_only_where_its_kernel_reads_one():
+    common = dict(causal=True, groups=3, programs=8, own_block=128, walked=1024,
+                  walked_block=128, rows_own=True)  # fmt: skip
+    placeholder = launch_order(None, ordered=False, tabled=False, **common)
+    assert placeholder.shape == (1,)
+    # Without a table: the order of causal steps, a constant of the call.
+    plain = launch_order(None, ordered=True, tabled=False, **common)
+    steps = causal_steps(programs=8, own_block=128, walked=1024, walked_block=128,
+                         causal=True, rows_own=True)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(plain), tile_order(steps, 3, 132))
+    # With a table (traced, as segment ids make it): the order of its steps.
+    table = np.zeros((8, 4), np.int32)
+    table[:, 3] = np.arange(8)[::-1] * 128  # the first block the heaviest
+    got = jax.jit(lambda t: launch_order(t, ordered=True, tabled=True, **common))(
+        jnp.asarray(table)
+    )
+    np.testing.assert_array_equal(np.asarray(got), tile_order(table_steps(table, 128), 3, 132))
+    assert not np.array_equal(np.asarray(got), np.asarray(plain))

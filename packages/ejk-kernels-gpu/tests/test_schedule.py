@@ -141,3 +141,15 @@ def test_a_launch_passes_an_order_only_where_its_kernel_reads_one():
     )
     np.testing.assert_array_equal(np.asarray(got), tile_order(table_steps(table, 128), 3, 132))
     assert not np.array_equal(np.asarray(got), np.asarray(plain))
+
+
+def test_grouped_causal_dkdv_programs_end_with_light_ones():
+    # B4 T4096 K8 (four query heads a kv head): a dk/dv program of 128 keys walks four
+    # heads' query blocks from its own on; in the grid's order (each group's heaviest
+    # first, the groups in turn) the last group's heaviest programs start late.
+    steps = causal_steps(programs=32, own_block=128, walked=4096, walked_block=64,
+                         causal=True, rows_own=False)  # fmt: skip
+    work = np.tile(steps * 4, 32)
+    ideal = (work + 0.5).sum() / 132
+    assert _makespan(np.arange(work.size), work) / ideal > 1.1
+    assert _makespan(tile_order(steps, 32, 132), work) / ideal < 1.01

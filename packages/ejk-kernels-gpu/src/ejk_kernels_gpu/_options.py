@@ -81,7 +81,9 @@ class CallOptions:
         ids): the Gluon backward then walks the dk/dv block table."""
         return self.window is not None or self.has_seg or self.varlen
 
-    def ordered_tiles(self, kernel: str, *, grouped: bool, persistent: bool = False) -> bool:
+    def ordered_tiles(
+        self, kernel: str, *, grouped: bool = False, persistent: bool = False
+    ) -> bool:
         """Whether a Gluon kernel's programs take their tiles from an order the launch
         passes (``ORDERED``, `_schedule.launch_order`) instead of the grid's own (causal
         forward and dq programs: each head's heaviest first). Where the order was measured
@@ -252,10 +254,10 @@ def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
     resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``."""
     tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
-    # head_dim 256 (`_gluon_backward_wide`) takes an order only with segment ids or
-    # positions: causal calls there were not measured with one.
-    wide = q.shape[3] == 256 and not (opts.has_seg or opts.varlen)
-    ordered = opts.ordered_tiles("dkdv", grouped=q.shape[2] > k.shape[2]) and not wide
+    # head_dim 256 (`_gluon_backward_wide`) counts as one head a program: its causal calls
+    # were not measured with an order (segment ids or positions take one there too).
+    grouped = q.shape[2] > k.shape[2] and q.shape[3] != 256
+    ordered = opts.ordered_tiles("dkdv", grouped=grouped)
     return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered)
 
 
@@ -263,8 +265,7 @@ def gluon_dq_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> 
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dq_kernel`: ``block_q``
     resident query rows (BM), ``block_k`` keys a step (BN)."""
     tiles = dict(BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages)
-    ordered = opts.ordered_tiles("dq", grouped=q.shape[2] > k.shape[2])
-    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered)
+    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=opts.ordered_tiles("dq"))
 
 
 def runnable_config(
@@ -356,7 +357,7 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         MASKED=masked, HAS_SINKS=has_sinks,
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
         PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),
-        ORDERED=opts.ordered_tiles("fwd", grouped=heads > k.shape[2], persistent=persistent),
+        ORDERED=opts.ordered_tiles("fwd", persistent=persistent),
     )  # fmt: skip
 
 

@@ -947,3 +947,32 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     small = [x[..., :128] for x in (q, k, v)]
     _loss_grads(flash_attention, *small, bwd_config=GLUON_DKDV_256, **kwargs)
     assert [c["BN"] for _, c, _, _ in gluon_launches.dkdv] == [128]
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_context_rows_against_the_whole_sequence_take_the_tile_order(
+    gluon_launches, rng, documents
+):
+    """A zigzag device's two query chunks against the whole sequence (one call, masks on
+    global positions) run the Gluon forward with the reference's values; causal on
+    positions alone its tiles come in the launch's order (heaviest first: the late
+    chunk's tiles walk the whole sequence, the early one's a few blocks), with documents
+    in the grid's (the order's sort would cost more than it gains)."""
+    from ejk_kernels_gpu._context import BlockMasks, block_forward
+
+    t, chunk = 512, 128  # device 0 of two: global chunks 0 and 3
+    rows = np.concatenate([np.arange(0, chunk), np.arange(t - chunk, t)])
+    q, k, v = (jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(3))
+    seg = jnp.asarray(np.repeat(np.arange(4), [100, 200, 150, 62])[None], jnp.int32)
+    ids = (seg[:, rows], seg) if documents else None
+    masks = BlockMasks(scale=128**-0.5, causal=True, relative=True)
+    out, lse = block_forward(masks, q[:, rows], k, v, q_offset=(0, t - chunk), segment_ids=ids)
+    [(name, _, consts, _, _)] = gluon_launches
+    assert name == "gluon_fwd_kernel" and consts["VARLEN"] and not consts["SEQ_IDS"]
+    assert consts["ORDERED"] == (not documents)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_lse = reference_attention(
+        *f32, causal=True, segment_ids=seg if documents else None, return_lse=True
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float32), want[:, rows], atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, rows], atol=1e-3)

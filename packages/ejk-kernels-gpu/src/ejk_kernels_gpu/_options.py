@@ -90,13 +90,24 @@ class CallOptions:
         faster (H100, docs/performance.md): ``"dkdv"`` with segment ids or positions (the
         programs' work follows the data) and, causal without a table, where a program
         walks ``grouped`` heads; ``"dq"`` and the forward (``"fwd"``, one program a tile,
-        not ``persistent``) causal without a table. Elsewhere it measured level or up to
-        7 % slower (windows, one head a dk/dv program, persistent forwards), or its sort
-        when the call runs cost more than it gained (forwards with segment ids)."""
+        not ``persistent``) causal without a table; the forward of a context-parallel call,
+        causal on positions alone (`_context`: a device's rows against the whole gathered
+        sequence, tiles from a few blocks to the whole sequence long). Elsewhere it
+        measured level or up to 7 % slower (windows, one head a dk/dv program, persistent
+        forwards of one sequence), or its sort when the call runs cost more than it gained
+        (forwards with segment ids)."""
         plain = self.causal and not self.tabled()
         if kernel == "dkdv":
             return self.has_seg or self.varlen or (plain and grouped)
-        return plain and not (kernel == "fwd" and persistent)
+        if kernel == "fwd":
+            return (plain and not persistent) or self.causal_positions()
+        return plain
+
+    def causal_positions(self) -> bool:
+        """Whether the call is causal on per-token positions alone: no sequence or segment
+        ids, no window (context-parallel blocks, `_context`)."""
+        alone = not (self.seq_ids or self.has_seg) and self.window is None
+        return self.causal and self.varlen and alone
 
     def ws_masks(self) -> bool:
         """Whether the warp-specialised loop can do this call's masking: none, or causal alone."""

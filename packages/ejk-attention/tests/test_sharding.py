@@ -160,6 +160,8 @@ SEQ_CASES = {
         {"causal": True, "sliding_window": (5, 0), "logits_soft_cap": 2.0},
     ),
     "heads-and-seq-full": (P(None, "sp", "data"), {}),
+    # documents of 4 tokens: the contiguous split is as balanced as zigzag and is kept
+    "contiguous-docs": (P("data", "sp", None), {"causal": True}),
 }
 
 
@@ -211,8 +213,80 @@ def test_sequence_sharding_matches_unsharded(case):
         ids = np.sort(rng.integers(0, 4, (b, t)), axis=1)
         ids[:, -3:] = -1
         kw.update(segment_ids=jnp.asarray(ids, jnp.int32), softmax_sinks=jnp.linspace(-1, 1, n))
+    if case == "contiguous-docs":
+        ids = np.repeat(np.arange(t // 4), 4)[None].repeat(b, 0)
+        ids[1, -6:] = -1
+        kw.update(segment_ids=jnp.asarray(ids, jnp.int32))
     sharded = lambda q, key, v: flash_attention(q, key, v, mesh=mesh, in_specs=spec, **kw)
     _matches_reference(sharded, kw, (q, key, v), rng)
+
+
+def test_the_layout_follows_the_documents():
+    """With segment ids a sequence-sharded causal call keeps the contiguous split where
+    its busiest device has about zigzag's work (documents shorter than a shard), else lays
+    the rows out in zigzag (one long document); every device of the mesh decides alike,
+    the batch shards' documents counted together."""
+    from ejk_attention._context_sharding import _contiguous_balanced
+    from ejk_attention._sharding import shard_map_compat
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets the host device count)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "sp"))
+    t = 64
+    short = np.repeat(np.arange(16), 4)
+    one = np.zeros(t, int)
+
+    def decide(rows):
+        ids = jnp.asarray(np.stack(rows), jnp.int32)
+        f = lambda x: _contiguous_balanced(x, seq_axis="sp", batch_axis="data", shards=4)[None]
+        spread = shard_map_compat(
+            f, mesh=mesh, in_specs=(P("data", "sp"),), out_specs=P(("data", "sp")), check=False
+        )
+        return np.asarray(jax.jit(spread)(ids)).tolist()
+
+    assert decide([short, short]) == [True] * 8
+    assert decide([one, one]) == [False] * 8
+    assert decide([short, one]) == [False] * 8  # the batch shards' work together
+    padded = short.copy()
+    padded[32:] = -1  # the last two shards' rows see nothing: contiguous leaves them idle
+    assert decide([padded, padded]) == [False] * 8
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+def test_the_facade_chooses_the_layout_when_the_call_runs():
+    """A sequence-sharded causal call with segment ids branches on the documents: one
+    branch exchanges the rows into zigzag (``ppermute``), the other keeps the contiguous
+    split (`test_the_layout_follows_the_documents` checks which runs); without ids no
+    branch exchanges."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets the host device count)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "sp"))
+    q = jnp.zeros((2, 32, 4, 8))
+    kv = jnp.zeros((2, 32, 2, 8))
+    ids = jnp.zeros((2, 32), jnp.int32)
+    spec = P("data", "sp", None)
+
+    def exchanges(**kw):
+        call = lambda q, k, v: flash_attention(q, k, v, mesh=mesh, in_specs=spec, causal=True, **kw)
+        jaxpr = jax.make_jaxpr(call)(q, kv, kv).jaxpr
+        conds = [e for e in _eqns(jaxpr) if e.primitive.name == "cond"]
+        count = lambda b: sum(e.primitive.name == "ppermute" for e in _eqns(b.jaxpr))
+        return [[count(b) for b in c.params["branches"]] for c in conds]
+
+    # the steps' own branches (blocks of other documents skipped) exchange nothing
+    [[zigzag, contiguous]] = [c for c in exchanges(segment_ids=ids) if any(c)]
+    assert zigzag > 0 and contiguous == 0
+    assert not any(any(c) for c in exchanges())
 
 
 def test_sequence_sharding_runs_the_implementation_asked_for():

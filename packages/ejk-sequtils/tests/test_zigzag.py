@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_sequtils import from_zigzag, to_zigzag, zigzag_chunks, zigzag_positions
+from ejk_sequtils import (
+    causal_shard_work,
+    from_zigzag,
+    to_zigzag,
+    zigzag_chunks,
+    zigzag_positions,
+)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -80,3 +86,46 @@ def test_the_layout_moves_whole_chunks(layout):
     x = jnp.zeros((1, 64, 2, 8), jnp.bfloat16)
     hlo = jax.jit(lambda a: layout(a, 2)).lower(x).as_text()
     assert "gather" not in hlo and "concatenate" in hlo
+
+
+def _pairs_by_mask(ids: np.ndarray, n: int, zigzag: bool) -> np.ndarray:
+    """Each shard's visible (query, key) pairs counted on the mask itself: causal, equal
+    non-negative ids."""
+    t = ids.shape[1]
+    causal = np.tril(np.ones((t, t), bool))
+    seen = causal & (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    per_row = seen.sum(-1).astype(np.float64)
+    if zigzag:
+        per_row = to_zigzag(per_row, n)
+    return per_row.reshape(ids.shape[0], n, -1).sum((0, 2))
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_shard_work_counts_the_visible_pairs_of_packed_documents(zigzag):
+    """Documents as runs of ids (any lengths, across shard edges, padding at the end): each
+    shard's work is the count of visible pairs, in either layout, jitted."""
+    rng = np.random.default_rng(0)
+    n, t = 4, 64
+    lengths = rng.integers(1, 20, 12)
+    ids = np.repeat(np.arange(12), lengths)[:t]
+    ids = np.stack([np.pad(ids, (0, t - len(ids)), constant_values=-1), np.zeros(t, int)])
+    ids[1, 50:] = -1
+    got = jax.jit(lambda x: causal_shard_work(x, n, zigzag=zigzag))(jnp.asarray(ids, jnp.int32))
+    assert got.dtype == jnp.float32 and got.shape == (n,)
+    np.testing.assert_allclose(got, _pairs_by_mask(ids, n, zigzag))
+
+
+def test_shard_work_tells_the_layouts_apart():
+    """One document: the contiguous split's last shard has about 2n - 1 times the first's work,
+    zigzag's are equal; 16 short documents are balanced either way."""
+    n, t = 2, 256
+    one = causal_shard_work(np.zeros((1, t), np.int32), n, zigzag=False)
+    np.testing.assert_allclose(one / one[0], [1, 3], rtol=0.01)  # 24640 / 8256
+    np.testing.assert_allclose(
+        np.ptp(causal_shard_work(np.zeros((1, t), np.int32), n, zigzag=True)), 0
+    )
+    docs = np.repeat(np.arange(16), t // 16)[None]
+    for zigzag in (False, True):
+        np.testing.assert_allclose(np.ptp(causal_shard_work(docs, n, zigzag=zigzag)), 0)
+    with pytest.raises(ValueError, match="does not split into num_shards=3"):
+        causal_shard_work(np.zeros((1, 8), np.int32), 3, zigzag=False)

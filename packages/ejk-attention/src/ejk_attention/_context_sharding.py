@@ -4,18 +4,23 @@ The facade writes the ``shard_map`` and runs `ring_attention` inside it, with th
 strategy `choose_strategy` picks. Causal self-attention is laid out in the zigzag order
 inside the ``shard_map`` (`to_zigzag_local`: each device's two halves travel by one
 ``ppermute`` each) so every device does the same work, and laid back out after; other
-calls keep the contiguous split.
+calls keep the contiguous split. With segment ids the layout is chosen when the call
+runs: packed documents shorter than a shard balance the contiguous split as well, and
+there the exchange (a query block and its output each way, their gradients in the
+backward) would only cost (`_contiguous_balanced`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ejk_sequtils import AttentionRequest
+from ejk_sequtils import AttentionRequest, causal_shard_work
 
 from ._ring import one_call_serves, pick_implementation, ring_attention
 from ._sharding import add_traced_seed, shard_start
@@ -51,6 +56,12 @@ def choose_strategy(request: AttentionRequest, shards: int) -> str:
     return "all_gather" if gathered <= _GATHER_BUDGET else "ring"
 
 
+# The contiguous split is taken with segment ids when its busiest device has at most this
+# many times the work of zigzag's: the exchange it saves moves a query block and its
+# output each way (and their gradients), 25 % of the two-GPU time with 16 documents at
+# T = 65536 (docs/performance.md, "Context parallelism").
+_CONTIGUOUS_BALANCE = 1.1
+
 # The request's fields that `ring_attention` takes by the same name.
 _RING_OPTIONS = (
     "softmax_scale",
@@ -67,6 +78,19 @@ _RING_OPTIONS = (
 def _zigzag_fits(request: AttentionRequest, shards: int) -> bool:
     _, q_len, kv_len, *_ = request.shape
     return request.causal and q_len == kv_len and q_len % (2 * shards) == 0
+
+
+def _contiguous_balanced(q_ids: Any, *, seq_axis: Any, batch_axis: Any, shards: int) -> Any:
+    """Whether the contiguous split balances causal self-attention with these documents:
+    its busiest device's work (`causal_shard_work`, from every device's ids) within
+    `_CONTIGUOUS_BALANCE` of the zigzag layout's. Inside the ``shard_map``; the same on
+    every device (the counts are summed over the batch shards), so each takes the same
+    branch."""
+    ids = jax.lax.all_gather(q_ids, seq_axis, axis=1, tiled=True)
+    work = jnp.stack([causal_shard_work(ids, shards, zigzag=z) for z in (False, True)])
+    if batch_axis is not None:
+        work = jax.lax.psum(work, batch_axis)
+    return jnp.max(work[0]) <= _CONTIGUOUS_BALANCE * jnp.max(work[1])
 
 
 def context_call(
@@ -87,7 +111,9 @@ def context_call(
 
     Causal self-attention takes the zigzag layout; where all-gather runs one call per
     device (`one_call_serves`), only the queries are laid out so (the keys, gathered
-    anyway, stay in the contiguous split: no exchange for them or their gradients).
+    anyway, stay in the contiguous split: no exchange for them or their gradients). With
+    segment ids, a ``lax.cond`` keeps the contiguous split where it is about as balanced
+    (`_contiguous_balanced`).
 
     Packed self-attention (``cu_seqlens_q`` alone) runs as the segment ids it describes
     (sequence index, -1 past the last sequence): with one ``cu_seqlens`` for queries and
@@ -124,12 +150,6 @@ def context_call(
     seq = PartitionSpec(batch_axis, seq_axis, head_axis, None)
     ids = PartitionSpec(batch_axis, seq_axis)
 
-    def lay(x: Any, axis: int = 1) -> Any:
-        return to_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
-
-    def unlay(x: Any, axis: int = 1) -> Any:
-        return from_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
-
     arrays: dict[str, Any] = {"q": request.q, "k": request.k, "v": request.v}
     specs: dict[str, Any] = {"q": seq, "k": seq, "v": seq}
     if request.softmax_sinks is not None:
@@ -141,7 +161,15 @@ def context_call(
     add_traced_seed(request, arrays, specs)
     lse_spec = PartitionSpec(batch_axis, head_axis, seq_axis)
 
-    def per_shard(local: dict[str, Any]) -> Any:
+    def in_layout(local: dict[str, Any], zigzag: bool) -> Any:
+        def lay(x: Any, axis: int = 1) -> Any:
+            return to_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
+
+        def unlay(x: Any, axis: int = 1) -> Any:
+            return (
+                from_zigzag_local(x, axis_name=seq_axis, shards=shards, axis=axis) if zigzag else x
+            )
+
         r = dataclasses.replace(request, **local)
         steps = pick_implementation(implementation, r)
         keys_zigzag = zigzag and not one_call_serves(r, strategy, steps)
@@ -166,6 +194,15 @@ def context_call(
             implementation=steps, dropout_offsets=offsets, **options,
         )  # fmt: skip
         return unlay(out), unlay(lse, axis=2)
+
+    def per_shard(local: dict[str, Any]) -> Any:
+        if not (zigzag and "segment_ids" in local):
+            return in_layout(local, zigzag)
+        balanced = _contiguous_balanced(
+            local["segment_ids"][0], seq_axis=seq_axis, batch_axis=batch_axis, shards=shards
+        )
+        layouts = [functools.partial(in_layout, zigzag=z) for z in (True, False)]
+        return jax.lax.cond(balanced, layouts[1], layouts[0], local)
 
     mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))
     out, lse = mapped(arrays)

@@ -54,6 +54,7 @@ from ._varying import varying_axes as varying_axes
 from ._varying import varying_like as varying_like
 from ._visibility import normalize_window as normalize_window
 from ._visibility import visibility_mask as visibility_mask
+from ._zigzag import causal_shard_work as causal_shard_work
 from ._zigzag import from_zigzag as from_zigzag
 from ._zigzag import to_zigzag as to_zigzag
 from ._zigzag import zigzag_chunks as zigzag_chunks
@@ -66,6 +67,7 @@ __all__ = [
     "PagedAttentionRequest",
     "assert_allclose",
     "attention_tolerance",
+    "causal_shard_work",
     "cdiv",
     "chunk_array",
     "cu_seqlens_to_segment_ids",

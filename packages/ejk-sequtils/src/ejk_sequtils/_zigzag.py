@@ -4,6 +4,9 @@ A sequence of length ``T`` split over ``n`` devices is cut into ``2n`` equal chu
 device ``i`` holds chunks ``i`` and ``2n - 1 - i`` (an early and a late one), so under a
 causal mask every device has the same number of visible (query, key) pairs. Contiguous
 shards would give device 0 one block of work and device ``n - 1`` n of them.
+With packed documents shorter than a shard the contiguous split is balanced too, and
+keeps every token where it is: `causal_shard_work` counts each shard's work in either
+layout, from the segment ids.
 
 `to_zigzag` reorders any per-token array (tokens, segment ids, positions) along its
 sequence axis so that an ordinary contiguous split of the result (``PartitionSpec`` on
@@ -14,13 +17,14 @@ XLA copies the chunks instead of gathering token by token): jit-, vmap- and grad
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
 
 from ._checks import check_positive_int
 
-__all__ = ["from_zigzag", "to_zigzag", "zigzag_chunks", "zigzag_positions"]
+__all__ = ["causal_shard_work", "from_zigzag", "to_zigzag", "zigzag_chunks", "zigzag_positions"]
 
 AnyArray = Array | np.ndarray
 
@@ -115,3 +119,36 @@ def _chunks_in_order(
     parts = [x[(*before, slice(i * c, (i + 1) * c))] for i in chunks]
     xp = np if isinstance(x, np.ndarray) else jnp
     return xp.concatenate(parts, axis=axis)
+
+
+def causal_shard_work(segment_ids: Int[AnyArray, "B T"], num_shards: int, *, zigzag: bool) -> Array:
+    """The (query, key) pairs causal self-attention lets through, per shard of the rows.
+
+    Each row counts the keys from the start of its run of equal ids up to itself: exact
+    for documents that are one run each (packed sequences, ``cu_seqlens``); a document
+    whose id recurs after another's counts fewer pairs than its rows see. Padding rows
+    (negative ids) count none. Jit-safe (traced ids are fine).
+
+    Args:
+        segment_ids: int ``[B, T]``.
+        num_shards: devices the rows are split over, ``n``; ``T % n == 0`` (``T % 2n``
+            with ``zigzag``).
+        zigzag: count the zigzag layout's shards (`to_zigzag`), else the contiguous split.
+
+    Returns:
+        float32 ``[n]``: each shard's pairs, summed over the batch.
+    """
+    ids = jnp.asarray(segment_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"segment_ids must be [B, T], got shape {ids.shape}")
+    n = check_positive_int(num_shards, "num_shards")
+    b, t = ids.shape
+    if t % n:
+        raise ValueError(f"sequence length {t} does not split into {num_shards=} shards")
+    index = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    work = jnp.where(ids >= 0, index - run_start + 1, 0).astype(jnp.float32)
+    if zigzag:
+        work = to_zigzag(work, n)
+    return work.reshape(b, n, t // n).sum(axis=(0, 2))

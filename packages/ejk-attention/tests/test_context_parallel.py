@@ -261,3 +261,41 @@ def test_blocks_of_other_documents_are_skipped():
     assert not _documents_meet((ids(4, 5, -1), ids(-1, 2, 3)))  # padding is no document
     assert _documents_meet((ids(0, 1, 1), ids(1, 2, 2)))
     assert not _documents_meet((ids(-1, -1), ids(-1, -1)))
+
+
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+def test_all_gather_gathers_once_for_forward_and_backward(implementation):
+    """The backward reads the blocks the forward gathered (kept as residuals): one
+    all-gather each of k, v and their ids in the whole gradient, none gathered again
+    (a backward in a branch of its own, as under the facade's `lax.cond`, could not
+    share the forward's)."""
+    n, t = 2, 4 * CHUNK
+    q = jnp.zeros((B, t, N, H))
+    kv = jnp.zeros((B, t, K, H))
+    ids = jnp.zeros((B, t), jnp.int32)
+    seq = P(None, "sp")
+
+    def local(q, k, v, ids):
+        out = ring_attention(
+            q, k, v, axis_name="sp", causal=True, segment_ids=(ids, ids),
+            strategy="all_gather", layout="zigzag", implementation=implementation,
+        )  # fmt: skip
+        return jnp.sum(out)
+
+    sharded = shard_map_compat(
+        local, mesh=_mesh(n), in_specs=(seq, seq, seq, seq), out_specs=P(), check=False
+    )
+    grad = jax.grad(lambda q, k, v: sharded(q, k, v, ids), argnums=(0, 1, 2))
+    eqns = []
+    todo = [jax.make_jaxpr(grad)(q, kv, kv).jaxpr]
+    while todo:
+        jaxpr = todo.pop()
+        for eqn in jaxpr.eqns:
+            eqns.append(eqn.primitive.name)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        todo.append(sub)
+    assert eqns.count("all_gather") == 3  # k, v and the kv ids
+    assert eqns.count("reduce_scatter") == 2  # dk and dv to their owners

@@ -327,15 +327,21 @@ def device_backward(
     return dq, *dkv
 
 
-def _forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[Array, Array]:
+def _placed_forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[tuple[Array, Array], Any]:
+    """``((out, lse), gathered)``: the forward and, with all-gather, every device's
+    ``(k, v, kv_ids)`` it read."""
     where = _placement(st, (k, v, kv_ids))
-    return device_forward(st, q, k, v, q_ids, kv_ids, where, drop)
+    return device_forward(st, q, k, v, q_ids, kv_ids, where, drop), where.gathered
+
+
+def _forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[Array, Array]:
+    return _placed_forward(st, q, k, v, q_ids, kv_ids, drop)[0]
 
 
 def _backward(st: _Ring, res, cts) -> tuple:
-    *res, drop = res
-    q, k, v, _, kv_ids, _, _ = res
-    where = _placement(st, (k, v, kv_ids))
+    *res, drop, gathered = res
+    q, k, v, *_ = res
+    where = Placement(_axis_index(st), _ring_size(st.axis_name), gathered)
     dq, dk, dv = device_backward(st, tuple(res), cts, where, drop)
     if where.gathered is not None:  # each device's share of every block, to the block's owner
         dk, dv = (jax.lax.psum_scatter(x, st.axis_name, scatter_dimension=0) for x in (dk, dv))
@@ -360,8 +366,11 @@ def _ring(st: _Ring, q, k, v, q_ids, kv_ids, drop):
 
 
 def _ring_fwd(st: _Ring, q, k, v, q_ids, kv_ids, drop):
-    out, lse = _forward(st, q, k, v, q_ids, kv_ids, drop)
-    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse, drop)
+    # All-gather keeps the gathered blocks for the backward rather than gathering them
+    # again: in one program XLA would merge the two gathers, but not where the forward and
+    # the backward run in branches of their own (the facade's `lax.cond` on the layout).
+    (out, lse), gathered = _placed_forward(st, q, k, v, q_ids, kv_ids, drop)
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse, drop, gathered)
 
 
 _ring.defvjp(_ring_fwd, _backward)

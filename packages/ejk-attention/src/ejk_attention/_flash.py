@@ -110,8 +110,9 @@ def flash_attention(
             under jit on an Explicit mesh) is run per shard the same way.
         in_specs: PartitionSpec over q's ``[B, T, N, H]`` axes (k and v follow); B, N and
             T may be sharded. Sharding T runs context parallelism (`ring_attention`: the ring
-            or all-gather strategy, causal self-attention in the zigzag layout, masks on
-            global positions; packed input given as ``cu_seqlens_q`` alone runs as its
+            or all-gather strategy, causal self-attention in the zigzag layout (with segment
+            ids: the contiguous split where it balances the work, decided when the call
+            runs), masks on global positions; packed input given as ``cu_seqlens_q`` alone runs as its
             segment ids; dropout draws the unsharded call's mask; its steps run on the
             first of ``"triton"`` and ``"xla"`` that ``implementation`` names and that
             serves the call, another backend alone is refused); a bias, or packing with

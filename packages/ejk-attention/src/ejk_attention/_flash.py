@@ -112,11 +112,11 @@ def flash_attention(
             T may be sharded. Sharding T runs context parallelism (`ring_attention`: the ring
             or all-gather strategy, causal self-attention in the zigzag layout (with segment
             ids: the contiguous split where it balances the work, decided when the call
-            runs), masks on global positions; packed input given as ``cu_seqlens_q`` alone runs as its
-            segment ids; dropout draws the unsharded call's mask; its steps run on the
-            first of ``"triton"`` and ``"xla"`` that ``implementation`` names and that
-            serves the call, another backend alone is refused); a bias, or packing with
-            its own ``cu_seqlens_k``, is refused there with the reason.
+            runs), masks on global positions; packed input given as ``cu_seqlens_q`` alone
+            runs as its segment ids; dropout draws the unsharded call's mask; its steps run
+            on the first of ``"triton"`` and ``"xla"`` that ``implementation`` names and
+            that serves the call, another backend alone is refused); a bias, or packing
+            with its own ``cu_seqlens_k``, is refused there with the reason.
             Default: batch over every mesh axis.
         out_specs: the output's spec; must equal q's (default).
 

@@ -17,12 +17,12 @@ XLA copies the chunks instead of gathering token by token): jit-, vmap- and grad
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Shaped
 
 from ._checks import check_positive_int
+from ._cu_seqlens import segment_ids_to_position_ids
 
 __all__ = ["causal_shard_work", "from_zigzag", "to_zigzag", "zigzag_chunks", "zigzag_positions"]
 
@@ -145,10 +145,8 @@ def causal_shard_work(segment_ids: Int[AnyArray, "B T"], num_shards: int, *, zig
     b, t = ids.shape
     if t % n:
         raise ValueError(f"sequence length {t} does not split into {num_shards=} shards")
-    index = jnp.arange(t, dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
-    run_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-    work = jnp.where(ids >= 0, index - run_start + 1, 0).astype(jnp.float32)
+    # a row sees the keys from its run's start (position 0) up to itself
+    work = jnp.where(ids >= 0, segment_ids_to_position_ids(ids) + 1, 0).astype(jnp.float32)
     if zigzag:
         work = to_zigzag(work, n)
     return work.reshape(b, n, t // n).sum(axis=(0, 2))

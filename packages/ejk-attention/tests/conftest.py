@@ -55,3 +55,21 @@ def no_shape_checks():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub)
+
+
+@pytest.fixture
+def jaxpr_equations():
+    """``f(jaxpr)``: an iterator over every equation of a jaxpr, nested ones (shard_map,
+    cond branches, custom VJPs) included."""
+    return _equations

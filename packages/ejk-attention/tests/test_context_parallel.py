@@ -264,7 +264,7 @@ def test_blocks_of_other_documents_are_skipped():
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
-def test_all_gather_gathers_once_for_forward_and_backward(implementation):
+def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_equations):
     """The backward reads the blocks the forward gathered (kept as residuals): one
     all-gather each of k, v and their ids in the whole gradient, none gathered again
     (a backward in a branch of its own, as under the facade's `lax.cond`, could not
@@ -286,16 +286,6 @@ def test_all_gather_gathers_once_for_forward_and_backward(implementation):
         local, mesh=_mesh(n), in_specs=(seq, seq, seq, seq), out_specs=P(), check=False
     )
     grad = jax.grad(lambda q, k, v: sharded(q, k, v, ids), argnums=(0, 1, 2))
-    eqns = []
-    todo = [jax.make_jaxpr(grad)(q, kv, kv).jaxpr]
-    while todo:
-        jaxpr = todo.pop()
-        for eqn in jaxpr.eqns:
-            eqns.append(eqn.primitive.name)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        todo.append(sub)
+    eqns = [e.primitive.name for e in jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr)]
     assert eqns.count("all_gather") == 3  # k, v and the kv ids
     assert eqns.count("reduce_scatter") == 2  # dk and dv to their owners

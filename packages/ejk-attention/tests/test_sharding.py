@@ -252,18 +252,7 @@ def test_the_layout_follows_the_documents():
     assert decide([padded, padded]) == [False] * 8
 
 
-def _eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
-
-
-def test_the_facade_chooses_the_layout_when_the_call_runs():
+def test_the_facade_chooses_the_layout_when_the_call_runs(jaxpr_equations):
     """A sequence-sharded causal call with segment ids branches on the documents: one
     branch exchanges the rows into zigzag (``ppermute``), the other keeps the contiguous
     split (`test_the_layout_follows_the_documents` checks which runs); without ids no
@@ -279,8 +268,8 @@ def test_the_facade_chooses_the_layout_when_the_call_runs():
     def exchanges(**kw):
         call = lambda q, k, v: flash_attention(q, k, v, mesh=mesh, in_specs=spec, causal=True, **kw)
         jaxpr = jax.make_jaxpr(call)(q, kv, kv).jaxpr
-        conds = [e for e in _eqns(jaxpr) if e.primitive.name == "cond"]
-        count = lambda b: sum(e.primitive.name == "ppermute" for e in _eqns(b.jaxpr))
+        conds = [e for e in jaxpr_equations(jaxpr) if e.primitive.name == "cond"]
+        count = lambda b: sum(e.primitive.name == "ppermute" for e in jaxpr_equations(b.jaxpr))
         return [[count(b) for b in c.params["branches"]] for c in conds]
 
     # the steps' own branches (blocks of other documents skipped) exchange nothing

@@ -201,8 +201,8 @@ def context_call(
         balanced = _contiguous_balanced(
             local["segment_ids"][0], seq_axis=seq_axis, batch_axis=batch_axis, shards=shards
         )
-        layouts = [functools.partial(in_layout, zigzag=z) for z in (True, False)]
-        return jax.lax.cond(balanced, layouts[1], layouts[0], local)
+        contiguous, zigzagged = (functools.partial(in_layout, zigzag=z) for z in (False, True))
+        return jax.lax.cond(balanced, contiguous, zigzagged, local)
 
     mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))
     out, lse = mapped(arrays)

@@ -7,6 +7,8 @@ out (`to_zigzag`) and back inside the differentiated function, as a model would.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,3 +291,34 @@ def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_
     eqns = [e.primitive.name for e in jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr)]
     assert eqns.count("all_gather") == 3  # k, v and the kv ids
     assert eqns.count("reduce_scatter") == 2  # dk and dv to their owners
+
+
+def test_ring_sends_each_gradient_share_home_once(jaxpr_equations):
+    """The ring's backward sends a step's dk/dv of another device's block straight to
+    that device, in the inputs' dtype: ``n - 1`` transfers of each, none in float32 (not
+    ``n`` float32 hops with the block)."""
+    n, t = 4, 8 * CHUNK
+    q = jnp.zeros((B, t, N, H), jnp.bfloat16)
+    kv = jnp.zeros((B, t, K, H), jnp.bfloat16)
+    seq = P(None, "sp")
+
+    def local(q, k, v):
+        out = ring_attention(
+            q, k, v, axis_name="sp", causal=True, strategy="ring", layout="zigzag",
+            implementation="xla",
+        )  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32))
+
+    sharded = shard_map_compat(
+        local, mesh=_mesh(n), in_specs=(seq,) * 3, out_specs=P(), check=False
+    )
+    grad = jax.grad(sharded, argnums=(0, 1, 2))
+    eqns = jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr)
+    moves = [e for e in eqns if e.primitive.name == "ppermute"]
+    assert all(e.invars[0].aval.dtype == jnp.bfloat16 for e in moves)
+    # By destination offset: k and v go one device on, n - 1 times in the forward and
+    # again in the backward; step s's dk and dv go s devices back (n - s on).
+    offsets = collections.Counter(
+        (e.params["perm"][0][1] - e.params["perm"][0][0]) % n for e in moves
+    )
+    assert offsets == {1: 2 * 2 * (n - 1) + 2, 2: 2, 3: 2}

@@ -23,8 +23,8 @@ chunk and hashes their global positions (`ejk_sequtils.dropout_key`), so the dev
 drop what one device running the whole sequence would. The backward (custom VJP) runs
 the same steps: each call's dq/dk/dv from the saved GLOBAL output and lse
 (FlashAttention-2, Alg. 2, with the row statistics of the whole row); dq accumulates in
-place, while dk and dv travel with their k/v block and arrive home after ``n`` hops
-(ring) or are reduce-scattered (all-gather).
+place, while each step's dk and dv of another device's block go straight to that device
+in the inputs' dtype (ring, `_send_home`) or are reduce-scattered (all-gather).
 """
 
 from __future__ import annotations
@@ -105,12 +105,14 @@ def _documents_meet(ids: tuple[Array, Array]) -> Array:
     return (lowest(q_ids) <= jnp.max(k_ids)) & (lowest(k_ids) <= jnp.max(q_ids))
 
 
-def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, first: bool):
+def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, always: bool):
     """``run_call(call, carry)``, skipped (``lax.cond``) when the call's query and key
     blocks hold no common document: with documents shorter than a shard most pairs of
-    blocks are, and their kernels and merges would do nothing."""
+    blocks are, and their kernels and merges would do nothing. ``always``: run it without
+    the test (the own block, whose documents meet; each ``lax.cond`` sends its predicate
+    to the host, and the GPU idles while the host catches up)."""
     ids = _ids_of(call, q_ids, kv_ids)
-    if ids is None or first:
+    if ids is None or always:
         return run_call(call, carry)
     carry = varying_like(carry, *ids)  # both branches must carry the ids' varying axes
     return jax.lax.cond(_documents_meet(ids), lambda c: run_call(call, c), lambda c: c, carry)
@@ -251,9 +253,10 @@ def device_forward(
             o, rows = merge((take_rows(out, call.q), take_rows(lse, call.q, 2)), part)
             return put_rows(out, call.q, o), put_rows(lse, call.q, rows, 2)
 
-        def run_branch(branch, acc, kv=kv, run_call=run_call):
+        def run_branch(branch, acc, kv=kv, run_call=run_call, own=step == 0):
             for call in branch:
-                acc = _unless_apart(call, q_ids, kv[2], run_call, acc, first=acc[0] is None)
+                always = own or acc[0] is None
+                acc = _unless_apart(call, q_ids, kv[2], run_call, acc, always=always)
             return acc
 
         acc = _run_plan(plan, run_branch, acc)
@@ -275,12 +278,13 @@ def device_backward(
     if _one_call(st, where):
         return gathered_backward(st.masks, layout, where.me, res, cts, where.gathered)
     kv = (k, v, kv_ids)
-    dq = jnp.zeros(q.shape, _F32)
+    zeros = lambda *shape: varying_like(jnp.zeros(shape, _F32), q, k, v, q_ids, kv_ids, d_out)
+    dq = zeros(*q.shape)
     if where.gathered is None:
-        dkv = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+        dkv = (zeros(*k.shape), zeros(*v.shape))  # the own block's
+        arriving = []  # the other devices' shares of it
     else:
-        dkv = (jnp.zeros((where.size, *k.shape), _F32), jnp.zeros((where.size, *v.shape), _F32))
-    dq, dkv = varying_like((dq, dkv), q, k, v, q_ids, kv_ids, d_out)
+        dkv = (zeros(where.size, *k.shape), zeros(where.size, *v.shape))
     for step in range(where.size):
         source, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
 
@@ -307,15 +311,17 @@ def device_backward(
             dv = put_rows(dv, call.k, take_rows(dv, call.k) + gv.astype(_F32))
             return dq, dk, dv
 
-        def run_branch(branch, carry, kv=kv, run_call=run_call):
+        def run_branch(branch, carry, kv=kv, run_call=run_call, own=step == 0):
             for call in branch:
-                carry = _unless_apart(call, q_ids, kv[2], run_call, carry, first=False)
+                carry = _unless_apart(call, q_ids, kv[2], run_call, carry, always=own)
             return carry
 
         if where.gathered is None:
-            dq, *dkv = _run_plan(plan, run_branch, (dq, *dkv))
-            # dk/dv travel with their block; after `size` hops they are home.
-            dkv = _shift(tuple(dkv), st.axis_name, where.size)
+            if step == 0:
+                dq, *dkv = _run_plan(plan, run_branch, (dq, *dkv))
+            else:
+                dq, *share = _run_plan(plan, run_branch, (dq, zeros(*k.shape), zeros(*v.shape)))
+                arriving.append(_send_home(st, share, (k.dtype, v.dtype), step, where.size))
             kv = nxt
         else:
             blocks = [jax.lax.dynamic_index_in_dim(x, source, keepdims=False) for x in dkv]
@@ -324,7 +330,21 @@ def device_backward(
                 jax.lax.dynamic_update_index_in_dim(x, blk, source, 0)
                 for x, blk in zip(dkv, blocks, strict=True)
             )
+    if where.gathered is None:
+        dkv = tuple(sum((a[i].astype(_F32) for a in arriving), dkv[i]) for i in range(2))
     return dq, *dkv
+
+
+def _send_home(st: _Ring, share: Any, dtypes: Any, step: int, size: int) -> Any:
+    """The ring backward's step-``step`` share of another block's dk/dv, sent straight to
+    the block's owner (``step`` devices back) in the inputs' dtypes: ``size - 1`` transfers
+    of a block in all, against ``size`` float32 hops for gradients that travel with their
+    block; the owner sums its shares in float32, as all-gather's reduce-scatter does."""
+    perm = [(d, (d - step) % size) for d in range(size)]
+    return tuple(
+        jax.lax.ppermute(x.astype(dtype), st.axis_name, perm)
+        for x, dtype in zip(share, dtypes, strict=True)
+    )
 
 
 def _placed_forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[tuple[Array, Array], Any]:

@@ -322,3 +322,35 @@ def test_ring_sends_each_gradient_share_home_once(jaxpr_equations):
         (e.params["perm"][0][1] - e.params["perm"][0][0]) % n for e in moves
     )
     assert offsets == {1: 2 * 2 * (n - 1) + 2, 2: 2, 3: 2}
+
+
+def test_two_devices_carry_the_inputs_dtype_through_the_ring(jaxpr_equations):
+    """With two devices in the contiguous layout the own block's call starts the output
+    and dq, and at most one call follows: the branches carry them in the inputs' dtype
+    (one rounding, as the final cast), not in float32 passes in and out of them."""
+    n, t = 2, 4 * CHUNK
+    q = jnp.zeros((B, t, N, H), jnp.bfloat16)
+    kv = jnp.zeros((B, t, K, H), jnp.bfloat16)
+    ids = jnp.zeros((B, t), jnp.int32)
+    seq = P(None, "sp")
+
+    def local(q, k, v, ids):
+        out = ring_attention(
+            q, k, v, axis_name="sp", causal=True, segment_ids=(ids, ids), strategy="ring",
+            layout="contiguous", implementation="xla",
+        )  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32))
+
+    sharded = shard_map_compat(
+        local, mesh=_mesh(n), in_specs=(seq,) * 4, out_specs=P(), check=False
+    )
+    grad = jax.grad(lambda q, k, v: sharded(q, k, v, ids), argnums=(0, 1, 2))
+    eqns = list(jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr))
+    carried = [
+        x.aval.dtype
+        for e in eqns
+        if e.primitive.name == "cond"
+        for x in e.outvars
+        if x.aval.ndim == 4
+    ]
+    assert carried and all(d == jnp.bfloat16 for d in carried)

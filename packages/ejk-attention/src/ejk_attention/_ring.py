@@ -223,13 +223,12 @@ def device_forward(
     b, t, n, _ = q.shape
     acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
     acc = varying_like(acc, q, k, v, q_ids, kv_ids)
-    first = step_plan(
-        st.masks.causal, st.masks.window, layout, where.me, where.me, True, _by_chunks(st)
-    )
-    if len(first) == 1 and first[0][0] is None and len(first[0][1][0]) == 1:
-        call = first[0][1][0][0]
-        if isinstance(call.q, slice) and (call.q.start, call.q.stop) == (0, t):
-            acc = (None, None)  # set by that call, no zeros to merge with
+    whole = _whole_first_call(st, layout, where)
+    if whole:
+        acc = (None, None)  # set by that call, no zeros to merge with
+    # At most one merge after it: the merged rows are rounded once, as the final cast
+    # would, so the output stays in q's dtype (no float32 pass in and out of it).
+    in_dtype = whole and _later_calls(st, layout, where.size) <= 1
     kv = (k, v, kv_ids)
     for step in range(where.size):
         _, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
@@ -249,7 +248,7 @@ def device_forward(
                 _call_key(drop, call, q_offs, k_offs),
             )
             if out is None:  # the first call covers every row: it starts the merge
-                return part[0].astype(_F32), part[1]
+                return part[0] if in_dtype else part[0].astype(_F32), part[1]
             o, rows = merge((take_rows(out, call.q), take_rows(lse, call.q, 2)), part)
             return put_rows(out, call.q, o), put_rows(lse, call.q, rows, 2)
 
@@ -278,10 +277,17 @@ def device_backward(
     if _one_call(st, where):
         return gathered_backward(st.masks, layout, where.me, res, cts, where.gathered)
     kv = (k, v, kv_ids)
-    zeros = lambda *shape: varying_like(jnp.zeros(shape, _F32), q, k, v, q_ids, kv_ids, d_out)
-    dq = zeros(*q.shape)
+
+    def zeros(*shape, dtype=_F32):
+        return varying_like(jnp.zeros(shape, dtype), q, k, v, q_ids, kv_ids, d_out)
+
+    # Where the first call covers every row and key, its gradients start the sums; with
+    # at most one call after it, dq's one addition is rounded once, as the final cast would.
+    whole = _whole_first_call(st, layout, where)
+    in_dtype = whole and _later_calls(st, layout, where.size) <= 1
+    dq = None if whole else zeros(*q.shape)
     if where.gathered is None:
-        dkv = (zeros(*k.shape), zeros(*v.shape))  # the own block's
+        dkv = (None, None) if whole else (zeros(*k.shape), zeros(*v.shape))  # the own block's
         arriving = []  # the other devices' shares of it
     else:
         dkv = (zeros(where.size, *k.shape), zeros(where.size, *v.shape))
@@ -306,7 +312,12 @@ def device_backward(
                 k_offs[call.k_chunk],
                 _call_key(drop, call, q_offs, k_offs),
             )
-            dq = put_rows(dq, call.q, take_rows(dq, call.q) + gq.astype(_F32))
+            if dq is None:  # the first call, over every row and key (`_whole_first_call`)
+                dq = gq if in_dtype else gq.astype(_F32)
+            else:
+                dq = put_rows(dq, call.q, take_rows(dq, call.q) + gq.astype(_F32))
+            if dk is None:
+                return dq, gk, gv
             dk = put_rows(dk, call.k, take_rows(dk, call.k) + gk.astype(_F32))
             dv = put_rows(dv, call.k, take_rows(dv, call.k) + gv.astype(_F32))
             return dq, dk, dv
@@ -320,7 +331,9 @@ def device_backward(
             if step == 0:
                 dq, *dkv = _run_plan(plan, run_branch, (dq, *dkv))
             else:
-                dq, *share = _run_plan(plan, run_branch, (dq, zeros(*k.shape), zeros(*v.shape)))
+                # a share of one call at most (in_dtype) is that call's, rounded as sent
+                share = (zeros(*x.shape, dtype=x.dtype if in_dtype else _F32) for x in (k, v))
+                dq, *share = _run_plan(plan, run_branch, (dq, *share))
                 arriving.append(_send_home(st, share, (k.dtype, v.dtype), step, where.size))
             kv = nxt
         else:
@@ -333,6 +346,32 @@ def device_backward(
     if where.gathered is None:
         dkv = tuple(sum((a[i].astype(_F32) for a in arriving), dkv[i]) for i in range(2))
     return dq, *dkv
+
+
+def _whole_first_call(st: _Ring, layout: Layout, where: Placement) -> bool:
+    """Whether the first step (the own block) is one call, unconditional, over every query
+    row and key of the device."""
+    first = step_plan(
+        st.masks.causal, st.masks.window, layout, where.me, where.me, True, _by_chunks(st)
+    )
+    if len(first) != 1 or first[0][0] is not None or len(first[0][1][0]) != 1:
+        return False
+    call = first[0][1][0][0]
+    whole = lambda rows, n: isinstance(rows, slice) and (rows.start, rows.stop) == (0, n)
+    return whole(call.q, layout.q_len) and whole(call.k, layout.kv_len)
+
+
+def _later_calls(st: _Ring, layout: Layout, size: int) -> int:
+    """The most calls the steps after the first can make (each step's largest branches;
+    the counts do not depend on the devices' indices)."""
+    calls = 0
+    for step in range(1, size):
+        me, source = jnp.int32(step), jnp.int32(0)
+        plan = step_plan(
+            st.masks.causal, st.masks.window, layout, me, source, False, _by_chunks(st)
+        )
+        calls += sum(max(len(branch) for branch in branches) for _, branches in plan)
+    return calls
 
 
 def _send_home(st: _Ring, share: Any, dtypes: Any, step: int, size: int) -> Any:

@@ -403,18 +403,8 @@ def _backward(st: _Ring, res, cts) -> tuple:
     where = Placement(_axis_index(st), _ring_size(st.axis_name), gathered)
     dq, dk, dv = device_backward(st, tuple(res), cts, where, drop)
     if where.gathered is not None:  # each device's share of every block, to the block's owner
-        dk, dv = _reduce_scatter_pair(dk, dv, st.axis_name)
+        dk, dv = (jax.lax.psum_scatter(x, st.axis_name, scatter_dimension=0) for x in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
-
-
-def _reduce_scatter_pair(dk: Array, dv: Array, axis_name: Any) -> tuple[Array, Array]:
-    """dk and dv ``[n, ...]`` summed over the devices, block i to device i, in ONE
-    reduce-scatter (side by side on the last axis): XLA keeps one collective of a kind in
-    flight, so two would run one after the other, and only the second could hide behind
-    the dq kernel (two H200s: the first, 0.37 ms, ran exposed)."""
-    both = jnp.concatenate([dk, dv.astype(dk.dtype)], axis=-1)
-    both = jax.lax.psum_scatter(both, axis_name, scatter_dimension=0)
-    return both[..., : dk.shape[-1]], both[..., dk.shape[-1] :]
 
 
 def _add_sinks(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:

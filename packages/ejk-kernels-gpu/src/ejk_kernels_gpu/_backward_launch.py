@@ -15,6 +15,7 @@ from ._options import (
     can_run_gluon_dkdv,
     dq_by_tma,
     gluon_dkdv_constexprs,
+    gluon_dkdv_wide,
     gluon_dq_constexprs,
     kernel_constexprs,
     runnable_config,
@@ -64,8 +65,7 @@ def _gluon_dkdv(
     with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces."""
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
-    # head_dim 256: the consumers split dK's and dV's columns (`_gluon_backward_wide`)
-    wide = q.shape[3] == 256
+    wide = gluon_dkdv_wide(q.shape[3])
     consts = gluon_dkdv_constexprs(opts, q, k, cfg)
     order = launch_order(tables.dkdv_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,

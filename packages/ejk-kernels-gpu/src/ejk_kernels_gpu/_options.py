@@ -216,9 +216,16 @@ GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, glu
 GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
 
 
+def gluon_dkdv_wide(head_dim: int) -> bool:
+    """Whether a call of ``head_dim`` takes the wide Gluon dk/dv kernel
+    (`_gluon_backward_wide`: 64 resident keys, the consumers split dK's and dV's columns,
+    one head a program)."""
+    return head_dim == 256
+
+
 def gluon_dkdv_tiles(head_dim: int) -> FlashConfig:
     """The Gluon dk/dv tiles a call of ``head_dim`` would take (`can_run_gluon_dkdv`)."""
-    return GLUON_DKDV_256 if head_dim == 256 else GLUON_DKDV
+    return GLUON_DKDV_256 if gluon_dkdv_wide(head_dim) else GLUON_DKDV
 
 
 def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
@@ -231,7 +238,7 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     and sinks (they live in the lse)."""
     head_dim = q.shape[3]
     if cfg.block_q == 64:  # the head_dim 256 kernel (`_gluon_backward_wide`), dq beside
-        tiles = head_dim == 256 and not cfg.atomic_dq
+        tiles = gluon_dkdv_wide(head_dim) and not cfg.atomic_dq
     else:
         tiles = cfg.block_q == 128 and head_dim in ((128,) if cfg.atomic_dq else (64, 128))
     return (
@@ -265,9 +272,9 @@ def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
     resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``."""
     tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
-    # head_dim 256 (`_gluon_backward_wide`) counts as one head a program: its causal calls
-    # were not measured with an order (segment ids or positions take one there too).
-    grouped = q.shape[2] > k.shape[2] and q.shape[3] != 256
+    # The wide kernel counts as one head a program: its causal calls were not measured
+    # with an order (segment ids or positions take one there too).
+    grouped = q.shape[2] > k.shape[2] and not gluon_dkdv_wide(q.shape[3])
     ordered = opts.ordered_tiles("dkdv", grouped=grouped)
     return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered)
 

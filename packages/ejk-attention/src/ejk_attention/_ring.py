@@ -267,8 +267,9 @@ def device_forward(
 def device_backward(
     st: _Ring, res, cts, where: Placement, drop: Array | None = None
 ) -> tuple[Array, Array, Array]:
-    """``(dq, dk, dv)`` of this device (float32, or the inputs' dtype from the one call of
-    `_one_call`): dk/dv of its own block (ring: they travelled home) or, with
+    """``(dq, dk, dv)`` of this device (float32, or the inputs' dtype: from the one call of
+    `_one_call`, or where at most one call follows the own block's, `_later_calls`): dk/dv
+    of its own block (ring: with the other devices' shares, `_send_home`) or, with
     ``where.gathered``, of every device's block ``[size, B, S, K, H]``, not yet reduced
     over the devices."""
     q, k, v, q_ids, kv_ids, out, lse = res

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec
 
 from ejk_sequtils import AttentionRequest, causal_shard_work
 
-from ._cond_residuals import cond_keeping_operands
 from ._ring import one_call_serves, pick_implementation, ring_attention
 from ._sharding import add_traced_seed, shard_start
 from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
@@ -203,8 +202,7 @@ def context_call(
             local["segment_ids"][0], seq_axis=seq_axis, batch_axis=batch_axis, shards=shards
         )
         contiguous, zigzagged = (functools.partial(in_layout, zigzag=z) for z in (False, True))
-        # the residuals that are the operand (q, k, v, ids) or the outputs stay outside
-        return cond_keeping_operands(balanced, contiguous, zigzagged, local)
+        return jax.lax.cond(balanced, contiguous, zigzagged, local)
 
     mapped = shard_map(per_shard, mesh=mesh, in_specs=(specs,), out_specs=(seq, lse_spec))
     out, lse = mapped(arrays)

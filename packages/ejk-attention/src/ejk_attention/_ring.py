@@ -118,6 +118,19 @@ def _unless_apart(call: Call, q_ids, kv_ids, run_call, carry, always: bool):
     return jax.lax.cond(_documents_meet(ids), lambda c: run_call(call, c), lambda c: c, carry)
 
 
+def _branch_runner(run_call, q_ids, kv_ids, own: bool):
+    """``run_branch(branch, carry)``: the calls of a branch of a step plan, each run or
+    skipped by `_unless_apart` (``own``: the step holds the device's own block, whose calls
+    always run; the first call, which starts the carry where it covers every row, is one)."""
+
+    def run_branch(branch, carry):
+        for call in branch:
+            carry = _unless_apart(call, q_ids, kv_ids, run_call, carry, always=own)
+        return carry
+
+    return run_branch
+
+
 def _run_plan(plan, run_branch, carry):
     """Carry through every ``(index, branches)`` of a step plan (``lax.switch`` where the
     branch depends on the devices)."""
@@ -221,11 +234,12 @@ def device_forward(
         out, lse = gathered_forward(st.masks, layout, where.me, q, q_ids, where.gathered)
         return out.astype(q.dtype), lse
     b, t, n, _ = q.shape
-    acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
-    acc = varying_like(acc, q, k, v, q_ids, kv_ids)
     whole = _whole_first_call(st, layout, where)
     if whole:
         acc = (None, None)  # set by that call, no zeros to merge with
+    else:
+        acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
+        acc = varying_like(acc, q, k, v, q_ids, kv_ids)
     # At most one merge after it: the merged rows are rounded once, as the final cast
     # would, so the output stays in q's dtype (no float32 pass in and out of it).
     in_dtype = whole and _later_calls(st, layout, where.size) <= 1
@@ -252,12 +266,7 @@ def device_forward(
             o, rows = merge((take_rows(out, call.q), take_rows(lse, call.q, 2)), part)
             return put_rows(out, call.q, o), put_rows(lse, call.q, rows, 2)
 
-        def run_branch(branch, acc, kv=kv, run_call=run_call, own=step == 0):
-            for call in branch:
-                always = own or acc[0] is None
-                acc = _unless_apart(call, q_ids, kv[2], run_call, acc, always=always)
-            return acc
-
+        run_branch = _branch_runner(run_call, q_ids, kv[2], own=step == 0)
         acc = _run_plan(plan, run_branch, acc)
         kv = nxt if where.gathered is None else kv
     out, lse = acc
@@ -323,11 +332,7 @@ def device_backward(
             dv = put_rows(dv, call.k, take_rows(dv, call.k) + gv.astype(_F32))
             return dq, dk, dv
 
-        def run_branch(branch, carry, kv=kv, run_call=run_call, own=step == 0):
-            for call in branch:
-                carry = _unless_apart(call, q_ids, kv[2], run_call, carry, always=own)
-            return carry
-
+        run_branch = _branch_runner(run_call, q_ids, kv[2], own=step == 0)
         if where.gathered is None:
             if step == 0:
                 dq, *dkv = _run_plan(plan, run_branch, (dq, *dkv))

@@ -265,30 +265,39 @@ def test_blocks_of_other_documents_are_skipped():
     assert not _documents_meet((ids(-1, -1), ids(-1, -1)))
 
 
+def _gradient_equations(jaxpr_equations, n, *, dtype=jnp.float32, documents=False, **ring):
+    """Every equation of the jaxpr of the (q, k, v) gradient of causal `ring_attention`
+    (options ``ring``) on ``n`` devices, T = 2 n CHUNK, with all-zero segment ids where
+    ``documents``."""
+    t = 2 * n * CHUNK
+    q = jnp.zeros((B, t, N, H), dtype)
+    kv = jnp.zeros((B, t, K, H), dtype)
+    ids = (jnp.zeros((B, t), jnp.int32),) if documents else ()
+    seq = P(None, "sp")
+
+    def local(q, k, v, *ids):
+        segment_ids = (ids[0], ids[0]) if ids else None
+        out = ring_attention(q, k, v, axis_name="sp", causal=True, segment_ids=segment_ids, **ring)
+        return jnp.sum(out.astype(jnp.float32))
+
+    sharded = shard_map_compat(
+        local, mesh=_mesh(n), in_specs=(seq,) * (3 + len(ids)), out_specs=P(), check=False
+    )
+    grad = jax.grad(lambda q, k, v: sharded(q, k, v, *ids), argnums=(0, 1, 2))
+    return list(jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr))
+
+
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
 def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_equations):
     """The backward reads the blocks the forward gathered (kept as residuals): one
     all-gather each of k, v and their ids in the whole gradient, none gathered again
     (a backward in a branch of its own, as under the facade's `lax.cond`, could not
     share the forward's)."""
-    n, t = 2, 4 * CHUNK
-    q = jnp.zeros((B, t, N, H))
-    kv = jnp.zeros((B, t, K, H))
-    ids = jnp.zeros((B, t), jnp.int32)
-    seq = P(None, "sp")
-
-    def local(q, k, v, ids):
-        out = ring_attention(
-            q, k, v, axis_name="sp", causal=True, segment_ids=(ids, ids),
-            strategy="all_gather", layout="zigzag", implementation=implementation,
-        )  # fmt: skip
-        return jnp.sum(out)
-
-    sharded = shard_map_compat(
-        local, mesh=_mesh(n), in_specs=(seq, seq, seq, seq), out_specs=P(), check=False
-    )
-    grad = jax.grad(lambda q, k, v: sharded(q, k, v, ids), argnums=(0, 1, 2))
-    eqns = [e.primitive.name for e in jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr)]
+    eqns = _gradient_equations(
+        jaxpr_equations, 2, documents=True, strategy="all_gather", layout="zigzag",
+        implementation=implementation,
+    )  # fmt: skip
+    eqns = [e.primitive.name for e in eqns]
     assert eqns.count("all_gather") == 3  # k, v and the kv ids
     assert eqns.count("reduce_scatter") == 2  # dk and dv to their owners
 
@@ -297,23 +306,11 @@ def test_ring_sends_each_gradient_share_home_once(jaxpr_equations):
     """The ring's backward sends a step's dk/dv of another device's block straight to
     that device, in the inputs' dtype: ``n - 1`` transfers of each, none in float32 (not
     ``n`` float32 hops with the block)."""
-    n, t = 4, 8 * CHUNK
-    q = jnp.zeros((B, t, N, H), jnp.bfloat16)
-    kv = jnp.zeros((B, t, K, H), jnp.bfloat16)
-    seq = P(None, "sp")
-
-    def local(q, k, v):
-        out = ring_attention(
-            q, k, v, axis_name="sp", causal=True, strategy="ring", layout="zigzag",
-            implementation="xla",
-        )  # fmt: skip
-        return jnp.sum(out.astype(jnp.float32))
-
-    sharded = shard_map_compat(
-        local, mesh=_mesh(n), in_specs=(seq,) * 3, out_specs=P(), check=False
-    )
-    grad = jax.grad(sharded, argnums=(0, 1, 2))
-    eqns = jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr)
+    n = 4
+    eqns = _gradient_equations(
+        jaxpr_equations, n, dtype=jnp.bfloat16, strategy="ring", layout="zigzag",
+        implementation="xla",
+    )  # fmt: skip
     moves = [e for e in eqns if e.primitive.name == "ppermute"]
     assert all(e.invars[0].aval.dtype == jnp.bfloat16 for e in moves)
     # By destination offset: k and v go one device on, n - 1 times in the forward and
@@ -328,24 +325,10 @@ def test_two_devices_carry_the_inputs_dtype_through_the_ring(jaxpr_equations):
     """With two devices in the contiguous layout the own block's call starts the output
     and dq, and at most one call follows: the branches carry them in the inputs' dtype
     (one rounding, as the final cast), not in float32 passes in and out of them."""
-    n, t = 2, 4 * CHUNK
-    q = jnp.zeros((B, t, N, H), jnp.bfloat16)
-    kv = jnp.zeros((B, t, K, H), jnp.bfloat16)
-    ids = jnp.zeros((B, t), jnp.int32)
-    seq = P(None, "sp")
-
-    def local(q, k, v, ids):
-        out = ring_attention(
-            q, k, v, axis_name="sp", causal=True, segment_ids=(ids, ids), strategy="ring",
-            layout="contiguous", implementation="xla",
-        )  # fmt: skip
-        return jnp.sum(out.astype(jnp.float32))
-
-    sharded = shard_map_compat(
-        local, mesh=_mesh(n), in_specs=(seq,) * 4, out_specs=P(), check=False
-    )
-    grad = jax.grad(lambda q, k, v: sharded(q, k, v, ids), argnums=(0, 1, 2))
-    eqns = list(jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr))
+    eqns = _gradient_equations(
+        jaxpr_equations, 2, dtype=jnp.bfloat16, documents=True, strategy="ring",
+        layout="contiguous", implementation="xla",
+    )  # fmt: skip
     carried = [
         x.aval.dtype
         for e in eqns

@@ -8,6 +8,7 @@ out (`to_zigzag`) and back inside the differentiated function, as a model would.
 from __future__ import annotations
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -265,10 +266,15 @@ def test_blocks_of_other_documents_are_skipped():
     assert not _documents_meet((ids(-1, -1), ids(-1, -1)))
 
 
-def _gradient_equations(jaxpr_equations, n, *, dtype=jnp.float32, documents=False, **ring):
-    """Every equation of the jaxpr of the (q, k, v) gradient of causal `ring_attention`
-    (options ``ring``) on ``n`` devices, T = 2 n CHUNK, with all-zero segment ids where
-    ``documents``."""
+def _gradient_equations(jaxpr_equations, n, **kw):
+    """Every equation of the jaxpr of `_gradient`'s function."""
+    grad, args = _gradient(n, **kw)
+    return list(jaxpr_equations(jax.make_jaxpr(grad)(*args).jaxpr))
+
+
+def _gradient(n, *, dtype=jnp.float32, documents=False, **ring):
+    """``(f, args)``: the (q, k, v) gradient of causal `ring_attention` (options ``ring``)
+    on ``n`` devices, T = 2 n CHUNK, with all-zero segment ids where ``documents``."""
     t = 2 * n * CHUNK
     q = jnp.zeros((B, t, N, H), dtype)
     kv = jnp.zeros((B, t, K, H), dtype)
@@ -284,7 +290,7 @@ def _gradient_equations(jaxpr_equations, n, *, dtype=jnp.float32, documents=Fals
         local, mesh=_mesh(n), in_specs=(seq,) * (3 + len(ids)), out_specs=P(), check=False
     )
     grad = jax.grad(lambda q, k, v: sharded(q, k, v, *ids), argnums=(0, 1, 2))
-    return list(jaxpr_equations(jax.make_jaxpr(grad)(q, kv, kv).jaxpr))
+    return grad, (q, kv, kv)
 
 
 @pytest.mark.parametrize("implementation", ["triton", "xla"])
@@ -292,14 +298,38 @@ def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_
     """The backward reads the blocks the forward gathered (kept as residuals): one
     all-gather each of k, v and their ids in the whole gradient, none gathered again
     (a backward in a branch of its own, as under the facade's `lax.cond`, could not
-    share the forward's)."""
+    share the forward's). The kernels' one call sends dk and dv home in one
+    reduce-scatter (XLA keeps one collective of a kind in flight: of two, one ran
+    exposed); the steps' float32 sums in two."""
     eqns = _gradient_equations(
         jaxpr_equations, 2, documents=True, strategy="all_gather", layout="zigzag",
         implementation=implementation,
     )  # fmt: skip
     eqns = [e.primitive.name for e in eqns]
     assert eqns.count("all_gather") == 3  # k, v and the kv ids
-    assert eqns.count("reduce_scatter") == 2  # dk and dv to their owners
+    assert eqns.count("reduce_scatter") == (1 if implementation == "triton" else 2)
+
+
+def test_all_gather_joins_dk_and_dv_for_free():
+    """The one reduce-scatter takes the array the kernel call wrote dk and dv into (side by
+    side, `block_backward`'s ``joint_dkdv``): in the compiled gradient the only
+    concatenation along the heads' columns is that call's (the ordinary kernels' outputs
+    joined; the Gluon kernel writes them so), none in front of the collective. (float32:
+    on the CPU, XLA computes bfloat16 collectives in float32, and the converts it puts
+    between the halves and the join would hide what a GPU does.)"""
+    grad, args = _gradient(
+        2, documents=True, strategy="all_gather", layout="zigzag", implementation="triton"
+    )
+    hlo = jax.jit(grad).lower(*args).compile().as_text()
+    joins = []
+    for line in hlo.splitlines():
+        found = re.search(r"= f32\[([\d,]+)\]\S* concatenate\(.*dimensions=\{(\d+)\}", line)
+        if found:
+            shape = [int(x) for x in found.group(1).split(",")]
+            if int(found.group(2)) == len(shape) - 1 and shape[-1] == 2 * H:
+                joins.append(shape)
+    assert joins == [[B, 2 * 2 * CHUNK, K, 2 * H]]  # the call's [B, T, K, 2H], not [n, ...]
+    assert "reduce-scatter(" in hlo
 
 
 def test_ring_sends_each_gradient_share_home_once(jaxpr_equations):

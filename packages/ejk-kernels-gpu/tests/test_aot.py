@@ -190,6 +190,28 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     assert all(r["spill_stores"] == 0 for r in gluon if r["kernel"] == "gluon_dq_kernel"), gluon
 
 
+def test_the_gluon_dkdv_kernel_builds_dk_and_dv_side_by_side_for_hopper():
+    """All-gather's backward build (``JOINT``: dk and dv in one output, for one
+    reduce-scatter) compiles as the build with two outputs does: the same shared memory
+    and spills, both ring depths, head_dim 64 and 128."""
+    rows = _compile(
+        "--head-dims", "64,128", "--variants", "relative,joint", "--space", "heuristic",
+        "--kernels", "dkdv_kernel",
+    )  # fmt: skip
+    gluon = {
+        (r["variant"], r["head_dim"], r["config"]["num_stages"]): r
+        for r in rows
+        if r["kernel"] == "gluon_dkdv_kernel"
+    }
+    assert {key[1:] for key in gluon if key[0] == "joint"} == {
+        (h, s) for h in (64, 128) for s in (2, 3)
+    }
+    for (variant, head_dim, stages), row in gluon.items():
+        if variant == "joint":
+            apart = gluon["relative", head_dim, stages]
+            assert (row["shared"], row["spill_stores"]) == (apart["shared"], apart["spill_stores"])
+
+
 def test_the_head_dim_256_gluon_backward_kernels_build_for_hopper():
     """The column-split Gluon dk/dv kernel (`_gluon_backward_wide`) and the Gluon dq kernel
     beside it (32 keys a step) unmasked, causal, with a window, segment ids and a soft cap:

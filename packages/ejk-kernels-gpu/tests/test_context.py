@@ -113,6 +113,22 @@ def test_blocks_merge_to_the_reference(rng, make_inputs, close, case):
     close(jnp.concatenate(dvs, 1), dv_want, jnp.float32, "grad", "dv")
 
 
+def test_joint_gradients_hold_dk_then_dv_in_each_head(rng, make_inputs):
+    """``joint_dkdv`` (all-gather's one reduce-scatter) gives ``(dq, dkv)``: per head, dk's
+    columns then dv's, equal to the separate call's."""
+    q, k, v = make_inputs(rng, B, T, T, N, K, H, jnp.float32)
+    masks = BlockMasks(scale=H**-0.5, causal=True, relative=True)
+    out, lse = block_forward(masks, q, k, v, q_offset=0, k_offset=0)
+    d_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    args = (masks, q, k, v, out, lse, d_out)
+    dq, dk, dv = block_backward(*args, q_offset=0, k_offset=0)
+    dq_joint, dkv = block_backward(*args, q_offset=0, k_offset=0, joint_dkdv=True)
+    assert dkv.shape == (B, T, K, 2 * H)
+    np.testing.assert_array_equal(dq_joint, dq)
+    np.testing.assert_array_equal(dkv[..., :H], dk)
+    np.testing.assert_array_equal(dkv[..., H:], dv)
+
+
 def test_local_diagonal_equals_relative_positions(rng, make_inputs):
     """With equal offsets, local causal (the plain build) and relative positions agree."""
     q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)

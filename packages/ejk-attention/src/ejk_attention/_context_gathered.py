@@ -89,13 +89,16 @@ def gathered_backward(
     cm: CallMasks, layout: Layout, me: Any, res: tuple, cts: tuple, gathered: Any
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)``: dq of this device's rows; dk and dv of every device's block from
-    these rows, ``[n, B, S, K, H]`` in the inputs' dtype, not yet summed over the devices."""
+    these rows, ``[n, B, S, K, H]`` in the inputs' dtype, not yet summed over the devices.
+    dk and dv are the two halves of one array (the kernel writes them side by side,
+    `block_backward`'s ``joint_dkdv``): joined again for the reduce-scatter
+    (`_ring._reduce_scatter`), XLA takes that array itself, with no copy."""
     from ejk_kernels_gpu._context import block_backward
 
     q, _, _, q_ids, _, out, lse = res
     d_out, d_lse = cts
     k, v, kv_ids = _whole(layout, gathered)
-    dq, dk, dv = block_backward(
+    dq, dkv = block_backward(
         _block_masks(cm),
         q,
         k,
@@ -106,6 +109,8 @@ def gathered_backward(
         d_lse,
         q_offset=tuple(layout.offsets(me, layout.q_len)),
         segment_ids=None if q_ids is None else (q_ids, kv_ids),
+        joint_dkdv=True,
     )
-    blocks = lambda x: device_blocks(x, layout.size, layout.kv_zigzag)
-    return dq, blocks(dk), blocks(dv)
+    dkv = device_blocks(dkv, layout.size, layout.kv_zigzag)
+    head_dim = k.shape[-1]
+    return dq, dkv[..., :head_dim], dkv[..., head_dim:]

@@ -409,8 +409,20 @@ def _backward(st: _Ring, res, cts) -> tuple:
     where = Placement(_axis_index(st), _ring_size(st.axis_name), gathered)
     dq, dk, dv = device_backward(st, tuple(res), cts, where, drop)
     if where.gathered is not None:  # each device's share of every block, to the block's owner
-        dk, dv = (jax.lax.psum_scatter(x, st.axis_name, scatter_dimension=0) for x in (dk, dv))
+        dk, dv = _reduce_scatter(dk, dv, st.axis_name, joint=_one_call(st, where))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+def _reduce_scatter(dk: Array, dv: Array, axis_name: Any, joint: bool) -> tuple[Array, Array]:
+    """dk and dv ``[n, ...]`` summed over the devices, block i to device i. ``joint``: in
+    one reduce-scatter of the two side by side, where they are the halves of one array
+    (all-gather's one call, `gathered_backward`: the concatenation is that array, no copy).
+    XLA keeps one collective of a kind in flight, so of two reduce-scatters only one hides
+    behind the dq kernel; the other ran exposed (two H200s, T = 65536: 0.3-0.4 ms)."""
+    if not joint:  # float32 sums of the steps: joining them would copy both
+        return tuple(jax.lax.psum_scatter(x, axis_name, scatter_dimension=0) for x in (dk, dv))
+    both = jax.lax.psum_scatter(jnp.concatenate([dk, dv], axis=-1), axis_name, scatter_dimension=0)
+    return both[..., : dk.shape[-1]], both[..., dk.shape[-1] :]
 
 
 def _add_sinks(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:

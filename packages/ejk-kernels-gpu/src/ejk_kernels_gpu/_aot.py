@@ -78,6 +78,8 @@ VARIANTS = {
     "packed": dict(causal=True, window=(64, 0), varlen=True),
     # context parallelism's one call (`_context`): global positions, no sequence ids
     "relative": dict(causal=True, has_seg=True, varlen=True, seq_ids=False),
+    # all-gather's backward: dk and dv side by side in one output (``JOINT``)
+    "joint": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, joint=True),
     "tail": dict(causal=False, kv_len=4000),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
@@ -91,6 +93,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     bias = feats.pop("bias", False)
     sinks = feats.pop("sinks", False)
     kv_len = feats.pop("kv_len", 4096)
+    joint = feats.pop("joint", False)
     opts = CallOptions(
         scale=head_dim**-0.5,
         causal=feats.get("causal", False),
@@ -108,7 +111,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None
     if cfg.gluon and kernel == "dkdv_kernel":  # the Gluon dk/dv kernel (its own arguments)
-        return dict(gluon_dkdv_constexprs(opts, q, k, cfg), INTERPRET=False)
+        return dict(gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint), INTERPRET=False)
     if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it
         return dict(gluon_dq_constexprs(opts, q, k, cfg), INTERPRET=False)
     if cfg.gluon:  # the Gluon forward (its own arguments)

@@ -59,14 +59,16 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
 
 
 def _gluon_dkdv(
-    opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig
-) -> tuple[Array, Array, Array | None]:
+    opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig, joint: bool
+) -> tuple[Array, Array | None, Array | None]:
     """(dk, dv, dq sum or None) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds);
-    with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces."""
+    with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces.
+    ``joint``: (dk and dv side by side ``[B, S, K, 2H]``, None, dq sum or None)."""
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     wide = gluon_dkdv_wide(q.shape[3])
-    consts = gluon_dkdv_constexprs(opts, q, k, cfg)
+    consts = gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint)
+    dk_shape = (*k.shape[:3], 2 * k.shape[3]) if joint else k.shape
     order = launch_order(tables.dkdv_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,
                          walked=q.shape[1], walked_block=cfg.block_k, rows_own=False)  # fmt: skip
@@ -75,8 +77,8 @@ def _gluon_dkdv(
         grid,
         (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, order),
         (
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dk_shape, k.dtype),
+            jax.ShapeDtypeStruct((1,) if joint else v.shape, v.dtype),  # joint: unused
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
@@ -85,7 +87,7 @@ def _gluon_dkdv(
         num_stages=cfg.num_stages,
         zeroed=(False, False, cfg.atomic_dq, False),
     )
-    return dk, dv, dq_sum if cfg.atomic_dq else None
+    return dk, None if joint else dv, dq_sum if cfg.atomic_dq else None
 
 
 def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig) -> Array:
@@ -113,9 +115,25 @@ def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: Fla
 
 
 def backward(
-    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, out, rows, d_out, d_lse=None
+    opts: CallOptions,
+    q,
+    k,
+    v,
+    bias,
+    sinks,
+    tables: Tables,
+    out,
+    rows,
+    d_out,
+    d_lse=None,
+    *,
+    joint_dkdv: bool = False,
 ) -> tuple[Array | None, ...]:
     """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input).
+
+    ``joint_dkdv``: dk and dv side by side in one array ``[B, S, K, 2H]`` (in place of dk;
+    dv None), as the Gluon dk/dv kernel writes them (``JOINT``; the other kernels' are
+    concatenated): one collective can then take both without a copy.
 
     ``rows``: the forward's (see `_forward_launch.forward`): the lse ``[B, N, T]``, or with
     a bias the row max and log row sum ``[B, N, 2, T]``, lse = their sum.
@@ -159,11 +177,13 @@ def backward(
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
     if gluon:
-        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, tables, opts.bwd_cfg)
+        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, tables, opts.bwd_cfg, joint_dkdv)
         dlogits = None
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
                                         dkdv_consts, ws)  # fmt: skip
+        if joint_dkdv:
+            dk, dv = jnp.concatenate([dk, dv], axis=-1), None
     beside = gluon_dq_beside(opts.bwd_cfg) if gluon else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)

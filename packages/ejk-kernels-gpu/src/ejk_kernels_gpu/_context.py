@@ -290,7 +290,11 @@ def block_backward(
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     dropout_key: UInt32[Array, 5] | None = None,
     bwd_config: FlashConfig | None = None,
-) -> tuple[Float[Array, "B T N H"], Float[Array, "B S K H"], Float[Array, "B S K H"]]:
+    joint_dkdv: bool = False,
+) -> (
+    tuple[Float[Array, "B T N H"], Float[Array, "B S K H"], Float[Array, "B S K H"]]
+    | tuple[Float[Array, "B T N H"], Float[Array, "B S K 2H"]]
+):
     """This key block's share of the gradients, given the GLOBAL output and lse of the rows.
 
     Args:
@@ -300,14 +304,20 @@ def block_backward(
         d_out: cotangent of the global output.
         d_lse: cotangent of the global lse, or None.
         bwd_config: the backward tile config; default the heuristic's.
+        joint_dkdv: return dk and dv side by side, ``(dq, dkv)`` with ``dkv [B, S, K, 2H]``
+            (dk in the first H columns of each head): the Gluon dk/dv kernel writes them
+            so, and one reduce-scatter then takes both with no copy (all-gather's backward).
 
     Returns:
         ``(dq, dk, dv)`` in the inputs' dtypes: dq is this block's addend of q's
-        gradient, dk/dv the whole gradient of this block from these rows.
+        gradient, dk/dv the whole gradient of this block from these rows (``(dq, dkv)``
+        with ``joint_dkdv``).
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
     tables = block_tables(
         opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
     )
-    dq, dk, dv, _, _ = backward(opts, q, k, v, None, None, tables, out, lse, d_out, d_lse)
-    return dq, dk, dv
+    dq, dk, dv, _, _ = backward(
+        opts, q, k, v, None, None, tables, out, lse, d_out, d_lse, joint_dkdv=joint_dkdv
+    )
+    return (dq, dk) if joint_dkdv else (dq, dk, dv)

@@ -143,6 +143,26 @@ def probabilities(s_t, lse_rows, m, full, masks, F: gl.constexpr):
 
 
 @gluon.jit
+def dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S: gl.constexpr, K: gl.constexpr, H: gl.constexpr,
+                     block: gl.constexpr, layout: gl.constexpr, JOINT: gl.constexpr):  # fmt: skip
+    """The TMA descriptors dk and dv leave through, of the program's (batch ``b``, kv head
+    ``kh``): ``[B, S, K, H]`` each, or with ``JOINT`` side by side in dk's buffer ``[B, S,
+    K, 2H]`` (dk in the first H columns of each head, dv in the last; ``dv_ptr`` unused),
+    so that a reduce-scatter can take both as one array."""
+    if JOINT:
+        base = b.to(gl.int64) * S * K * 2 * H + kh * 2 * H
+        dk_desc = tma.make_tensor_descriptor(dk_ptr + base, [S, H], [2 * K * H, 1], block, layout)
+        dv_desc = tma.make_tensor_descriptor(
+            dk_ptr + base + H, [S, H], [2 * K * H, 1], block, layout
+        )
+    else:
+        base = b.to(gl.int64) * S * K * H + kh * H
+        dk_desc = tma.make_tensor_descriptor(dk_ptr + base, [S, H], [K * H, 1], block, layout)
+        dv_desc = tma.make_tensor_descriptor(dv_ptr + base, [S, H], [K * H, 1], block, layout)
+    return dk_desc, dv_desc
+
+
+@gluon.jit
 def store_dkdv(dk, dv, bufs, dests, coord):
     """Store ``dk`` (times the scale) and ``dv`` through the buffers ``bufs`` (k's and v's,
     no longer read) to the descriptors of ``dests`` = (dk's, dv's, scale) at ``coord``."""
@@ -310,9 +330,10 @@ def gluon_dkdv_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
-    """dk, dv [B, S, K, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
+    """dk, dv [B, S, K, H] (with ``JOINT`` side by side in ``dk_ptr``'s [B, S, K, 2H],
+    `dkdv_descriptors`) from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
@@ -358,8 +379,7 @@ def gluon_dkdv_kernel(
     kv_base = b.to(gl.int64) * S * K * H + kh * H
     k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
     v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
-    dk_desc = tma.make_tensor_descriptor(dk_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
-    dv_desc = tma.make_tensor_descriptor(dv_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
+    dk_desc, dv_desc = dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [HALF, H], layout, JOINT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ._gluon_backward_kernel import (
     DkdvOptions,
+    dkdv_descriptors,
     probabilities,
     program_tile,
     query_blocks,
@@ -182,9 +183,9 @@ def gluon_dkdv_wide_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
-    """dk, dv [B, S, K, 256]: the arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`
+    """dk, dv [B, S, K, 256] (``JOINT``: side by side, [B, S, K, 512]): the arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`
     (``dq_acc_ptr`` unused: ``DQ`` must be False); grid (key blocks of BN = 64, B·K)."""
     F: gl.constexpr = DkdvOptions(
         T=T, S=S, N=N, G=G, H=H, BM=BM, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP,
@@ -207,8 +208,8 @@ def gluon_dkdv_wide_kernel(
     kv_base = b.to(gl.int64) * S * K * H + kh * H
     k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
     v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
-    dk_desc = tma.make_tensor_descriptor(dk_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
-    dv_desc = tma.make_tensor_descriptor(dv_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
+    dk_desc, dv_desc = dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [BN, _COLS], layout,
+                                        JOINT)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)
     do_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BN, _COLS], layout)

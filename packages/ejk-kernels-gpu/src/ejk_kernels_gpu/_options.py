@@ -268,15 +268,18 @@ def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
     )  # fmt: skip
 
 
-def gluon_dkdv_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
+def gluon_dkdv_constexprs(
+    opts: CallOptions, q: Any, k: Any, cfg: FlashConfig, *, joint: bool = False
+) -> dict:
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
-    resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``."""
+    resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``;
+    ``joint``: dk and dv side by side in one output (``JOINT``)."""
     tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
     # The wide kernel counts as one head a program: its causal calls were not measured
     # with an order (segment ids or positions take one there too).
     grouped = q.shape[2] > k.shape[2] and not gluon_dkdv_wide(q.shape[3])
     ordered = opts.ordered_tiles("dkdv", grouped=grouped)
-    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered)
+    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered, JOINT=joint)
 
 
 def gluon_dq_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:

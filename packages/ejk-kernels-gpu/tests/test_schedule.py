@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu._schedule import causal_steps, launch_order, table_steps, tile_order
+from ejk_kernels_gpu._schedule import Walk, causal_steps, launch_order, table_steps, tile_order
 
 
 def _documents_table(key_blocks, busy_documents, doc_blocks=16, rows=64):
@@ -106,37 +106,32 @@ def test_steps_are_the_blocks_the_kernels_walk():
     np.testing.assert_array_equal(table_steps(table, 128), [1, 3, 0, 0])
     # Without a table: a query block walks the keys up to its last row (causal on indices),
     # a key block the query blocks from the one holding its first key; else all of them.
-    rows = causal_steps(programs=4, own_block=128, walked=448, walked_block=64, causal=True,
-                        rows_own=True)  # fmt: skip
+    rows = causal_steps(Walk(4, 128, 448, 64, rows_own=True), causal=True)
     np.testing.assert_array_equal(rows, [2, 4, 6, 7])
-    keys = causal_steps(programs=3, own_block=128, walked=384, walked_block=64, causal=True,
-                        rows_own=False)  # fmt: skip
+    keys = causal_steps(Walk(3, 128, 384, 64, rows_own=False), causal=True)
     np.testing.assert_array_equal(keys, [6, 4, 2])
-    plain = causal_steps(programs=3, own_block=128, walked=384, walked_block=64, causal=False,
-                         rows_own=False)  # fmt: skip
+    plain = causal_steps(Walk(3, 128, 384, 64, rows_own=False), causal=False)
     np.testing.assert_array_equal(plain, [6, 6, 6])
 
 
 def test_equal_work_keeps_the_grid_order():
-    steps = causal_steps(programs=16, own_block=128, walked=2048, walked_block=128,
-                         causal=False, rows_own=True)  # fmt: skip
+    steps = causal_steps(Walk(16, 128, 2048, 128, rows_own=True), causal=False)
     np.testing.assert_array_equal(tile_order(steps, 12, 132), np.arange(12 * 16))
 
 
 def test_a_launch_passes_an_order_only_where_its_kernel_reads_one():
-    common = dict(causal=True, groups=3, programs=8, own_block=128, walked=1024,
-                  walked_block=128, rows_own=True)  # fmt: skip
-    placeholder = launch_order(None, ordered=False, tabled=False, **common)
+    walk = Walk(8, 128, 1024, 128, rows_own=True)
+    common = dict(causal=True, groups=3)
+    placeholder = launch_order(None, walk, ordered=False, tabled=False, **common)
     assert placeholder.shape == (1,)
     # Without a table: the order of causal steps, a constant of the call.
-    plain = launch_order(None, ordered=True, tabled=False, **common)
-    steps = causal_steps(programs=8, own_block=128, walked=1024, walked_block=128,
-                         causal=True, rows_own=True)  # fmt: skip
+    plain = launch_order(None, walk, ordered=True, tabled=False, **common)
+    steps = causal_steps(walk, causal=True)
     np.testing.assert_array_equal(np.asarray(plain), tile_order(steps, 3, 132))
     # With a table (traced, as segment ids make it): the order of its steps.
     table = np.zeros((8, 4), np.int32)
     table[:, 3] = np.arange(8)[::-1] * 128  # the first block the heaviest
-    got = jax.jit(lambda t: launch_order(t, ordered=True, tabled=True, **common))(
+    got = jax.jit(lambda t: launch_order(t, walk, ordered=True, tabled=True, **common))(
         jnp.asarray(table)
     )
     np.testing.assert_array_equal(np.asarray(got), tile_order(table_steps(table, 128), 3, 132))
@@ -147,8 +142,7 @@ def test_grouped_causal_dkdv_programs_end_with_light_ones():
     # B4 T4096 K8 (four query heads a kv head): a dk/dv program of 128 keys walks four
     # heads' query blocks from its own on; in the grid's order (each group's heaviest
     # first, the groups in turn) the last group's heaviest programs start late.
-    steps = causal_steps(programs=32, own_block=128, walked=4096, walked_block=64,
-                         causal=True, rows_own=False)  # fmt: skip
+    steps = causal_steps(Walk(32, 128, 4096, 64, rows_own=False), causal=True)
     work = np.tile(steps * 4, 32)
     ideal = (work + 0.5).sum() / 132
     assert _makespan(np.arange(work.size), work) / ideal > 1.1

@@ -20,7 +20,7 @@ from ._options import (
     kernel_constexprs,
     runnable_config,
 )
-from ._schedule import launch_order
+from ._schedule import Walk, launch_order
 from ._triton import hopper_gpu, kernels, launch
 
 __all__ = ["backward"]
@@ -69,9 +69,9 @@ def _gluon_dkdv(
     wide = gluon_dkdv_wide(q.shape[3])
     consts = gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint)
     dk_shape = (*k.shape[:3], 2 * k.shape[3]) if joint else k.shape
-    order = launch_order(tables.dkdv_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
-                         causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,
-                         walked=q.shape[1], walked_block=cfg.block_k, rows_own=False)  # fmt: skip
+    walk = Walk.of_keys(kv_len, q.shape[1], cfg)
+    order = launch_order(tables.dkdv_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
+                         causal=opts.causal, groups=grid[1])  # fmt: skip
     dk, dv, dq_sum, _ = launch(
         kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel,
         grid,
@@ -96,9 +96,9 @@ def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: Fla
     batch, q_len, heads = q.shape[:3]
     grid = (-(-q_len // cfg.block_q), batch * heads)
     consts = gluon_dq_constexprs(opts, q, k, cfg)
-    order = launch_order(tables.dq_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
-                         causal=opts.causal, groups=grid[1], programs=grid[0], own_block=cfg.block_q,
-                         walked=k.shape[1], walked_block=cfg.block_k, rows_own=True)  # fmt: skip
+    walk = Walk.of_rows(q_len, k.shape[1], cfg)
+    order = launch_order(tables.dq_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
+                         causal=opts.causal, groups=grid[1])  # fmt: skip
     dq, _ = launch(
         kernels().gluon_dq_kernel,
         grid,

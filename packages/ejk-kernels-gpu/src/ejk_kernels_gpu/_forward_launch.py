@@ -16,7 +16,7 @@ from ._options import (
     kernel_constexprs,
     runnable_config,
 )
-from ._schedule import launch_order
+from ._schedule import Walk, launch_order
 from ._triton import kernels, launch
 
 __all__ = ["forward"]
@@ -29,11 +29,9 @@ def _gluon_forward(
     batch, q_len, heads, _ = q.shape
     consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
-    order = launch_order(tables.fwd_ranges, ordered=consts["ORDERED"], tabled=opts.tabled(),
-                         causal=opts.causal,
-                         groups=batch * heads, programs=-(-q_len // cfg.block_q),
-                         own_block=cfg.block_q, walked=k.shape[1], walked_block=cfg.block_k,
-                         rows_own=True)  # fmt: skip
+    walk = Walk.of_rows(q_len, k.shape[1], cfg)
+    order = launch_order(tables.fwd_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
+                         causal=opts.causal, groups=batch * heads)  # fmt: skip
     out, lse, _, _ = launch(
         kernels().gluon_fwd_kernel,
         grid,

@@ -26,7 +26,7 @@ persistent forward's counter make the model's gains real for some calls only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,31 @@ import numpy as np
 from ._masks import dummy
 from ._triton import multiprocessors
 
-__all__ = ["causal_steps", "launch_order", "table_steps", "tile_order"]
+__all__ = ["Walk", "causal_steps", "launch_order", "table_steps", "tile_order"]
+
+
+class Walk(NamedTuple):
+    """How a kernel's programs cover a call: ``programs`` blocks of ``own_block`` (query
+    rows if ``rows_own``, else keys), each walking ``walked`` keys (or rows) in steps of
+    ``walked_block``."""
+
+    programs: int
+    own_block: int
+    walked: int
+    walked_block: int
+    rows_own: bool
+
+    @classmethod
+    def of_rows(cls, rows: int, keys: int, cfg: Any) -> Walk:
+        """Forward and dq programs: ``cfg.block_q`` query rows each, ``cfg.block_k`` keys a
+        step."""
+        return cls(-(-rows // cfg.block_q), cfg.block_q, keys, cfg.block_k, True)
+
+    @classmethod
+    def of_keys(cls, keys: int, rows: int, cfg: Any) -> Walk:
+        """dk/dv programs: ``cfg.block_q`` resident keys each, ``cfg.block_k`` query rows a
+        step."""
+        return cls(-(-keys // cfg.block_q), cfg.block_q, rows, cfg.block_k, False)
 
 
 def _xp(x: Any):
@@ -54,20 +78,19 @@ def table_steps(table: Any, block: int) -> Any:
     return xp.where(hi > lo, -(-hi // block) - lo // block, 0).astype(np.int32)
 
 
-def causal_steps(*, programs: int, own_block: int, walked: int, walked_block: int,
-                 causal: bool, rows_own: bool) -> np.ndarray:  # fmt: skip
-    """Blocks each program walks in a call without a block table: ``programs`` blocks of
-    ``own_block`` (query rows if ``rows_own``, else keys) walking ``walked`` rows or keys
-    in blocks of ``walked_block``; causal on indices as the kernels' own ranges: a query
-    block walks the key blocks up to its last row, a key block the query blocks from the
-    one holding its first key."""
-    walked_blocks = -(-walked // walked_block)
-    start = np.arange(programs) * own_block
+def causal_steps(walk: Walk, *, causal: bool) -> np.ndarray:
+    """Blocks each program of ``walk`` takes in a call without a block table; causal on
+    indices as the kernels' own ranges: a query block walks the key blocks up to its last
+    row, a key block the query blocks from the one holding its first key."""
+    walked_blocks = -(-walk.walked // walk.walked_block)
+    start = np.arange(walk.programs) * walk.own_block
     if not causal:
-        return np.full(programs, walked_blocks, np.int32)
-    if rows_own:
-        return (-(-np.minimum(start + own_block, walked) // walked_block)).astype(np.int32)
-    return (walked_blocks - np.minimum(start // walked_block, walked_blocks)).astype(np.int32)
+        return np.full(walk.programs, walked_blocks, np.int32)
+    if walk.rows_own:
+        last = np.minimum(start + walk.own_block, walk.walked)
+        return (-(-last // walk.walked_block)).astype(np.int32)
+    first = np.minimum(start // walk.walked_block, walked_blocks)
+    return (walked_blocks - first).astype(np.int32)
 
 
 def tile_order(steps: Any, groups: int, multiprocessors: int) -> Any:
@@ -102,20 +125,18 @@ def tile_order(steps: Any, groups: int, multiprocessors: int) -> Any:
     return jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
 
 
-def launch_order(table: Any, *, ordered: bool, tabled: bool, causal: bool, groups: int,
-                 programs: int, own_block: int, walked: int, walked_block: int,
-                 rows_own: bool) -> Any:  # fmt: skip
+def launch_order(
+    table: Any, walk: Walk, *, ordered: bool, tabled: bool, causal: bool, groups: int
+) -> Any:
     """The tile order a Gluon kernel's launch passes where it takes one (``ordered``, the
     kernel's ``ORDERED``: `_options.CallOptions.ordered_tiles`), else a placeholder:
     `tile_order` of the block table's steps (``tabled``: segment ids or positions, sorted
-    when the call runs) or of `causal_steps` (a constant of the call). ``programs`` of
-    ``own_block`` rows (``rows_own``) or keys over ``walked`` keys or rows in steps of
-    ``walked_block``; ``groups`` of them, batch-major."""
+    when the call runs) or of `causal_steps` (a constant of the call), for ``groups``
+    (batch-major) of ``walk``'s programs."""
     if not ordered:
         return dummy()
     if tabled:
-        steps = table_steps(table, walked_block)
+        steps = table_steps(table, walk.walked_block)
     else:
-        steps = causal_steps(programs=programs, own_block=own_block, walked=walked,
-                             walked_block=walked_block, causal=causal, rows_own=rows_own)  # fmt: skip
+        steps = causal_steps(walk, causal=causal)
     return jnp.asarray(tile_order(steps, groups, multiprocessors()))

@@ -234,15 +234,12 @@ def device_forward(
         out, lse = gathered_forward(st.masks, layout, where.me, q, q_ids, where.gathered)
         return out.astype(q.dtype), lse
     b, t, n, _ = q.shape
-    whole = _whole_first_call(st, layout, where)
+    whole, in_dtype = _sums_start(st, layout, where)
     if whole:
         acc = (None, None)  # set by that call, no zeros to merge with
     else:
         acc = (jnp.zeros((b, t, n, v.shape[-1]), _F32), jnp.full((b, n, t), -jnp.inf, _F32))
         acc = varying_like(acc, q, k, v, q_ids, kv_ids)
-    # At most one merge after it: the merged rows are rounded once, as the final cast
-    # would, so the output stays in q's dtype (no float32 pass in and out of it).
-    in_dtype = whole and _later_calls(st, layout, where.size) <= 1
     kv = (k, v, kv_ids)
     for step in range(where.size):
         _, kv, nxt, plan, q_offs, k_offs = _step(st, where, layout, kv, step)
@@ -291,10 +288,7 @@ def device_backward(
     def zeros(*shape, dtype=_F32):
         return varying_like(jnp.zeros(shape, dtype), q, k, v, q_ids, kv_ids, d_out)
 
-    # Where the first call covers every row and key, its gradients start the sums; with
-    # at most one call after it, dq's one addition is rounded once, as the final cast would.
-    whole = _whole_first_call(st, layout, where)
-    in_dtype = whole and _later_calls(st, layout, where.size) <= 1
+    whole, in_dtype = _sums_start(st, layout, where)
     dq = None if whole else zeros(*q.shape)
     if where.gathered is None:
         dkv = (None, None) if whole else (zeros(*k.shape), zeros(*v.shape))  # the own block's
@@ -352,6 +346,16 @@ def device_backward(
     if where.gathered is None:
         dkv = tuple(sum((a[i].astype(_F32) for a in arriving), dkv[i]) for i in range(2))
     return dq, *dkv
+
+
+def _sums_start(st: _Ring, layout: Layout, where: Placement) -> tuple[bool, bool]:
+    """``(whole, in_dtype)``: whether the own block's call covers every row and key, so
+    that its output (or gradients) start the sums instead of zeros (`_whole_first_call`);
+    and whether at most one call follows it, so that the sums stay in the inputs' dtype:
+    the one merge or addition is rounded once, as the final cast would (no float32 pass
+    in and out of them)."""
+    whole = _whole_first_call(st, layout, where)
+    return whole, whole and _later_calls(st, layout, where.size) <= 1
 
 
 def _whole_first_call(st: _Ring, layout: Layout, where: Placement) -> bool:

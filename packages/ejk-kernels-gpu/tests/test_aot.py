@@ -103,6 +103,9 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     }
     assert all(r["kernel"] == "gluon_fwd_kernel" for r in gluon)
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon), gluon
+    # The epilogue divides once per row a thread holds (two, in each of two consumers), not
+    # once per score (128): a division is a MUFU reciprocal, as costly as an exponential.
+    assert all(r["divisions"] <= 4 for r in gluon), [r["divisions"] for r in gluon]
 
 
 def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():

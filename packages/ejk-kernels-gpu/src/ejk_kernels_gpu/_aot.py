@@ -208,6 +208,11 @@ def compile_kernel(
         # Threads the PTX requires: 384 for a warp-specialised build (three warpgroups).
         threads=threads_required(compiled.asm["ptx"]),
         spill_stores=spill_stores(compiled.asm["ptx"]) if spills else None,
+        # fp32 divisions in the PTX (each a MUFU reciprocal and more, where Triton lowers
+        # one per element: the Gluon forward divides once a row, `_consume_tile`).
+        divisions=len(
+            re.findall(r"\bdiv\.(?:full|rn|approx)(?:\.ftz)?\.f32\b", compiled.asm["ptx"])
+        ),
         seconds=round(time.perf_counter() - start, 2),
     )
 

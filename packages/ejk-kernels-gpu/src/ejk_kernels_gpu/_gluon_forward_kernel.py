@@ -419,7 +419,10 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
     # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
     has_mass = l_i > 0.0
     l_safe = gl.where(has_mass, l_i, 1.0)
-    out = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
+    # One reciprocal a row and a multiply a score: a division per score is a MUFU
+    # reciprocal each (div.full.f32), as many as a key block's exponentials.
+    inv_l = 1.0 / l_safe
+    out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
     o_buf = q
     if F.OBUF:
         o_buf = o_smem.index(C)

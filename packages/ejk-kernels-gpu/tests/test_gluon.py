@@ -135,7 +135,11 @@ def _emulate_gluon(inputs, consts):
     without segment ids). A table that sends a block needing a mask down the unmasked
     path, misses a visible block or leaves other ids after its full range in a causal call,
     gives a wrong answer here. With ``ORDERED`` tiles are taken in the order the launch
-    passes (`_schedule.launch_order`), which must be a permutation of them."""
+    passes (`_schedule.launch_order`), which must be a permutation of them. With
+    ``FIXED_SHIFT`` (a soft cap) the first block sets each row's shift, floored at
+    CAP_OUT - `_SHIFT_ROOM`, and later blocks keep it (no max, no rescaling)."""
+    from ejk_kernels_gpu._gluon_forward_kernel import _SHIFT_ROOM  # (Triton set up by now)
+
     q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
         np.asarray(x) for x in inputs
     )
@@ -173,7 +177,7 @@ def _emulate_gluon(inputs, consts):
             if c["MASKED"]:
                 after = range(max(jf_hi, j_lo + 1), j_hi)
                 walk += [(j, True, not c["CAUSAL"]) for j in after]
-        for j, masked, ids in walk:
+        for step, (j, masked, ids) in enumerate(walk):
             keys = j * bn + np.arange(bn)
             kk = np.minimum(keys, kv_len - 1)
             kh = n // c["G"]
@@ -185,7 +189,14 @@ def _emulate_gluon(inputs, consts):
                 tabs = (qsid, ksid, qpos, kpos, qseg, kseg)
                 seen = _visible(c, b, rows, keys, tabs, (q_len, kv_len), ids)
                 x = np.where(seen, x, -np.inf)
+            if c["FIXED_SHIFT"] and step > 0:
+                p = np.exp2(x - m[:, None])
+                l_sum = l_sum + p.sum(1)
+                acc = acc + p @ v_blk
+                continue
             m_new = np.maximum(m, x.max(1))
+            if c["FIXED_SHIFT"]:
+                m_new = np.maximum(m_new, c["CAP_OUT"] - _SHIFT_ROOM.value)
             m_use = np.where(m_new == -np.inf, 0.0, m_new) if masked else m_new
             p = np.exp2(x - m_use[:, None])
             alpha = np.exp2(m - m_use)
@@ -434,6 +445,10 @@ MASKED_CALLS = [
     ("documents cross ids", 128, 384, 384, dict(causal=True, documents="cross")),
     ("packed", 128, 400, 400, dict(causal=True, packed=True)),
     ("head_dim 256 window cap", 256, 256, 256, dict(causal=True, sliding_window=(70, 0), logits_soft_cap=8.0)),
+    # bf16 with a cap up to 55: each row's shift fixed after a tile's first block; logits
+    # saturated at +-cap, rows whose every logit is -cap (floored shift) among them.
+    ("soft cap 50 bf16 fixed shift", 128, 384, 384, dict(causal=True, logits_soft_cap=50.0, dtype=jnp.bfloat16, saturate=True)),
+    ("soft cap 20 bf16 window sinks", 128, 384, 384, dict(sliding_window=(150, 20), logits_soft_cap=20.0, dtype=jnp.bfloat16, sinks=True)),
     ("decode row", 128, 1, 300, dict(causal=True)),
 ]  # fmt: skip
 
@@ -477,9 +492,20 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=90)
     if kwargs.pop("sinks", False):
         kwargs["softmax_sinks"] = jnp.asarray(rng.standard_normal(heads), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim)), jnp.float16)
+    dtype = kwargs.pop("dtype", jnp.float16)
+    q = rng.standard_normal((batch, q_len, heads, head_dim))
     kv = (batch, kv_len, kv_heads, head_dim)
-    k, v = (jnp.asarray(rng.standard_normal(kv), jnp.float16) for _ in range(2))
+    k, v = (rng.standard_normal(kv) for _ in range(2))
+    if kwargs.pop("saturate", False):  # logits of tens through the cap, and of -+cap:
+        # query heads 2, 3 (kv head 1) see logits of -cap in the first key block (the
+        # rows of the first tile: nothing else, their shift the floor) and +cap after it
+        # (a shift from the first block alone would make p = 2^(2·cap·log2 e): inf).
+        key = k[:, :1, 1].copy()  # [B, 1, H]
+        k[:, :, 1] = np.where(np.arange(kv_len)[None, :, None] < 128, -key, key)
+        q *= 60 * head_dim**0.5 / np.linalg.norm(q, axis=-1, keepdims=True)
+        row = 300 * head_dim**0.5 * key / np.sum(key * key, axis=-1, keepdims=True)
+        q[:, :, 2:] = row[:, :, None]  # scale·q·k = -+300, capped to -+50·tanh(6)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     # head_dim 64 takes it when asked for (the heuristic leaves it to tuning there).
     config = {"config": GLUON} if head_dim == 64 else {}
 
@@ -494,12 +520,15 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     )
     [(name, _, consts, _, _)] = [launch for launch in gluon_launches if launch[3] is not None]
     assert name == "gluon_fwd_kernel" and consts["H"] == head_dim
+    assert consts["FIXED_SHIFT"] == (dtype == jnp.bfloat16)
     assert consts["BN"] == (64 if head_dim == 256 else 128)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref_grads, (ref_out, ref_lse) = jax.grad(
         lambda *a: loss(reference_attention, *a), (0, 1, 2), has_aux=True
     )(*f32)
-    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-3)
+    # (within one ulp of the output's 16-bit type, bf16's 2^-7 wider than fp16's)
+    ulp = 2.0**-7 if dtype == jnp.bfloat16 else 0.0
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-3, rtol=ulp)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-3)  # -inf where no key
     for got, ref in zip(grads, ref_grads, strict=True):
         err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
@@ -642,6 +671,35 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
     assert gluon_obuf(GLUON, 64, persistent=True) and gluon_obuf(GLUON2, 128, persistent=True)
     assert not gluon_obuf(GLUON2, 128, persistent=False)
     assert not gluon_obuf(GLUON256, 256, persistent=True)
+
+
+@pytest.mark.parametrize(
+    "cap, dtype, packed_segments, fixed",
+    [
+        (None, jnp.bfloat16, False, False),
+        (50.0, jnp.bfloat16, False, True),
+        (55.0, jnp.bfloat16, False, True),
+        (56.0, jnp.bfloat16, False, False),  # logits past 2^80 in log2 units
+        (50.0, jnp.float16, False, False),  # p up to 2^100: past fp16's range
+        (50.0, jnp.bfloat16, True, False),  # that build would spill twice as much
+    ],
+)
+def test_soft_caps_up_to_55_in_bf16_fix_each_rows_shift(
+    on_hopper, cap, dtype, packed_segments, fixed
+):
+    """The Gluon forward keeps each row's shift from a tile's first key block on
+    (``FIXED_SHIFT``) where the cap bounds the logits within bf16's range."""
+    from ejk_kernels_gpu._options import call_options, gluon_constexprs
+    from ejk_sequtils import validate_attention
+
+    q = jnp.zeros((1, 1024, 8, 128), dtype)
+    kwargs = {}
+    if packed_segments:
+        cu = jnp.asarray([0, 500, 1024], jnp.int32)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, segment_ids=jnp.zeros((1, 1024), jnp.int32))
+    request = validate_attention(q, q, q, causal=True, logits_soft_cap=cap, **kwargs)
+    opts = call_options(request, None, None)
+    assert gluon_constexprs(opts, q, q, False, opts.fwd_cfg)["FIXED_SHIFT"] == fixed
 
 
 GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)

@@ -24,7 +24,8 @@ loaded while the block's q·kᵀ runs, `_key_info`). In a causal call the blocks
 unmasked range compare positions alone: there the table keeps an unmasked range only
 where those keys hold the block's own segment id (`_masks._intersect`). A soft cap is one
 ``tanh.approx`` per score (one MUFU op, as FlashAttention-3 does), in log2 units like the
-rest of the softmax.
+rest of the softmax; with caps up to 55 and bf16 inputs each row's shift is fixed after a
+tile's first key block (``FIXED_SHIFT``, `_softmax`): no max per score, no rescaling of o.
 
 A tile is one query block of one (batch, head); programs take tiles in the grid's order (a
 head's query blocks consecutive, so the programs at work share k and v in L2; causal
@@ -71,6 +72,8 @@ from ._gluon_common import (
 )
 
 _LOG2E = gl.constexpr(1.4426950408889634)
+# With ``FIXED_SHIFT`` a row's shift is at least CAP_OUT - _SHIFT_ROOM (`_softmax`).
+_SHIFT_ROOM = gl.constexpr(100.0)
 
 
 class GluonOptions(NamedTuple):
@@ -102,6 +105,8 @@ class GluonOptions(NamedTuple):
     ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
     OBUF: bool  # o leaves through a buffer of its own (else q's): q is released after the
     # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
+    FIXED_SHIFT: bool  # soft cap: each row's shift is set by the tile's first key block and
+    # kept (`_softmax`): no max per score and no rescaling of o after it
 
 
 @gluon.jit
@@ -264,13 +269,24 @@ def _key_info(j, masks, F: gl.constexpr, IDS: gl.constexpr = True):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
-             DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True):  # fmt: skip
+             DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True,
+             FIRST: gl.constexpr = False):  # fmt: skip
     """Online-softmax update for an S tile: (p, alpha, m, l), in log2 units.
 
     MASK: the block needs the call's masks (`_gluon_common.visible` of the rows' and its
     keys' `token_info`, the bounds on ``SIDE``, segment ids with ``IDS``); a row may then
     have seen no key yet (m = -inf), and 0 is subtracted instead so that its p and alpha
     are 0, not NaN.
+
+    ``FIXED_SHIFT`` (a soft cap: logits in log2 units within ``[-CAP_OUT, CAP_OUT]``, and
+    CAP_OUT <= `_options.FIXED_SHIFT_CAP_OUT`; bf16): the tile's ``FIRST`` block sets each
+    row's shift m = max(its running max, CAP_OUT - _SHIFT_ROOM) and later blocks keep it,
+    with neither a max per score nor a rescaling of o (alpha 1: `_issue_pv` skips it).
+    Every p is then at most 2^_SHIFT_ROOM = 2^100 (row sums below 2^127 up to 2^27 keys;
+    bf16 has float32's range). A p flushes to 0 only 2^126 below p = 1: where m is the
+    row's own max (or its sink) such a key weighs nothing beside it, and where m is the
+    floor no logit is that low (>= -CAP_OUT >= CAP_OUT - 160). The row's largest p is at
+    least 2^(100 - 2·CAP_OUT) >= 2^-60, so its products with v stay normal floats.
     """
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
     # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.
@@ -281,7 +297,15 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     if MASK:
         seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0, IDS)
         x = gl.where(seen, x, float("-inf"))
+    if F.FIXED_SHIFT and not FIRST:
+        p = gl.exp2(x * LOG2 - gl.expand_dims(m_i, 1))
+        l_new = l_i + gl.sum(p, axis=1)
+        if F.EARLY_P16:
+            p = p.to(DTYPE)
+        return p, l_i, m_i, l_new  # (alpha unused: `_issue_pv`)
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
+    if F.FIXED_SHIFT:
+        m_new = gl.maximum(m_new, F.CAP_OUT - _SHIFT_ROOM)
     m_use = m_new
     if MASK:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -303,10 +327,12 @@ def _issue_qk(q, k_smem, zero_s):
 
 
 @gluon.jit
-def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr):
-    """Issue acc·alpha + p·v (asynchronous; p 16-bit); ``acc`` must be complete."""
+def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr, F: gl.constexpr):
+    """Issue acc·alpha + p·v (asynchronous; p 16-bit; with ``FIXED_SHIFT`` acc·1: o is
+    zero before the first block's p·v and alpha 1 after); ``acc`` must be complete."""
     orow_layout, p_layout = layouts
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    if not F.FIXED_SHIFT:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     return hopper.warpgroup_mma(p16, v_smem, acc, is_async=True)
 
@@ -323,7 +349,7 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     mbarrier.wait(k_ready.index(ks), kph)
     mbarrier.wait(v_ready.index(vs), vph)
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
-    o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts)
+    o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts, F)
     key_info = 0
     if MASK:
         key_info = _key_info(j, masks, F, IDS)
@@ -387,11 +413,14 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         whole = jf_lo < jf_hi
         if F.MASKED:
             if whole and j_lo == jf_lo:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype,
+                                              FIRST=True)  # fmt: skip
             else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, True, q.dtype)
+                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, True, q.dtype,
+                                              FIRST=True)  # fmt: skip
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype,
+                                          FIRST=True)  # fmt: skip
         state = (p, alpha, m_i, l_i, acc)
         if F.MASKED and F.TABLE:  # (else no block precedes the fully visible ones)
             for j in range(j_lo + 1, jf_lo):
@@ -411,7 +440,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         last, lph = ring_slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
         acc = hopper.warpgroup_mma_wait(
-            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts)]
+            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts, F)]
         )
         mbarrier.arrive(v_empty.index(last), count=1)
     elif F.OBUF:
@@ -493,7 +522,8 @@ def gluon_fwd_kernel(
     VARLEN: gl.constexpr, SEQ_IDS: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    OBUF: gl.constexpr, ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
+    OBUF: gl.constexpr, ORDERED: gl.constexpr, FIXED_SHIFT: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
@@ -511,6 +541,7 @@ def gluon_fwd_kernel(
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
         N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
+        FIXED_SHIFT=FIXED_SHIFT,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G

@@ -73,7 +73,7 @@ from ._gluon_common import (
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 # With ``FIXED_SHIFT`` a row's shift is at least CAP_OUT - _SHIFT_ROOM (`_softmax`).
-_SHIFT_ROOM = gl.constexpr(100.0)
+_SHIFT_ROOM = gl.constexpr(76.0)
 
 
 class GluonOptions(NamedTuple):
@@ -282,11 +282,12 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     CAP_OUT <= `_options.FIXED_SHIFT_CAP_OUT`; bf16): the tile's ``FIRST`` block sets each
     row's shift m = max(its running max, CAP_OUT - _SHIFT_ROOM) and later blocks keep it,
     with neither a max per score nor a rescaling of o (alpha 1: `_issue_pv` skips it).
-    Every p is then at most 2^_SHIFT_ROOM = 2^100 (row sums below 2^127 up to 2^27 keys;
-    bf16 has float32's range). A p flushes to 0 only 2^126 below p = 1: where m is the
-    row's own max (or its sink) such a key weighs nothing beside it, and where m is the
-    floor no logit is that low (>= -CAP_OUT >= CAP_OUT - 160). The row's largest p is at
-    least 2^(100 - 2·CAP_OUT) >= 2^-60, so its products with v stay normal floats.
+    Every p is then at most 2^_SHIFT_ROOM = 2^76 (bf16 has float32's range), so l and o
+    overflow float32 only past 2^52 summed over the row's keys (of 1, or of |v|). A p
+    flushes to 0 only 2^126 below p = 1: where m is the row's own max (or its sink) such a
+    key weighs nothing beside it, and where m is the floor no logit is that low (>= -CAP_OUT
+    >= CAP_OUT - 160). The row's largest p is at least 2^(76 - 2·CAP_OUT) >= 2^-84, so its
+    products with any |v| >= 2^-42 stay normal floats.
     """
     # Scores in log2 units are x·LOG2 with x = s (no cap) or tanh(s·scale/cap) (LOG2 then
     # carries cap·log2 e): the max is taken on x and the scale goes into p's one FMA.

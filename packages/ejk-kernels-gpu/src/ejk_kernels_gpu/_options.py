@@ -393,7 +393,7 @@ FIXED_SHIFT_CAP_OUT = 80.0
 def fixed_shift(opts: CallOptions, dtype: Any) -> bool:
     """Whether the Gluon forward fixes each row's shift after a tile's first key block
     (``FIXED_SHIFT``): a soft cap of at most ``FIXED_SHIFT_CAP_OUT / log2 e`` bounds the
-    logits, so p stays within bf16's (float32's) range; fp16's is too narrow. H200, B4
+    logits, so p stays within 2^76 (bf16's range is float32's); fp16's is too narrow. H200, B4
     T4096 N32 K8 causal, cap 50: forward 0.78-0.79 -> 0.83-0.84 of the speed without a cap
     (the max per score and the rescaling of o gone; docs/gpu-runs/2026-11-28-h200-softcap-
     rescale-draft.json). Not with packed sequences and segment ids at once, whose build

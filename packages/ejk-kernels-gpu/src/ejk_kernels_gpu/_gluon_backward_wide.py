@@ -185,8 +185,9 @@ def gluon_dkdv_wide_kernel(
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
     DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
-    """dk, dv [B, S, K, 256] (``JOINT``: side by side, [B, S, K, 512]): the arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`
-    (``dq_acc_ptr`` unused: ``DQ`` must be False); grid (key blocks of BN = 64, B·K)."""
+    """dk, dv [B, S, K, 256] (``JOINT``: side by side, [B, S, K, 512]): the arguments of
+    `_gluon_backward_kernel.gluon_dkdv_kernel` (``dq_acc_ptr`` unused: ``DQ`` must be
+    False); grid (key blocks of BN = 64, B·K)."""
     F: gl.constexpr = DkdvOptions(
         T=T, S=S, N=N, G=G, H=H, BM=BM, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP,
         CAP_IN=CAP_IN, CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,

@@ -137,6 +137,26 @@ CASES = {
         True,
         "float16",
     ),
+    # Documents in the contiguous split: the own block's call first, then the gathered
+    # rest with the own block's ids made padding, merged (`own_block_first`).
+    "triton-allgather4-contiguous-causal-docs": (
+        4,
+        "all_gather",
+        "contiguous",
+        "triton",
+        CAUSAL,
+        True,
+        "float16",
+    ),
+    "triton-allgather2-contiguous-window-docs": (
+        2,
+        "all_gather",
+        "contiguous",
+        "triton",
+        WINDOW,
+        True,
+        "float32",
+    ),
     # No mask: no branch marks the kernels' results varying (the custom calls must).
     "triton-ring2-contiguous-full": (2, "ring", "contiguous", "triton", {}, False, "float32"),
     "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),

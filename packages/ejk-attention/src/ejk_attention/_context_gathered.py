@@ -18,17 +18,25 @@ reshape). Dropout keys each call by one offset, so it keeps the steps (`_ring`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 
 from ejk_sequtils import from_zigzag, to_zigzag
 
-from ._context_calls import CallMasks
+from ._context_calls import CallMasks, merge
 from ._context_plan import Layout
 
-__all__ = ["device_blocks", "gathered_backward", "gathered_forward", "global_order"]
+__all__ = [
+    "device_blocks",
+    "gathered_backward",
+    "gathered_forward",
+    "global_order",
+    "own_block_first",
+]
 
 
 def global_order(gathered: Array, zigzag: bool) -> Array:
@@ -67,22 +75,52 @@ def _whole(layout: Layout, gathered: Any) -> tuple[Array, Array, Array | None]:
     return whole(k), whole(v), whole(ids)
 
 
+def own_block_first(layout: Layout, q_ids: Array | None) -> bool:
+    """Whether the forward runs the device's own key block before the gathered rest
+    (`gathered_forward`): with documents, where queries and keys share the contiguous
+    split (the facade's layout for documents shorter than a shard). There the own block
+    holds nearly all of a device's work, and its call needs no gathered keys."""
+    return q_ids is not None and not layout.zigzag and not layout.kv_zigzag
+
+
 def gathered_forward(
-    cm: CallMasks, layout: Layout, me: Any, q: Array, q_ids: Array | None, gathered: Any
+    cm: CallMasks,
+    layout: Layout,
+    me: Any,
+    q: Array,
+    q_ids: Array | None,
+    gathered: Any,
+    own: tuple[Array, Array, Array | None],
 ) -> tuple[Array, Array]:
     """``(out, lse)`` of this device's rows: one call against the gathered ``(k, v, ids)``
-    (each stacked ``[n, B, S, ...]``; ids None without documents)."""
+    (each stacked ``[n, B, S, ...]``; ids None without documents), or where
+    `own_block_first`, a call against the device's ``own`` ``(k, v, ids)``, which does
+    not wait for the gather (the gather hides behind it), and one against every other
+    device's keys (the own block's ids made padding, so its blocks are skipped), merged by
+    the lse."""
     from ejk_kernels_gpu._context import block_forward
 
-    k, v, kv_ids = _whole(layout, gathered)
-    return block_forward(
-        _block_masks(cm),
-        q,
-        k,
-        v,
-        q_offset=tuple(layout.offsets(me, layout.q_len)),
-        segment_ids=None if q_ids is None else (q_ids, kv_ids),
-    )
+    masks = _block_masks(cm)
+    q_offset = tuple(layout.offsets(me, layout.q_len))
+    if not own_block_first(layout, q_ids):
+        k, v, kv_ids = _whole(layout, gathered)
+        return block_forward(
+            masks, q, k, v, q_offset=q_offset,
+            segment_ids=None if q_ids is None else (q_ids, kv_ids),
+        )  # fmt: skip
+    own_k, own_v, own_ids = own
+    # Equal offsets: local positions are exact, and the plain builds serve (`_context`).
+    diagonal = dataclasses.replace(masks, relative=False) if layout.q_len == layout.kv_len else masks
+    first = block_forward(
+        diagonal, q, own_k, own_v, q_offset=q_offset,
+        k_offset=layout.offsets(me, layout.kv_len)[0], segment_ids=(q_ids, own_ids),
+    )  # fmt: skip
+    k, v, ids = gathered
+    others = jax.lax.dynamic_update_index_in_dim(ids, jnp.full_like(own_ids, -1), me, axis=0)
+    k, v, kv_ids = _whole(layout, (k, v, others))
+    rest = block_forward(masks, q, k, v, q_offset=q_offset, segment_ids=(q_ids, kv_ids))
+    out, lse = merge(first, rest)
+    return out.astype(q.dtype), lse
 
 
 def gathered_backward(

@@ -231,7 +231,9 @@ def device_forward(
     steps of `step_plan` merged by lse."""
     layout = _layout(st, where, q, k)
     if _one_call(st, where):
-        out, lse = gathered_forward(st.masks, layout, where.me, q, q_ids, where.gathered)
+        out, lse = gathered_forward(
+            st.masks, layout, where.me, q, q_ids, where.gathered, own=(k, v, kv_ids)
+        )
         return out.astype(q.dtype), lse
     b, t, n, _ = q.shape
     whole, in_dtype = _sums_start(st, layout, where)

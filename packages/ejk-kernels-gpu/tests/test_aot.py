@@ -111,7 +111,8 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
 def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():
     """The Gluon forward's masked builds (window, soft cap, documents as segment ids, keys
     off the tile; packed sequences and context parallelism's global positions with
-    documents at head_dim 128) at head_dim 64, 128 and 256: three
+    documents, alone and resuming a previous call's rows, at head_dim 128) at head_dim 64,
+    128 and 256: three
     warpgroups, within shared memory, no register spills beyond the one value the
     persistent builds with per-block masks reload (`_aot.GLUON_SPILL_BYTES`; the unmasked
     and causal builds above spill nothing). (Every mask at once, and packed sequences at
@@ -121,12 +122,12 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
         "--space", "heuristic", "--kernels", "fwd_kernel",
     )  # fmt: skip
     rows += _compile(
-        "--head-dims", "128", "--variants", "packed,relative", "--space", "heuristic",
+        "--head-dims", "128", "--variants", "packed,relative,resume", "--space", "heuristic",
         "--kernels", "fwd_kernel",
     )  # fmt: skip
     gluon = [r for r in rows if r["config"]["gluon"]]
     built = {(r["variant"], r["head_dim"]) for r in gluon}
-    assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128), ("relative", 128)}  # fmt: skip
+    assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128), ("relative", 128), ("resume", 128)}  # fmt: skip
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
     allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon

@@ -236,3 +236,49 @@ def test_relative_calls_compare_positions_without_sequence_ids(rng, make_inputs)
     tables = block_tables(opts, masks, 32, 32, 8, 0, None)
     assert tables.q_sid.shape == tables.k_sid.shape == (1,)  # stand-ins
     np.testing.assert_array_equal(tables.q_pos, 8 + np.arange(32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("first_keys", [(0, 128), (128, 256)])
+def test_resumed_rows_equal_one_call_over_both_key_blocks(
+    rng, make_inputs, close, dtype, first_keys
+):
+    """``resume``: a call over the other key block continues the first call's rows in the
+    kernel (all-gather's own block first, `_context_gathered`). Rows [64, 192) hold a
+    document across the blocks' edge (rows that see keys in both) and one within the
+    second block: the calls leave rows without mass (lse -inf), and the second block's
+    call has whole tiles of rows that see no key (they keep the first call's output)."""
+    t, n = LONG, 2
+    q, k, v = make_inputs(rng, 1, t, t, n, 1, H, dtype)
+    ids = np.repeat(np.arange(4), [50, 100, 78, 28])
+    ids[-5:] = -1
+    seg = jnp.asarray(ids[None], jnp.int32)
+    a, b = 64, 192
+    masks = BlockMasks(scale=H**-0.5, causal=True, relative=True)
+
+    def part(keys, resume=None):
+        lo, hi = keys
+        return block_forward(
+            masks, q[:, a:b], k[:, lo:hi], v[:, lo:hi], q_offset=a, k_offset=lo,
+            segment_ids=(seg[:, a:b], seg[:, lo:hi]), resume=resume,
+        )  # fmt: skip
+
+    second = (128, 256) if first_keys == (0, 128) else (0, 128)
+    first = part(first_keys)
+    assert np.isneginf(np.asarray(first[1])).any()
+    out, lse = jax.jit(lambda first: part(second, resume=first))(first)
+    f32 = lambda x: x.astype(jnp.float32)
+    want, want_lse = reference_attention(
+        f32(q), f32(k), f32(v), causal=True, segment_ids=seg, return_lse=True
+    )
+    assert out.dtype == dtype
+    close(f32(out), want[:, a:b], dtype, "out")
+    close(lse, want_lse[:, :, a:b], dtype, "lse")
+
+
+def test_resume_refuses_rows_of_another_shape(rng, make_inputs):
+    q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
+    masks = BlockMasks(scale=0.25, causal=True)
+    out, lse = block_forward(masks, q, k, v)
+    with pytest.raises(ValueError, match=r"resume=.*must have shapes"):
+        block_forward(masks, q, k, v, resume=(out[:, :16], lse))

@@ -27,7 +27,7 @@ from jax import Array
 
 from ejk_sequtils import from_zigzag, to_zigzag
 
-from ._context_calls import CallMasks, merge
+from ._context_calls import CallMasks
 from ._context_plan import Layout
 
 __all__ = [
@@ -96,8 +96,9 @@ def gathered_forward(
     (each stacked ``[n, B, S, ...]``; ids None without documents), or where
     `own_block_first`, a call against the device's ``own`` ``(k, v, ids)``, which does
     not wait for the gather (the gather hides behind it), and one against every other
-    device's keys (the own block's ids made padding, so its blocks are skipped), merged by
-    the lse."""
+    device's keys (the own block's ids made padding, so its blocks are skipped) that
+    resumes the first's rows inside the kernel (`block_forward`'s ``resume``): no merge
+    pass, and tiles of rows whose documents start in the own block write nothing."""
     from ejk_kernels_gpu._context import block_forward
 
     masks = _block_masks(cm)
@@ -110,7 +111,9 @@ def gathered_forward(
         )  # fmt: skip
     own_k, own_v, own_ids = own
     # Equal offsets: local positions are exact, and the plain builds serve (`_context`).
-    diagonal = dataclasses.replace(masks, relative=False) if layout.q_len == layout.kv_len else masks
+    diagonal = (
+        dataclasses.replace(masks, relative=False) if layout.q_len == layout.kv_len else masks
+    )
     first = block_forward(
         diagonal, q, own_k, own_v, q_offset=q_offset,
         k_offset=layout.offsets(me, layout.kv_len)[0], segment_ids=(q_ids, own_ids),
@@ -118,9 +121,9 @@ def gathered_forward(
     k, v, ids = gathered
     others = jax.lax.dynamic_update_index_in_dim(ids, jnp.full_like(own_ids, -1), me, axis=0)
     k, v, kv_ids = _whole(layout, (k, v, others))
-    rest = block_forward(masks, q, k, v, q_offset=q_offset, segment_ids=(q_ids, kv_ids))
-    out, lse = merge(first, rest)
-    return out.astype(q.dtype), lse
+    return block_forward(
+        masks, q, k, v, q_offset=q_offset, segment_ids=(q_ids, kv_ids), resume=first
+    )
 
 
 def gathered_backward(

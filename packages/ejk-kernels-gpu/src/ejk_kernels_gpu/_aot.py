@@ -57,6 +57,7 @@ _TRITON_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # Pointer arguments by name: which element type each one has ("data" = the input dtype).
 _POINTER_TYPES = {
     "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "bias_ptr": "data", "o_ptr": "data",
+    "prev_o_ptr": "data", "prev_lse_ptr": "fp32",
     "do_ptr": "data", "dq_ptr": "data", "dk_ptr": "data", "dv_ptr": "data",
     "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
     "dq_acc_ptr": "fp32", "counter_ptr": "i32",
@@ -78,6 +79,8 @@ VARIANTS = {
     "packed": dict(causal=True, window=(64, 0), varlen=True),
     # context parallelism's one call (`_context`): global positions, no sequence ids
     "relative": dict(causal=True, has_seg=True, varlen=True, seq_ids=False),
+    # all-gather's forward over the other devices' keys, resuming the own block's rows
+    "resume": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, resume=True),
     # all-gather's backward: dk and dv side by side in one output (``JOINT``)
     "joint": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, joint=True),
     "tail": dict(causal=False, kv_len=4000),
@@ -94,6 +97,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     sinks = feats.pop("sinks", False)
     kv_len = feats.pop("kv_len", 4096)
     joint = feats.pop("joint", False)
+    resume = feats.pop("resume", False)
     opts = CallOptions(
         scale=head_dim**-0.5,
         causal=feats.get("causal", False),
@@ -115,7 +119,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it
         return dict(gluon_dq_constexprs(opts, q, k, cfg), INTERPRET=False)
     if cfg.gluon:  # the Gluon forward (its own arguments)
-        return dict(gluon_constexprs(opts, q, k, sinks, cfg), INTERPRET=False)
+        return dict(gluon_constexprs(opts, q, k, sinks, cfg, resume=resume), INTERPRET=False)
     consts = kernel_constexprs(opts, q, k, b, sinks)
     # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
     consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
@@ -125,7 +129,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
             DQ_TMA=dq_by_tma(cfg, head_dim, hopper=True),  # the build sm_90 runs
         )  # fmt: skip
     else:
-        consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
+        consts.update(BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, RESUME=resume)
     return consts
 
 

@@ -243,6 +243,7 @@ def block_forward(
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     dropout_key: UInt32[Array, 5] | None = None,
     config: FlashConfig | None = None,
+    resume: tuple[Float[Array, "B T N H"], Float[Array, "B N T"]] | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Output and lse of ``q`` against one key block, masks on global positions.
 
@@ -262,16 +263,21 @@ def block_forward(
             call: the seed and the global (batch, head, row, column) of its first
             element, so the call drops its slice of the whole attention's weights.
         config: the forward tile config; default the heuristic's.
+        resume: ``(out, lse)`` of the same rows against other keys (another call's
+            result): the rows continue from it inside the kernel, so the result is theirs
+            against both calls' keys, with no merge pass; its buffers become the outputs,
+            and blocks of rows that see no key here are not written at all.
 
     Returns:
         ``out [B, T, N, H]`` in q's dtype (0 for rows that see no key of the block) and
-        the float32 ``lse [B, N, T]`` (``-inf`` for those rows).
+        the float32 ``lse [B, N, T]`` (``-inf`` for those rows); with ``resume``, against
+        its keys too.
     """
     opts = block_options(masks, q, k, v, segment_ids is not None, config)
     tables = block_tables(
         opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
     )
-    out, lse, _ = forward(opts, q, k, v, None, None, tables)
+    out, lse, _ = forward(opts, q, k, v, None, None, tables, resume=resume)
     return out, lse
 
 

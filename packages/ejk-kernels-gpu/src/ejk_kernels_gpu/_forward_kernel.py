@@ -164,7 +164,7 @@ def _natural_lse(m_i, l_i, F: tl.constexpr):
 
 @triton.jit
 def fwd_kernel(
-    q_ptr, k_ptr, v_ptr, bias_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, bias_ptr, sinks_ptr, prev_o_ptr, prev_lse_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, seed_ptr,
     o_ptr, lse_ptr, scratch_ptr,
     T: tl.constexpr, S: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
@@ -174,8 +174,13 @@ def fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, RESUME: tl.constexpr,
 ):  # fmt: skip
+    """out [B, T, N, H] and the lse (or, with a bias, the rows: see `_forward_launch`).
+    ``RESUME`` (not with ``WS``, a bias or sinks): the rows continue a previous call over
+    other keys from its output and lse (``prev_o_ptr``, ``prev_lse_ptr``, which ``o_ptr``
+    and ``lse_ptr`` alias): m = its lse, l = 1, acc = its output; a program that sees no
+    key here stores nothing."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
         VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
@@ -223,6 +228,13 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m, b, HAS_SEG)
+    if RESUME:
+        lse_prev = tl.load(prev_lse_ptr + (b * N + n) * T + offs_m, mask=offs_m < T,
+                           other=float("-inf"))  # fmt: skip
+        m_i = lse_prev * F.LSE_FACTOR  # m's units (`_fwd_step`)
+        l_i = tl.where(lse_prev > float("-inf"), 1.0, 0.0)
+        prev_base = prev_o_ptr + b64 * (T * N * H) + n * H
+        acc = load_tile(prev_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True).to(tl.float32)
     if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _options)
         k_desc = slab(k_base, S, H, K * H, BLOCK_N, BLOCK_D)
         v_desc = slab(v_base, S, H, K * H, BLOCK_N, BLOCK_D)
@@ -262,6 +274,8 @@ def fwd_kernel(
             tl.store(rows, m_i, mask=offs_m < T)
             tl.store(rows + T, tl.log(l_safe), mask=offs_m < T)
         else:
+            if RESUME:  # a program that saw no key leaves the previous output: rows past T
+                offs_m = tl.where(hi > lo, offs_m, T)  # are stored nowhere
             lse = tl.where(has_mass, _natural_lse(m_i, l_safe, F), float("-inf"))
             tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
         store_tile(o_base, offs_m, offs_d, acc / l_safe[:, None], N * H, T, H)

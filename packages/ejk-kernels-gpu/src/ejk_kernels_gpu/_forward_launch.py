@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig
+from ._config import FlashConfig, ordinary_config
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
 from ._options import (
@@ -23,11 +23,12 @@ __all__ = ["forward"]
 
 
 def _gluon_forward(
-    opts: CallOptions, q, k, v, sinks, tables: Tables, cfg: FlashConfig
+    opts: CallOptions, q, k, v, sinks, tables: Tables, cfg: FlashConfig, resume: Resume
 ) -> tuple[Array, Array]:
     """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
     batch, q_len, heads, _ = q.shape
-    consts = gluon_constexprs(opts, q, k, sinks is not None, cfg)
+    consts = gluon_constexprs(opts, q, k, sinks is not None, cfg, resume=resume is not None)
+    prev = _previous(resume, q)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
     order = launch_order(tables.fwd_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
@@ -40,6 +41,7 @@ def _gluon_forward(
             k,
             v,
             dummy(jnp.float32) if sinks is None else sinks,
+            *prev,
             *tables.masking(),
             tables.fwd_ranges,
             order,
@@ -54,23 +56,53 @@ def _gluon_forward(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         zeroed=(False, False, consts["PERSISTENT"], False),
+        aliases={} if resume is None else {4: 0, 5: 1},  # (o, lse) start as the previous
     )
     return out, lse
 
 
-def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Array, Array, Array]:
+Resume = tuple[Array, Array] | None
+
+
+def _previous(resume: Resume, q) -> tuple[Array, Array]:
+    """The kernels' ``prev_o_ptr`` and ``prev_lse_ptr`` arguments: ``resume``'s (o, lse)
+    (they become the outputs' buffers), or placeholders."""
+    if resume is None:
+        return dummy(q.dtype), dummy(jnp.float32)
+    out, lse = resume
+    batch, q_len, heads, _ = q.shape
+    if out.shape != q.shape or lse.shape != (batch, heads, q_len):
+        raise ValueError(
+            f"resume=(out, lse) must have shapes {q.shape} and {(batch, heads, q_len)} (the "
+            f"rows' previous output and lse), got {out.shape} and {lse.shape}"
+        )
+    return out.astype(q.dtype), lse.astype(jnp.float32)
+
+
+def forward(
+    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, resume: Resume = None
+) -> tuple[Array, Array, Array]:
     """``(out [B, T, N, H], lse [B, N, T], rows)`` of one call (the lse in natural units).
 
     ``rows``: what the backward kernels rebuild the probabilities from, the lse itself or,
     with a bias, ``[B, N, 2, T]``: the row max and the log row sum apart (a row max of
     -1e30 would round the log row sum out of their sum, see `_kernel_common`).
+
+    ``resume``: ``(out, lse)`` of a previous call of the same rows over other keys (no
+    bias or sinks): the rows continue from it, and the result is theirs over both calls'
+    keys; rows that see no key here keep it, and their blocks of rows are not rewritten
+    (the outputs take its buffers).
     """
     batch, q_len, heads, _ = q.shape
     fwd = opts.fwd_cfg
+    if resume is not None and (bias is not None or sinks is not None):
+        raise ValueError("resume= continues rows without a bias or sinks (add sinks after)")
     cfg, ws = runnable_config(opts, fwd, bias, q, k.shape[1], fwd.block_k, ("fwd",))
     if cfg.gluon:
-        out, lse = _gluon_forward(opts, q, k, v, sinks, tables, cfg)
+        out, lse = _gluon_forward(opts, q, k, v, sinks, tables, cfg, resume)
         return out, lse, lse
+    if ws and resume is not None:  # the warp-specialised loop's epilogue has no resume
+        cfg, ws = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, opts.side_inputs(bias)), False
     consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
     grid = (-(-q_len // cfg.block_q), batch * heads)
     out, rows, _ = launch(
@@ -82,6 +114,7 @@ def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Ar
             v,
             dummy(q.dtype) if bias is None else bias,
             dummy(jnp.float32) if sinks is None else sinks,
+            *_previous(resume, q),
             *tables.masking(),
             tables.fwd_ranges,
             tables.seed,
@@ -98,9 +131,10 @@ def forward(opts: CallOptions, q, k, v, bias, sinks, tables: Tables) -> tuple[Ar
             # Global scratch for the TMA descriptors (see _jax_triton_fix); unused otherwise.
             jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
         ),
-        dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, WS=ws),
+        dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, WS=ws, RESUME=resume is not None),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        aliases={} if resume is None else {5: 0, 6: 1},  # (o, lse) start as the previous
     )
     if bias is not None:
         return out, rows[:, :, 0] + rows[:, :, 1], rows

@@ -107,6 +107,8 @@ class GluonOptions(NamedTuple):
     # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
     FIXED_SHIFT: bool  # soft cap: each row's shift is set by the tile's first key block and
     # kept (`_softmax`): no max per score and no rescaling of o after it
+    RESUME: bool  # rows start from a previous call's (o, lse) over other keys (`_resume`);
+    # a tile with no key block here stores nothing (its output buffer holds that call's)
 
 
 @gluon.jit
@@ -364,11 +366,32 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
 
 
 @gluon.jit
-def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, tabs,
+def _resume(prev, rows, bn, row_c, F: gl.constexpr, o_layout: gl.constexpr):
+    """``(m, l, acc)`` of rows that continue a previous call over other keys (``RESUME``),
+    from its output o and lse (``prev``: their pointers): m = lse in log2 units, l = 1 and
+    acc = o, so that the rows' later keys add to the same sums (rows it gave no mass keep
+    m = -inf, l = 0 and o = 0)."""
+    prev_o, prev_lse = prev
+    lse = gl.load(prev_lse + bn.to(gl.int64) * F.T + rows, mask=rows < F.T, other=float("-inf"))
+    m_i = lse * _LOG2E
+    l_i = gl.where(lse > float("-inf"), 1.0, 0.0)
+    o_rows = row_c + gl.arange(0, F.BM // 2, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, F.H, layout=gl.SliceLayout(0, o_layout))
+    b = bn // F.N
+    n = bn % F.N
+    at = ((b.to(gl.int64) * F.T + o_rows) * F.N + n) * F.H
+    o = gl.load(prev_o + gl.expand_dims(at, 1) + gl.expand_dims(cols, 0),
+                mask=gl.expand_dims(o_rows < F.T, 1), other=0.0)  # fmt: skip
+    return m_i, l_i, o.to(gl.float32)
+
+
+@gluon.jit
+def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n_m, tabs,
                   F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
     """Rows ``C·BM/2 ..`` of one tile's query block (consumer C of two); ``count``: key
     blocks this program consumed before; ``qph``: the phase of q's barriers for this tile
-    (`_tile_phase`); ``blocks``: its key range (`_key_blocks`). Returns the new count."""
+    (`_tile_phase`); ``blocks``: its key range (`_key_blocks`); ``prev``: the previous
+    call's (o, lse) pointers (``RESUME``). Returns the new count."""
     q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
@@ -395,6 +418,9 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
         l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
     acc = gl.zeros([HALF, F.H], gl.float32, o_layout)
+    if F.RESUME:
+        if j_hi > j_lo:
+            m_i, l_i, acc = _resume(prev, rows, bn, row_c, F, o_layout)
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
     base = j_lo - count  # key block j is the program's (j - base)-th
     mbarrier.wait(q_ready.index(C), qph)
@@ -446,31 +472,35 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, n_m, ta
         mbarrier.arrive(v_empty.index(last), count=1)
     elif F.OBUF:
         mbarrier.arrive(q_empty, count=1)
-    # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
-    has_mass = l_i > 0.0
-    l_safe = gl.where(has_mass, l_i, 1.0)
-    # One reciprocal a row and a multiply a score: a division per score is a MUFU
-    # reciprocal each (div.full.f32), as many as a key block's exponentials.
-    inv_l = 1.0 / l_safe
-    out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
-    o_buf = q
-    if F.OBUF:
-        o_buf = o_smem.index(C)
-        tma.store_wait(0)  # this consumer's previous output has left its buffer
-    o_buf.store(out.to(q.dtype))  # (else q's buffer is free now: o leaves through it)
-    hopper.fence_async_shared()
-    # Where the tile's rows go, recomputed from the tile (fewer registers live across
-    # the key loop: ptxas spills otherwise).
-    b, n, bn, pid_m = _tile(tile, n_m, F)
-    origin = _origin(b, n, F)
-    row_c = pid_m * F.BM + C * HALF
-    tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], o_buf)
-    rows = row_c + gl.arange(0, HALF, layout=row_layout)
-    lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    gl.store(lse_ptr + bn.to(gl.int64) * F.T + rows, lse, mask=rows < F.T)
-    if not F.OBUF:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
+    if F.RESUME and j_hi <= j_lo:  # no key here: the output keeps the previous call's rows
+        if not F.OBUF:
+            mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
+    else:
+        # Rows with no mass (no visible key, no sink) give 0 with lse -inf.
+        has_mass = l_i > 0.0
+        l_safe = gl.where(has_mass, l_i, 1.0)
+        # One reciprocal a row and a multiply a score: a division per score is a MUFU
+        # reciprocal each (div.full.f32), as many as a key block's exponentials.
+        inv_l = 1.0 / l_safe
+        out = acc * gl.expand_dims(gl.convert_layout(inv_l, orow_layout), 1)
+        o_buf = q
+        if F.OBUF:
+            o_buf = o_smem.index(C)
+            tma.store_wait(0)  # this consumer's previous output has left its buffer
+        o_buf.store(out.to(q.dtype))  # (else q's buffer is free now: o leaves through it)
+        hopper.fence_async_shared()
+        # Where the tile's rows go, recomputed from the tile (fewer registers live across
+        # the key loop: ptxas spills otherwise).
+        b, n, bn, pid_m = _tile(tile, n_m, F)
+        origin = _origin(b, n, F)
+        row_c = pid_m * F.BM + C * HALF
+        tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], o_buf)
+        rows = row_c + gl.arange(0, HALF, layout=row_layout)
+        lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(lse_ptr + bn.to(gl.int64) * F.T + rows, lse, mask=rows < F.T)
+        if not F.OBUF:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
     return count + gl.maximum(j_hi - j_lo, 0)
 
 
@@ -489,7 +519,7 @@ def _read_tile(it, sched):
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total, n_m, tabs,
+def _consumer(smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total, n_m, tabs,
               F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
     """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`); persistent
     programs take the tiles the producer publishes (`_producer`) until ``total``."""
@@ -501,19 +531,19 @@ def _consumer(smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total, n_m,
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
             count = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
-                                  sinks_ptr, n_m, tabs, F, HAS_SINKS, C)  # fmt: skip
+                                  sinks_ptr, prev, n_m, tabs, F, HAS_SINKS, C)  # fmt: skip
             it += 1
             tile = _read_tile(it, sched)
     else:  # the one tile's key range, read before the partitions split the registers
-        _consume_tile(first[0], 0, 0, first[1], smem, bars, dest, sinks_ptr, n_m, tabs, F,
-                      HAS_SINKS, C)  # fmt: skip
+        _consume_tile(first[0], 0, 0, first[1], smem, bars, dest, sinks_ptr, prev, n_m, tabs,
+                      F, HAS_SINKS, C)  # fmt: skip
     if F.OBUF:
         tma.store_wait(0)
 
 
 @gluon.jit
 def gluon_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, sinks_ptr, prev_o_ptr, prev_lse_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
     o_ptr, lse_ptr, counter_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
@@ -523,12 +553,14 @@ def gluon_fwd_kernel(
     VARLEN: gl.constexpr, SEQ_IDS: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    OBUF: gl.constexpr, ORDERED: gl.constexpr, FIXED_SHIFT: gl.constexpr,
+    OBUF: gl.constexpr, ORDERED: gl.constexpr, FIXED_SHIFT: gl.constexpr, RESUME: gl.constexpr,
     INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
-    segment ids); ``order_ptr``: with ``ORDERED``, the tiles in the order programs take
+    segment ids); ``prev_o_ptr``, ``prev_lse_ptr``: with ``RESUME``, a previous call's
+    output and lse of the same rows (``o_ptr`` and ``lse_ptr`` alias them: a tile that
+    sees no key here leaves them as they are); ``order_ptr``: with ``ORDERED``, the tiles in the order programs take
     them (`_schedule.launch_order`); ``counter_ptr``: one int32, zero on entry, the
     persistent programs' counter of places in the order (`_producer`); ``scratch_ptr``
     holds the TMA descriptors (see _jax_triton_fix);
@@ -542,7 +574,7 @@ def gluon_fwd_kernel(
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
         N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
-        FIXED_SHIFT=FIXED_SHIFT,
+        FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -601,6 +633,7 @@ def gluon_fwd_kernel(
     bars = (q_ready, q_empty, kv_bars)
     descs = (q_desc, k_desc, v_desc)
     dest = (o_desc, lse_ptr)  # where o and lse go
+    prev = (prev_o_ptr, prev_lse_ptr)  # where resumed rows start (``RESUME``)
     if PERSISTENT:  # programs take their tiles in `_producer`
         first = (0, (0, 0, 0, 0))
     else:  # the one tile and its key range
@@ -611,9 +644,9 @@ def gluon_fwd_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total,
+            (_consumer, (smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total,
                          n_m, tabs, F, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, dest, sinks_ptr, ranges_ptr, first, sched, total,
+            (_consumer, (smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total,
                          n_m, tabs, F, HAS_SINKS, 1)),
             (_producer, (descs, smem, bars, ranges_ptr, first, sched, (order_ptr, counter_ptr),
                          total, n_m, F)),

@@ -360,8 +360,11 @@ def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: b
     )
 
 
-def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig):
-    """The constexpr arguments of `_gluon_forward_kernel.gluon_fwd_kernel`."""
+def gluon_constexprs(
+    opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig, resume: bool = False
+):
+    """The constexpr arguments of `_gluon_forward_kernel.gluon_fwd_kernel` (``resume``: the
+    rows continue a previous call's output and lse, ``RESUME``)."""
     _, q_len, heads, head_dim = q.shape
     kv_len = k.shape[1]
     left, right = opts.window if opts.window is not None else (-1, -1)
@@ -381,7 +384,8 @@ def gluon_constexprs(opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: Fl
         BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages,
         PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),
         ORDERED=opts.ordered_tiles("fwd", persistent=persistent),
-        FIXED_SHIFT=fixed_shift(opts, q.dtype),
+        # (a resumed row's shift starts at its lse, which no first block may lower)
+        FIXED_SHIFT=fixed_shift(opts, q.dtype) and not resume, RESUME=resume,
     )  # fmt: skip
 
 

@@ -135,6 +135,7 @@ def _interpret_call(
     grid: tuple[int, ...],
     out_shapes: Sequence[jax.ShapeDtypeStruct],
     zeroed: Sequence[bool],
+    aliases: Mapping[int, int],
     constexprs: Mapping[str, Any],
     *inputs: Any,
 ) -> tuple[np.ndarray, ...]:
@@ -145,6 +146,8 @@ def _interpret_call(
         (np.zeros if z else np.empty)(s.shape, _interpretable(np.dtype(s.dtype)))
         for s, z in zip(out_shapes, zeroed, strict=True)
     ]
+    for i, o in aliases.items():  # an aliased output starts as its input (a copy here)
+        outs[o][...] = ins[i].array
     with _INTERPRETER_LOCK:
         kernel[grid](*ins, *(_HostBuffer(o) for o in outs), **constexprs)
     return tuple(
@@ -162,6 +165,7 @@ def launch(
     num_warps: int,
     num_stages: int,
     zeroed: Sequence[bool] | None = None,
+    aliases: Mapping[int, int] | None = None,
 ) -> tuple[jax.Array, ...]:
     """Run ``kernel`` on ``inputs``; its outputs follow the inputs.
 
@@ -174,16 +178,19 @@ def launch(
         num_warps, num_stages: launch options (ignored by the interpreter).
         zeroed: per output, whether it must start as zeros (for outputs the kernel
             writes only in part).
+        aliases: ``{input index: output index}``: that output is that input's buffer
+            (XLA copies the input first where it is still needed), so it starts as it.
 
     Returns:
         The outputs as jax arrays.
     """
     module = kernels()
     zeroed = tuple(zeroed) if zeroed is not None else (False,) * len(out_shapes)
+    aliases = dict(aliases or {})
     constexprs = dict(constexprs, INTERPRET=module.INTERPRET)
     if module.INTERPRET:
         host: Callable[..., tuple[np.ndarray, ...]] = functools.partial(
-            _interpret_call, kernel, grid, tuple(out_shapes), zeroed, dict(constexprs)
+            _interpret_call, kernel, grid, tuple(out_shapes), zeroed, aliases, dict(constexprs)
         )
         # vmap runs the interpreted kernel once per batch element.
         outs = jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
@@ -203,6 +210,7 @@ def launch(
         num_warps=num_warps,
         num_stages=num_stages,
         zeroed_outputs=tuple(i for i, z in enumerate(zeroed) if z),
+        input_output_aliases=aliases,
         **constexprs,
     )
     # Inside shard_map the custom call's results are typed as the same on every device:

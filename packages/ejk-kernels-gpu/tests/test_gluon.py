@@ -137,10 +137,12 @@ def _emulate_gluon(inputs, consts):
     gives a wrong answer here. With ``ORDERED`` tiles are taken in the order the launch
     passes (`_schedule.launch_order`), which must be a permutation of them. With
     ``FIXED_SHIFT`` (a soft cap) the first block sets each row's shift, floored at
-    CAP_OUT - `_SHIFT_ROOM`, and later blocks keep it (no max, no rescaling)."""
+    CAP_OUT - `_SHIFT_ROOM`, and later blocks keep it (no max, no rescaling). With
+    ``RESUME`` rows start from the previous (o, lse) (m = lse in log2 units, l = 1), and
+    tiles that see no key leave the outputs as the previous call's."""
     from ejk_kernels_gpu._gluon_forward_kernel import _SHIFT_ROOM  # (Triton set up by now)
 
-    q, k, v, sinks, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
+    q, k, v, sinks, prev_o, prev_lse, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
         np.asarray(x) for x in inputs
     )
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
@@ -150,6 +152,8 @@ def _emulate_gluon(inputs, consts):
     qk, cap = c["QK"], c["SOFT_CAP"]
     out = np.zeros(q.shape, np.float32)
     lse = np.full((batch, heads, q_len), -np.inf, np.float32)
+    if c["RESUME"]:  # the outputs are the previous call's buffers
+        out, lse = prev_o.astype(np.float32), prev_lse.astype(np.float32)
     n_m = -(-q_len // bm)
     for tile in _tiles(order, batch * heads * n_m, c):
         (b, n), pid = divmod(int(tile) // n_m, heads), int(tile) % n_m
@@ -168,6 +172,13 @@ def _emulate_gluon(inputs, consts):
         m = np.full(bm, -np.inf if sink is None else sink, np.float32)
         l_sum = np.zeros(bm, np.float32) if sink is None else np.ones(bm, np.float32)
         acc = np.zeros((bm, head_dim), np.float32)
+        if c["RESUME"]:
+            if j_hi <= j_lo:
+                continue  # nothing stored
+            kept = np.minimum(rows, q_len - 1)
+            m = np.where(rows < q_len, prev_lse[b, n, kept], -np.inf) * math.log2(math.e)
+            l_sum = np.where(m > -np.inf, 1.0, 0.0).astype(np.float32)
+            acc = np.where((rows < q_len)[:, None], prev_o[b, kept, n], 0.0).astype(np.float32)
         # (block, masked, segment ids compared)
         walk = [(j_lo, c["MASKED"], True)] if j_hi > j_lo else []
         if j_hi > j_lo:
@@ -1009,6 +1020,37 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     small = [x[..., :128] for x in (q, k, v)]
     _loss_grads(flash_attention, *small, bwd_config=GLUON_DKDV_256, **kwargs)
     assert [c["BN"] for _, c, _, _ in gluon_launches.dkdv] == [128]
+
+
+def test_resumed_context_rows_continue_in_the_kernel(gluon_launches, rng):
+    """All-gather's own block first (`_context_gathered`): a device's contiguous rows
+    against its own keys, then against the other keys resuming those rows (``RESUME``:
+    the previous call's outputs passed in, aliased as the outputs); the two calls give the
+    reference's rows, documents crossing the blocks' edge included, and the resumed call
+    builds without the fixed shift."""
+    from ejk_kernels_gpu._context import BlockMasks, block_forward
+
+    t, a, b = 512, 256, 512  # device 1 of two: rows and own keys [256, 512)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(3))
+    seg = jnp.asarray(np.repeat(np.arange(4), [100, 200, 150, 62])[None], jnp.int32)
+    masks = BlockMasks(scale=128**-0.5, causal=True, relative=True, soft_cap=20.0)
+    own = block_forward(
+        masks, q[:, a:b], k[:, a:b], v[:, a:b], q_offset=a, k_offset=a,
+        segment_ids=(seg[:, a:b], seg[:, a:b]),
+    )  # fmt: skip
+    others = seg.at[:, a:b].set(-1)
+    out, lse = block_forward(
+        masks, q[:, a:b], k, v, q_offset=a, segment_ids=(seg[:, a:b], others), resume=own
+    )
+    (_, _, first, _, _), (_, _, resumed, _, kwargs) = gluon_launches
+    assert not first["RESUME"] and resumed["RESUME"] and not resumed["FIXED_SHIFT"]
+    assert first["FIXED_SHIFT"] and kwargs["aliases"] == {4: 0, 5: 1}  # (prev o, lse) -> (o, lse)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_lse = reference_attention(
+        *f32, causal=True, segment_ids=seg, logits_soft_cap=20.0, return_lse=True
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float32), want[:, a:b], atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, a:b], atol=1e-3)
 
 
 @pytest.mark.parametrize("documents", [False, True])

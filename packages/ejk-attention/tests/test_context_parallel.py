@@ -236,30 +236,6 @@ def test_context_parallel_grid(case):
     _run_and_check(*SLOW_CASES[case])
 
 
-def test_own_keys_in_two_calls(monkeypatch):
-    """All-gather with documents in the contiguous split runs long own blocks as two
-    calls (each resuming the rows of the one before, so that XLA's one collective in
-    flight at a time, the gathers of k and of v, each hides behind one): forced here on
-    short blocks, values and gradients against the reference."""
-    from ejk_attention import _context_gathered
-
-    assert _context_gathered._own_key_parts(8192) == [slice(0, 4096), slice(4096, 8192)]
-    assert _context_gathered._own_key_parts(2048) == [slice(0, 2048)]
-    monkeypatch.setattr(_context_gathered, "_SPLIT_OWN_KEYS", 8)
-    monkeypatch.setattr(_context_gathered, "_SPLIT_ALIGN", 2)
-    parts = []
-    real = _context_gathered._own_key_parts
-    monkeypatch.setattr(
-        _context_gathered, "_own_key_parts", lambda n: parts.append(real(n)) or parts[-1]
-    )
-    res = _run(
-        2, CAUSAL, strategy="all_gather", layout="contiguous", implementation="triton",
-        dtype="float32", with_seg=True,
-    )  # fmt: skip
-    assert parts and all(len(p) == 2 for p in parts)
-    _check(*res, "float32")
-
-
 def test_queries_in_zigzag_against_contiguous_keys():
     """All-gather's one call: the keys keep the contiguous split (as the facade passes
     them), the queries the zigzag; values and every gradient against the reference."""

@@ -27,7 +27,7 @@ from jax import Array
 from ejk_sequtils import from_zigzag, to_zigzag
 
 from ._context_calls import CallMasks
-from ._context_plan import Layout, take_rows
+from ._context_plan import Layout
 
 __all__ = [
     "device_blocks",
@@ -82,21 +82,6 @@ def own_block_first(layout: Layout, q_ids: Array | None) -> bool:
     return q_ids is not None and not layout.zigzag and not layout.kv_zigzag
 
 
-# Own key blocks at least this long, in whole tiles, go in two calls (`_own_key_parts`).
-_SPLIT_OWN_KEYS = 4096
-_SPLIT_ALIGN = 256
-
-
-def _own_key_parts(kv_len: int) -> list[slice]:
-    """The own keys' parts, one call each: two halves where long enough. XLA keeps one
-    collective in flight: the gathers of k and of v (and the ids') run one after the
-    other, so two calls give each a call to hide behind (two H200s, T = 65536, 16
-    documents: with one call the first gather, 0.3 ms, ran before it, exposed)."""
-    if kv_len < _SPLIT_OWN_KEYS or kv_len % _SPLIT_ALIGN:
-        return [slice(0, kv_len)]
-    return [slice(0, kv_len // 2), slice(kv_len // 2, kv_len)]
-
-
 def gathered_forward(
     cm: CallMasks,
     layout: Layout,
@@ -108,12 +93,12 @@ def gathered_forward(
 ) -> tuple[Array, Array]:
     """``(out, lse)`` of this device's rows: one call against the gathered ``(k, v, ids)``
     (each stacked ``[n, B, S, ...]``; ids None without documents), or where
-    `own_block_first`, calls against the device's ``own`` ``(k, v, ids)``, which do not
-    wait for the gathers (they hide behind them, `_own_key_parts`), and one against every
-    other device's keys (the own block's ids made padding, so its blocks are skipped),
-    each resuming the rows of the call before inside the kernel (`block_forward`'s
-    ``resume``): no merge pass, and tiles of rows whose documents start in the own block
-    write nothing."""
+    `own_block_first`, a call against the device's ``own`` ``(k, v, ids)``, which does
+    not wait for the gathers (one of them hides behind it: XLA keeps one collective in
+    flight), and one against every other device's keys (the own block's ids made padding,
+    so its blocks are skipped) resuming the first call's rows inside the kernel
+    (`block_forward`'s ``resume``): no merge pass, and tiles of rows whose documents start
+    in the own block write nothing."""
     from ejk_kernels_gpu._context import block_forward
 
     masks = _block_masks(cm)
@@ -124,18 +109,17 @@ def gathered_forward(
             masks, q, k, v, q_offset=q_offset,
             segment_ids=None if q_ids is None else (q_ids, kv_ids),
         )  # fmt: skip
-    out = None  # the own keys in halves, each call resuming the rows of the one before
-    start = layout.offsets(me, layout.kv_len)[0]
-    for keys in _own_key_parts(layout.kv_len):
-        k, v, ids = (take_rows(x, keys) for x in own)
-        out = block_forward(
-            masks, q, k, v, q_offset=q_offset, k_offset=start + keys.start,
-            segment_ids=(q_ids, ids), resume=out,
-        )  # fmt: skip
+    own_k, own_v, own_ids = own
+    first = block_forward(
+        masks, q, own_k, own_v, q_offset=q_offset,
+        k_offset=layout.offsets(me, layout.kv_len)[0], segment_ids=(q_ids, own_ids),
+    )  # fmt: skip
     k, v, ids = gathered
-    others = jax.lax.dynamic_update_index_in_dim(ids, jnp.full_like(own[2], -1), me, axis=0)
+    others = jax.lax.dynamic_update_index_in_dim(ids, jnp.full_like(own_ids, -1), me, axis=0)
     k, v, kv_ids = _whole(layout, (k, v, others))
-    return block_forward(masks, q, k, v, q_offset=q_offset, segment_ids=(q_ids, kv_ids), resume=out)
+    return block_forward(
+        masks, q, k, v, q_offset=q_offset, segment_ids=(q_ids, kv_ids), resume=first
+    )
 
 
 def gathered_backward(

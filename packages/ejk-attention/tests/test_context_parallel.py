@@ -330,6 +330,20 @@ def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_
     assert eqns.count("reduce_scatter") == (1 if implementation == "triton" else 2)
 
 
+def test_all_gather_moves_keys_and_values_as_one_array_with_documents_in_place(jaxpr_equations):
+    """With documents in the contiguous split (the own block's call first) k and v go in
+    one all-gather, as one array the kernels read in place (`gathers_kv_pair`): XLA keeps
+    one collective in flight, so two gathers ran one after the other and only one hid
+    behind the own call."""
+    eqns = _gradient_equations(
+        jaxpr_equations, 2, documents=True, strategy="all_gather", layout="contiguous",
+        implementation="triton",
+    )  # fmt: skip
+    gathers = [e for e in eqns if e.primitive.name == "all_gather"]
+    assert len(gathers) == 2  # k and v as one array, and the kv ids
+    assert sorted(e.invars[0].aval.shape[-1] for e in gathers)[-1] == 2 * H
+
+
 def test_all_gather_joins_dk_and_dv_for_free():
     """The one reduce-scatter takes the array the kernel call wrote dk and dv into (side by
     side, `block_backward`'s ``joint_dkdv``): in the compiled gradient the only

@@ -126,6 +126,16 @@ def _tiles(order, count, consts):
     return range(count)
 
 
+def _kv_apart(k, v, head_dim, consts):
+    """k and v as the kernels read them: with ``KV_PAIR`` the halves of each head's columns
+    of the one array passed as both (which must be the same array)."""
+    if not consts["KV_PAIR"]:
+        return k, v
+    np.testing.assert_array_equal(k, v)
+    assert k.shape[3] == 2 * head_dim, k.shape
+    return k[..., :head_dim], k[..., head_dim:]
+
+
 def _emulate_gluon(inputs, consts):
     """The Gluon forward's algorithm in NumPy (float32): per query block, the key blocks of
     its table row (unmasked and causal-only calls: the range from its rows) walked as the
@@ -146,6 +156,7 @@ def _emulate_gluon(inputs, consts):
         np.asarray(x) for x in inputs
     )
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    k, v = _kv_apart(k, v, q.shape[3], consts)
     c = consts
     batch, q_len, heads, head_dim = q.shape
     kv_len, bm, bn = k.shape[1], c["BM"], c["BN"]
@@ -237,6 +248,7 @@ def _emulate_gluon_dkdv(inputs, consts):
     A range that skips a block some key sees, or a full range that holds a hidden pair,
     gives a wrong gradient here."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
+    k, v = _kv_apart(k, v, q.shape[3], consts)
     tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
     order = np.asarray(inputs[13])
     c = consts
@@ -296,6 +308,7 @@ def _emulate_gluon_dq(inputs, consts):
     logits, their slope in dS); dq scaled at the end. With ``ORDERED`` programs take their
     tiles from the order input (`program_tile`), a permutation of the grid's tiles."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
+    k, v = _kv_apart(k, v, q.shape[3], consts)
     tabs, ranges = [np.asarray(x) for x in inputs[6:12]], np.asarray(inputs[12])
     order = np.asarray(inputs[13])
     c = consts
@@ -1051,6 +1064,31 @@ def test_resumed_context_rows_continue_in_the_kernel(gluon_launches, rng):
     )
     np.testing.assert_allclose(np.asarray(out, np.float32), want[:, a:b], atol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, a:b], atol=1e-3)
+
+
+def test_keys_and_values_as_one_array_reach_every_gluon_kernel(gluon_launches, rng):
+    """``kv`` (all-gather's keys and values gathered as one array): the Gluon forward,
+    dk/dv and dq kernels take it with ``KV_PAIR`` and give the results of k and v apart."""
+    from ejk_kernels_gpu._context import BlockMasks, block_backward, block_forward
+
+    t = 256
+    q, k, v, d_out = (
+        jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(4)
+    )
+    ids = jnp.asarray(np.repeat(np.arange(3), [100, 100, 56])[None], jnp.int32)
+    masks = BlockMasks(scale=128**-0.5, causal=True, relative=True)
+    kw = dict(q_offset=0, segment_ids=(ids, ids))
+    pair = jnp.concatenate([k, v], axis=-1)
+    apart = block_forward(masks, q, k, v, **kw)
+    joint = block_forward(masks, q, None, None, kv=pair, **kw)
+    grads = block_backward(masks, q, k, v, *apart, d_out, **kw)
+    grads_pair = block_backward(masks, q, None, None, *apart, d_out, kv=pair, **kw)
+    forwards = [consts for _, _, consts, _, _ in gluon_launches]
+    assert [c["KV_PAIR"] for c in forwards] == [False, True]
+    assert [c["KV_PAIR"] for _, c, _, _ in gluon_launches.dkdv] == [False, True]
+    assert [c["KV_PAIR"] for _, c, _, _ in gluon_launches.dq] in ([], [False, True])
+    for x, y in zip((*apart, *grads), (*joint, *grads_pair), strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
 @pytest.mark.parametrize("documents", [False, True])

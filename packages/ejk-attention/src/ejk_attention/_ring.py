@@ -42,7 +42,7 @@ from jaxtyping import Float, Int, Integer
 from ejk_sequtils import dropout_key, validate_attention, varying_like
 
 from ._context_calls import CallMasks, call_backward, call_forward, merge
-from ._context_gathered import gathered_backward, gathered_forward
+from ._context_gathered import gathered_backward, gathered_forward, gathers_kv_pair
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
 
 __all__ = [
@@ -154,9 +154,14 @@ class Placement:
     gathered: Any = None
 
 
-def _placement(st: _Ring, kv: Any) -> Placement:
-    gathered = _gather(kv, st.axis_name) if st.strategy == "all_gather" else None
-    return Placement(_axis_index(st), _ring_size(st.axis_name), gathered)
+def _placement(st: _Ring, kv: Any, pair: bool = False) -> Placement:
+    """``pair``: gather k and v as one array (`gathered_forward`'s ``(pair, None, ids)``)."""
+    if st.strategy != "all_gather":
+        return Placement(_axis_index(st), _ring_size(st.axis_name))
+    if pair:
+        k, v, ids = kv
+        kv = (jnp.concatenate([k, v], axis=-1), None, ids)
+    return Placement(_axis_index(st), _ring_size(st.axis_name), _gather(kv, st.axis_name))
 
 
 def _axis_index(st: _Ring) -> Array:
@@ -401,7 +406,12 @@ def _send_home(st: _Ring, share: Any, dtypes: Any, step: int, size: int) -> Any:
 def _placed_forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[tuple[Array, Array], Any]:
     """``((out, lse), gathered)``: the forward and, with all-gather, every device's
     ``(k, v, kv_ids)`` it read."""
-    where = _placement(st, (k, v, kv_ids))
+    size = _ring_size(st.axis_name)
+    one_call = st.strategy == "all_gather" and _gathers_in_one_call(
+        st.strategy, st.masks.kernels, st.masks.dropout_rate
+    )
+    pair = one_call and gathers_kv_pair(_layout(st, Placement(None, size), q, k), q_ids)
+    where = _placement(st, (k, v, kv_ids), pair)
     return device_forward(st, q, k, v, q_ids, kv_ids, where, drop), where.gathered
 
 

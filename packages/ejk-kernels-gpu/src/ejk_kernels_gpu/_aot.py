@@ -81,6 +81,8 @@ VARIANTS = {
     "relative": dict(causal=True, has_seg=True, varlen=True, seq_ids=False),
     # all-gather's forward over the other devices' keys, resuming the own block's rows
     "resume": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, resume=True),
+    # all-gather's keys and values gathered as one array (``KV_PAIR``), forward and backward
+    "pair": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, kv_pair=True, joint=True),
     # all-gather's backward: dk and dv side by side in one output (``JOINT``)
     "joint": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, joint=True),
     "tail": dict(causal=False, kv_len=4000),
@@ -98,6 +100,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     kv_len = feats.pop("kv_len", 4096)
     joint = feats.pop("joint", False)
     resume = feats.pop("resume", False)
+    pair = feats.pop("kv_pair", False)
     opts = CallOptions(
         scale=head_dim**-0.5,
         causal=feats.get("causal", False),
@@ -115,12 +118,15 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None
     if cfg.gluon and kernel == "dkdv_kernel":  # the Gluon dk/dv kernel (its own arguments)
-        return dict(gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint), INTERPRET=False)
+        return dict(
+            gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint, kv_pair=pair), INTERPRET=False
+        )
     if cfg.gluon and kernel == "dq_kernel":  # the Gluon dq kernel beside it
-        return dict(gluon_dq_constexprs(opts, q, k, cfg), INTERPRET=False)
+        return dict(gluon_dq_constexprs(opts, q, k, cfg, kv_pair=pair), INTERPRET=False)
     if cfg.gluon:  # the Gluon forward (its own arguments)
-        return dict(gluon_constexprs(opts, q, k, sinks, cfg, resume=resume), INTERPRET=False)
-    consts = kernel_constexprs(opts, q, k, b, sinks)
+        consts = gluon_constexprs(opts, q, k, sinks, cfg, resume=resume, kv_pair=pair)
+        return dict(consts, INTERPRET=False)
+    consts = kernel_constexprs(opts, q, k, b, sinks, kv_pair=pair)
     # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
     consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
     if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)

@@ -24,6 +24,7 @@ from ._kernel_common import (
     Options,
     grad_logits,
     grid_order,
+    kv_bases,
     line,
     load_ranges,
     load_rows,
@@ -145,7 +146,7 @@ def dq_kernel(
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    WS: tl.constexpr, LSE_T: tl.constexpr,
+    WS: tl.constexpr, LSE_T: tl.constexpr, KV_PAIR: tl.constexpr,
 ):  # fmt: skip
     """dq of one query block. With ``WS`` (Hopper; fully visible or causal-only calls, see
     `FlashConfig.warp_specialize`) every tile moves through TMA in one warp-specialised
@@ -183,25 +184,25 @@ def dq_kernel(
         do = load_tile(do_ptr + q_off, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
         lse = load_softmax_rows(softmax_rows(lse_ptr, (b * N + n) * T, F), offs_m, True, F)
         delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
-    k_base = k_ptr + b64 * (S * K * H) + kh * H
-    v_base = v_ptr + b64 * (S * K * H) + kh * H
+    k_base, v_base = kv_bases(k_ptr, v_ptr, b64, kh, S, K, H, KV_PAIR)
+    kv_row: tl.constexpr = 2 * K * H if KV_PAIR else K * H  # k's and v's row stride
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
     ctx = _DqContext(q, do, lse, delta, k_base, v_base, bias_base, seed_ptr, b, n, offs_m, offs_d)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_m, b, HAS_SEG)
     if WS:
-        kd = slab(k_base, S, H, K * H, BLOCK_N, H)
-        vd = slab(v_base, S, H, K * H, BLOCK_N, H)
+        kd = slab(k_base, S, H, kv_row, BLOCK_N, H)
+        vd = slab(v_base, S, H, kv_row, BLOCK_N, H)
         dq = _dq_ws_loop(dq, lo, hi, ctx, P, F, BLOCK_N, kd, vd, row0, INTERPRET)
         # Through TMA (clipped past T): per-row stores from the consumer warpgroups would
         # meet Triton 3.6's row shift (see `block_causal`).
         out = (dq * SCALE).to(dq_ptr.dtype.element_ty)
         slab(dq_ptr + q_off, T, H, N * H, BLOCK_M, H).store([row0, 0], out)
     else:
-        dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
-        dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET)
-        dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET)
+        dq = _dq_loop(dq, lo, full_lo, ctx, P, F, BLOCK_N, kv_row, True, INTERPRET)
+        dq = _dq_loop(dq, full_lo, full_hi, ctx, P, F, BLOCK_N, kv_row, False, INTERPRET)
+        dq = _dq_loop(dq, full_hi, hi, ctx, P, F, BLOCK_N, kv_row, True, INTERPRET)
         store_tile(dq_ptr + q_off, offs_m, offs_d, dq * SCALE, N * H, T, H)
 
 
@@ -329,6 +330,7 @@ def dkdv_kernel(
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr, WS: tl.constexpr, LSE_T: tl.constexpr,
+    KV_PAIR: tl.constexpr,
 ):  # fmt: skip
     """dk, dv (and the logits gradient with a bias); with ``DQ_ATOMIC`` also the unscaled
     dq, added into ``dq_acc_ptr`` (float32 ``[B, T, N, H]``, zeroed by the caller), by
@@ -354,14 +356,16 @@ def dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    kv_off = b64 * (S * K * H) + kh * H
+    kv_off = b64 * (S * K * H) + kh * H  # of dk and dv
+    k_base, v_base = kv_bases(k_ptr, v_ptr, b64, kh, S, K, H, KV_PAIR)
+    kv_row: tl.constexpr = 2 * K * H if KV_PAIR else K * H  # k's and v's row stride
     key0 = pid_n * BLOCK_N
     if WS:
-        k = slab(k_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
-        v = slab(v_ptr + kv_off, S, H, K * H, BLOCK_N, H).load([key0, 0])
+        k = slab(k_base, S, H, kv_row, BLOCK_N, H).load([key0, 0])
+        v = slab(v_base, S, H, kv_row, BLOCK_N, H).load([key0, 0])
     else:
-        k = load_tile(k_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
-        v = load_tile(v_ptr + kv_off, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+        k = load_tile(k_base, offs_n, offs_d, kv_row, S, H, BLOCK_D, True)
+        v = load_tile(v_base, offs_n, offs_d, kv_row, S, H, BLOCK_D, True)
     lo, full_lo, full_hi, hi = load_ranges(ranges_ptr, pid_n, b, HAS_SEG)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from ._config import FlashConfig, gluon_dq_beside, ordinary_config
+from ._forward_launch import check_kv_pair
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
 from ._options import (
@@ -30,8 +31,9 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
           consts: dict, ws: bool) -> tuple[Array, Array, Array, Array | None]:  # fmt: skip
     """(dk, dv, the logits' gradient (with a bias), dq sum or None (atomic dq)) from the
     ordinary (or warp-specialised) dk/dv kernel."""
-    batch, q_len, heads, _ = q.shape
+    batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
+    kv_shape = (*k.shape[:3], head_dim)  # (k may be k and v as one array, ``KV_PAIR``)
     bias_in = dummy(q.dtype) if bias is None else bias
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
@@ -42,8 +44,8 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
         grid,
         (q, k, v, bias_in, d_out, *stats, *tables.masking(), tables.dkdv_ranges, tables.seed),
         (
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(kv_shape, k.dtype),
+            jax.ShapeDtypeStruct(kv_shape, v.dtype),
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
             scratch,  # global scratch for TMA descriptors (see _jax_triton_fix); unused otherwise
@@ -59,7 +61,16 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
 
 
 def _gluon_dkdv(
-    opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig, joint: bool
+    opts: CallOptions,
+    q,
+    k,
+    v,
+    d_out,
+    stats,
+    tables: Tables,
+    cfg: FlashConfig,
+    joint: bool,
+    kv_pair: bool,
 ) -> tuple[Array, Array | None, Array | None]:
     """(dk, dv, dq sum or None) from the Gluon dk/dv kernel (`can_run_gluon_dkdv` holds);
     with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces.
@@ -67,8 +78,9 @@ def _gluon_dkdv(
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     wide = gluon_dkdv_wide(q.shape[3])
-    consts = gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint)
-    dk_shape = (*k.shape[:3], 2 * k.shape[3]) if joint else k.shape
+    consts = gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint, kv_pair=kv_pair)
+    kv_shape = (*k.shape[:3], q.shape[3])  # (k may be k and v as one array, ``KV_PAIR``)
+    dk_shape = (*k.shape[:3], 2 * q.shape[3]) if joint else kv_shape
     walk = Walk.of_keys(kv_len, q.shape[1], cfg)
     order = launch_order(tables.dkdv_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1])  # fmt: skip
@@ -78,7 +90,7 @@ def _gluon_dkdv(
         (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, order),
         (
             jax.ShapeDtypeStruct(dk_shape, k.dtype),
-            jax.ShapeDtypeStruct((1,) if joint else v.shape, v.dtype),  # joint: unused
+            jax.ShapeDtypeStruct((1,) if joint else kv_shape, v.dtype),  # joint: unused
             jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
             jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
@@ -90,12 +102,14 @@ def _gluon_dkdv(
     return dk, None if joint else dv, dq_sum if cfg.atomic_dq else None
 
 
-def _gluon_dq(opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig) -> Array:
+def _gluon_dq(
+    opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig, kv_pair: bool
+) -> Array:
     """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program; with a window,
     packing or segment ids it walks the dq block table, built for the same tiles)."""
     batch, q_len, heads = q.shape[:3]
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    consts = gluon_dq_constexprs(opts, q, k, cfg)
+    consts = gluon_dq_constexprs(opts, q, k, cfg, kv_pair=kv_pair)
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
     order = launch_order(tables.dq_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1])  # fmt: skip
@@ -128,18 +142,22 @@ def backward(
     d_lse=None,
     *,
     joint_dkdv: bool = False,
+    kv_pair: bool = False,
 ) -> tuple[Array | None, ...]:
     """Gradients ``(dq, dk, dv, dbias, dsinks)`` of one attention call (None where no input).
 
     ``joint_dkdv``: dk and dv side by side in one array ``[B, S, K, 2H]`` (in place of dk;
     dv None), as the Gluon dk/dv kernel writes them (``JOINT``; the other kernels' are
-    concatenated): one collective can then take both without a copy.
+    concatenated): one collective can then take both without a copy. ``kv_pair``: ``k``
+    and ``v`` are one ``[B, S, K, 2H]`` array (`check_kv_pair`); dk and dv come as usual.
 
     ``rows``: the forward's (see `_forward_launch.forward`): the lse ``[B, N, T]``, or with
     a bias the row max and log row sum ``[B, N, 2, T]``, lse = their sum.
     ``d_lse``: cotangent of the returned lse. Since d lse_i / d s_ij = P_ij, it enters
     as ``dS = P ∘ (dP - (delta - d_lse))``: the kernels just see a shifted delta.
     """
+    if kv_pair:
+        check_kv_pair(q, k, v)
     batch, q_len, heads, head_dim = q.shape
     kv_len = k.shape[1]
     bwd = opts.bwd_cfg
@@ -162,7 +180,7 @@ def backward(
     if d_lse is not None:
         # Rows without mass (lse = -inf) have P = 0 everywhere: their d_lse cannot matter.
         delta = delta - jnp.where(jnp.isfinite(shift), d_lse.astype(jnp.float32), 0.0)
-    consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
+    consts = kernel_constexprs(opts, q, k, bias, sinks is not None, kv_pair=kv_pair)
     del consts["HAS_SINKS"]
     # The warp-specialised build reads lse and delta through TMA as rows of a length that
     # keeps every row 16-byte aligned, zero-padded (see dq_kernel).
@@ -177,7 +195,9 @@ def backward(
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
     if gluon:
-        dk, dv, dq_sum = _gluon_dkdv(opts, q, k, v, d_out, stats, tables, opts.bwd_cfg, joint_dkdv)
+        dk, dv, dq_sum = _gluon_dkdv(
+            opts, q, k, v, d_out, stats, tables, opts.bwd_cfg, joint_dkdv, kv_pair
+        )
         dlogits = None
     else:
         dk, dv, dlogits, dq_sum = _dkdv(opts, q, k, v, bias, d_out, stats, tables, cfg,
@@ -188,7 +208,7 @@ def backward(
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     elif beside is not None:
-        dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, beside)
+        dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, beside, kv_pair)
     else:
         dq_grid = (-(-q_len // cfg.block_q), batch * heads)
         dq, _ = launch(

@@ -128,6 +128,23 @@ Offset = Int[Array, ""] | int
 QueryOffset = Offset | tuple[Offset, ...]
 
 
+def _keys(q: Array, k: Array | None, v: Array | None, kv: Array | None) -> tuple:
+    """``(k, v, kernel_k, kernel_v)``: the keys and values (views of ``kv`` where given:
+    for the options only, unused by the kernels) and what the kernels read."""
+    if kv is None:
+        if k is None or v is None:
+            raise ValueError("pass k and v, or kv: the two as one [B, S, K, 2H] array")
+        return k, v, k, v
+    head_dim = q.shape[3]
+    if k is not None or v is not None or kv.ndim != 4 or kv.shape[3] != 2 * head_dim:
+        raise ValueError(
+            f"kv takes the place of k and v (None then): one [B, S, K, {2 * head_dim}] array, "
+            f"each head's k columns then its v columns; got kv {kv.shape}"
+            + ("" if k is None and v is None else " beside k or v")
+        )
+    return kv[..., :head_dim], kv[..., head_dim:], kv, kv
+
+
 def _chunk_offsets(q_offset: QueryOffset, q_len: int) -> tuple[Array, ...]:
     """The global offsets of the query rows' chunks, int32: one for a contiguous block, or
     one per equal chunk (``len(q_offset)`` of them, in increasing order)."""
@@ -235,8 +252,8 @@ def block_tables(
 def block_forward(
     masks: BlockMasks,
     q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K H"],
+    k: Float[Array, "B S K H"] | None,
+    v: Float[Array, "B S K H"] | None,
     *,
     q_offset: QueryOffset = 0,
     k_offset: Offset = 0,
@@ -244,6 +261,7 @@ def block_forward(
     dropout_key: UInt32[Array, 5] | None = None,
     config: FlashConfig | None = None,
     resume: tuple[Float[Array, "B T N H"], Float[Array, "B N T"]] | None = None,
+    kv: Float[Array, "B S K 2H"] | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Output and lse of ``q`` against one key block, masks on global positions.
 
@@ -267,25 +285,31 @@ def block_forward(
             result): the rows continue from it inside the kernel, so the result is theirs
             against both calls' keys, with no merge pass; its buffers become the outputs,
             and blocks of rows that see no key here are not written at all.
+        kv: in place of ``k`` and ``v`` (then None), the two as one ``[B, S, K, 2H]``
+            array, each head's k columns then its v columns (as all-gather moves them, in
+            one collective): the kernels read it as it is.
 
     Returns:
         ``out [B, T, N, H]`` in q's dtype (0 for rows that see no key of the block) and
         the float32 ``lse [B, N, T]`` (``-inf`` for those rows); with ``resume``, against
         its keys too.
     """
+    k, v, kernel_k, kernel_v = _keys(q, k, v, kv)
     opts = block_options(masks, q, k, v, segment_ids is not None, config)
     tables = block_tables(
         opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
     )
-    out, lse, _ = forward(opts, q, k, v, None, None, tables, resume=resume)
+    out, lse, _ = forward(
+        opts, q, kernel_k, kernel_v, None, None, tables, resume=resume, kv_pair=kv is not None
+    )
     return out, lse
 
 
 def block_backward(
     masks: BlockMasks,
     q: Float[Array, "B T N H"],
-    k: Float[Array, "B S K H"],
-    v: Float[Array, "B S K H"],
+    k: Float[Array, "B S K H"] | None,
+    v: Float[Array, "B S K H"] | None,
     out: Float[Array, "B T N H"],
     lse: Float[Array, "B N T"],
     d_out: Float[Array, "B T N H"],
@@ -297,6 +321,7 @@ def block_backward(
     dropout_key: UInt32[Array, 5] | None = None,
     bwd_config: FlashConfig | None = None,
     joint_dkdv: bool = False,
+    kv: Float[Array, "B S K 2H"] | None = None,
 ) -> (
     tuple[Float[Array, "B T N H"], Float[Array, "B S K H"], Float[Array, "B S K H"]]
     | tuple[Float[Array, "B T N H"], Float[Array, "B S K 2H"]]
@@ -304,7 +329,8 @@ def block_backward(
     """This key block's share of the gradients, given the GLOBAL output and lse of the rows.
 
     Args:
-        masks, q, k, v, q_offset, k_offset, segment_ids, dropout_key: as in `block_forward`.
+        masks, q, k, v, q_offset, k_offset, segment_ids, dropout_key, kv: as in
+            `block_forward`.
         out: the rows' merged (global) output ``[B, T, N, H]``.
         lse: the rows' global float32 lse ``[B, N, T]``.
         d_out: cotangent of the global output.
@@ -319,11 +345,13 @@ def block_backward(
         gradient, dk/dv the whole gradient of this block from these rows (``(dq, dkv)``
         with ``joint_dkdv``).
     """
+    k, v, kernel_k, kernel_v = _keys(q, k, v, kv)
     opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
     tables = block_tables(
         opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
     )
     dq, dk, dv, _, _ = backward(
-        opts, q, k, v, None, None, tables, out, lse, d_out, d_lse, joint_dkdv=joint_dkdv
-    )
+        opts, q, kernel_k, kernel_v, None, None, tables, out, lse, d_out, d_lse,
+        joint_dkdv=joint_dkdv, kv_pair=kv is not None,
+    )  # fmt: skip
     return (dq, dk) if joint_dkdv else (dq, dk, dv)

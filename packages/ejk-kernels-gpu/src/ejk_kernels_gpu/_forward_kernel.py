@@ -26,6 +26,7 @@ from ._kernel_common import (
     block_causal,
     dropout_weights,
     grid_order,
+    kv_bases,
     load_ranges,
     load_tile,
     logits,
@@ -174,13 +175,14 @@ def fwd_kernel(
     CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     DROPOUT_THRESHOLD: tl.constexpr, DROPOUT_SCALE: tl.constexpr, LOG2_FACTOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
-    WS: tl.constexpr, RESUME: tl.constexpr,
+    WS: tl.constexpr, RESUME: tl.constexpr, KV_PAIR: tl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H] and the lse (or, with a bias, the rows: see `_forward_launch`).
     ``RESUME`` (not with ``WS``, a bias or sinks): the rows continue a previous call over
     other keys from its output and lse (``prev_o_ptr``, ``prev_lse_ptr``, which ``o_ptr``
     and ``lse_ptr`` alias): m = its lse, l = 1, acc = its output; a program that sees no
-    key here stores nothing."""
+    key here stores nothing. ``KV_PAIR``: k and v are the halves of one array
+    (`kv_bases`)."""
     F: tl.constexpr = Options(
         T=T, S=S, H=H, BLOCK_D=BLOCK_D, SCALE=SCALE, SOFT_CAP=SOFT_CAP, HAS_BIAS=HAS_BIAS,
         VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
@@ -209,8 +211,8 @@ def fwd_kernel(
         q = q_desc.load([pid_m * BLOCK_M, 0])
     else:
         q = load_tile(q_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    k_base = k_ptr + b64 * (S * K * H) + kh * H
-    v_base = v_ptr + b64 * (S * K * H) + kh * H
+    k_base, v_base = kv_bases(k_ptr, v_ptr, b64, kh, S, K, H, KV_PAIR)
+    kv_row: tl.constexpr = 2 * K * H if KV_PAIR else K * H  # k's and v's row stride
     bias_base = bias_ptr + b64 * BIAS_SB + n * BIAS_SN
     ctx = _Context(q, k_base, v_base, bias_base, seed_ptr, b, n, offs_m, offs_d)
 
@@ -236,20 +238,20 @@ def fwd_kernel(
         prev_base = prev_o_ptr + b64 * (T * N * H) + n * H
         acc = load_tile(prev_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True).to(tl.float32)
     if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _options)
-        k_desc = slab(k_base, S, H, K * H, BLOCK_N, BLOCK_D)
-        v_desc = slab(v_base, S, H, K * H, BLOCK_N, BLOCK_D)
+        k_desc = slab(k_base, S, H, kv_row, BLOCK_N, BLOCK_D)
+        v_desc = slab(v_base, S, H, kv_row, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _fwd_ws_loop(
             acc, m_i, l_i, lo, hi, ctx, P, F, BLOCK_N, k_desc, v_desc, pid_m * BLOCK_M, INTERPRET
         )
     else:
         acc, m_i, l_i = _fwd_loop(
-            acc, m_i, l_i, lo, full_lo, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
+            acc, m_i, l_i, lo, full_lo, ctx, P, F, BLOCK_N, kv_row, True, INTERPRET
         )
         acc, m_i, l_i = _fwd_loop(
-            acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, K * H, False, INTERPRET
+            acc, m_i, l_i, full_lo, full_hi, ctx, P, F, BLOCK_N, kv_row, False, INTERPRET
         )
         acc, m_i, l_i = _fwd_loop(
-            acc, m_i, l_i, full_hi, hi, ctx, P, F, BLOCK_N, K * H, True, INTERPRET
+            acc, m_i, l_i, full_hi, hi, ctx, P, F, BLOCK_N, kv_row, True, INTERPRET
         )
 
     if WS:

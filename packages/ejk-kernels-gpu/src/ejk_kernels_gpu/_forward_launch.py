@@ -19,15 +19,25 @@ from ._options import (
 from ._schedule import Walk, launch_order
 from ._triton import kernels, launch
 
-__all__ = ["forward"]
+__all__ = ["check_kv_pair", "forward"]
 
 
 def _gluon_forward(
-    opts: CallOptions, q, k, v, sinks, tables: Tables, cfg: FlashConfig, resume: Resume
+    opts: CallOptions,
+    q,
+    k,
+    v,
+    sinks,
+    tables: Tables,
+    cfg: FlashConfig,
+    resume: Resume,
+    kv_pair: bool,
 ) -> tuple[Array, Array]:
     """(out, lse) from the Gluon forward (`can_run_gluon` holds)."""
     batch, q_len, heads, _ = q.shape
-    consts = gluon_constexprs(opts, q, k, sinks is not None, cfg, resume=resume is not None)
+    consts = gluon_constexprs(
+        opts, q, k, sinks is not None, cfg, resume=resume is not None, kv_pair=kv_pair
+    )
     prev = _previous(resume, q)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
@@ -79,8 +89,27 @@ def _previous(resume: Resume, q) -> tuple[Array, Array]:
     return out.astype(q.dtype), lse.astype(jnp.float32)
 
 
+def check_kv_pair(q, k, v) -> None:
+    """``k`` and ``v`` as one array for the kernels' ``KV_PAIR``: the same ``[B, S, K, 2H]``
+    array (each head's k columns, then its v columns), H being q's."""
+    want = 2 * q.shape[3]
+    if k is not v or k.ndim != 4 or k.shape[3] != want:
+        raise ValueError(
+            f"kv_pair=True takes k and v as one [B, S, K, {want}] array passed as both, got "
+            f"k {k.shape} and v {v.shape}{'' if k is v else ' (two arrays)'}"
+        )
+
+
 def forward(
-    opts: CallOptions, q, k, v, bias, sinks, tables: Tables, resume: Resume = None
+    opts: CallOptions,
+    q,
+    k,
+    v,
+    bias,
+    sinks,
+    tables: Tables,
+    resume: Resume = None,
+    kv_pair: bool = False,
 ) -> tuple[Array, Array, Array]:
     """``(out [B, T, N, H], lse [B, N, T], rows)`` of one call (the lse in natural units).
 
@@ -92,18 +121,23 @@ def forward(
     bias or sinks): the rows continue from it, and the result is theirs over both calls'
     keys; rows that see no key here keep it, and their blocks of rows are not rewritten
     (the outputs take its buffers).
+
+    ``kv_pair``: ``k`` and ``v`` are one ``[B, S, K, 2H]`` array (`check_kv_pair`; as
+    all-gather moves keys and values, in one collective).
     """
+    if kv_pair:
+        check_kv_pair(q, k, v)
     batch, q_len, heads, _ = q.shape
     fwd = opts.fwd_cfg
     if resume is not None and (bias is not None or sinks is not None):
         raise ValueError("resume= continues rows without a bias or sinks (add sinks after)")
     cfg, ws = runnable_config(opts, fwd, bias, q, k.shape[1], fwd.block_k, ("fwd",))
     if cfg.gluon:
-        out, lse = _gluon_forward(opts, q, k, v, sinks, tables, cfg, resume)
+        out, lse = _gluon_forward(opts, q, k, v, sinks, tables, cfg, resume, kv_pair)
         return out, lse, lse
     if ws and resume is not None:  # the warp-specialised loop's epilogue has no resume
         cfg, ws = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, opts.side_inputs(bias)), False
-    consts = kernel_constexprs(opts, q, k, bias, sinks is not None)
+    consts = kernel_constexprs(opts, q, k, bias, sinks is not None, kv_pair=kv_pair)
     grid = (-(-q_len // cfg.block_q), batch * heads)
     out, rows, _ = launch(
         kernels().fwd_kernel,

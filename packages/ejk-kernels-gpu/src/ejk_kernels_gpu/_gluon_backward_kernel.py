@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from ._gluon_common import (
     barriers,
     operand_layout,
+    pair_descriptors,
     reduce_add,
     ring_slot,
     tanh,
@@ -140,26 +141,6 @@ def probabilities(s_t, lse_rows, m, full, masks, F: gl.constexpr):
     elif F.CAUSAL:
         p = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(row0 + cols, 0), p, 0.0)
     return p, t
-
-
-@gluon.jit
-def dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S: gl.constexpr, K: gl.constexpr, H: gl.constexpr,
-                     block: gl.constexpr, layout: gl.constexpr, JOINT: gl.constexpr):  # fmt: skip
-    """The TMA descriptors dk and dv leave through, of the program's (batch ``b``, kv head
-    ``kh``): ``[B, S, K, H]`` each, or with ``JOINT`` side by side in dk's buffer ``[B, S,
-    K, 2H]`` (dk in the first H columns of each head, dv in the last; ``dv_ptr`` unused),
-    so that a reduce-scatter can take both as one array."""
-    if JOINT:
-        base = b.to(gl.int64) * S * K * 2 * H + kh * 2 * H
-        dk_desc = tma.make_tensor_descriptor(dk_ptr + base, [S, H], [2 * K * H, 1], block, layout)
-        dv_desc = tma.make_tensor_descriptor(
-            dk_ptr + base + H, [S, H], [2 * K * H, 1], block, layout
-        )
-    else:
-        base = b.to(gl.int64) * S * K * H + kh * H
-        dk_desc = tma.make_tensor_descriptor(dk_ptr + base, [S, H], [K * H, 1], block, layout)
-        dv_desc = tma.make_tensor_descriptor(dv_ptr + base, [S, H], [K * H, 1], block, layout)
-    return dk_desc, dv_desc
 
 
 @gluon.jit
@@ -330,10 +311,12 @@ def gluon_dkdv_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, KV_PAIR: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, H] (with ``JOINT`` side by side in ``dk_ptr``'s [B, S, K, 2H],
-    `dkdv_descriptors`) from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta
+    `pair_descriptors`) from q, dO [B, T, N, H], k, v [B, S, K, H] (``KV_PAIR``: one
+    ``[B, S, K, 2H]``), lse and delta
     [B, N, T] (lse in natural log); grid (key blocks of BN, B·K). ``QK`` = scale · log2(e);
     with ``SOFT_CAP`` the logits are ``cap·tanh(scale·q·kᵀ / cap)`` (``CAP_IN``, ``CAP_OUT``
     as the forward's); the mask tables (sequence ids, positions, segment ids of rows and
@@ -376,10 +359,8 @@ def gluon_dkdv_kernel(
     # this program's (batch, kv head), zero-filled and clipped past S.
     q_desc = tma.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [BM, H], layout)
     do_desc = tma.make_tensor_descriptor(do_ptr, [B * T, N * H], [N * H, 1], [BM, H], layout)
-    kv_base = b.to(gl.int64) * S * K * H + kh * H
-    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [HALF, H], layout)
-    dk_desc, dv_desc = dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [HALF, H], layout, JOINT)
+    k_desc, v_desc = pair_descriptors(k_ptr, v_ptr, b, kh, S, K, H, [HALF, H], layout, KV_PAIR)
+    dk_desc, dv_desc = pair_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [HALF, H], layout, JOINT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BM, H], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
@@ -557,9 +538,10 @@ def gluon_dq_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    ORDERED: gl.constexpr, INTERPRET: gl.constexpr,
+    ORDERED: gl.constexpr, KV_PAIR: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
-    """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H], lse and delta [B, N, T],
+    """dq [B, T, N, H] from q, dO [B, T, N, H], k, v [B, S, K, H] (``KV_PAIR``: one
+    ``[B, S, K, 2H]``, `pair_descriptors`), lse and delta [B, N, T],
     the mask tables and ``ranges_ptr``, the dq block table (``[query blocks, 4]``,
     ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
     grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr`` with
@@ -582,12 +564,10 @@ def gluon_dq_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_base = b * T * N * H + n * H
-    kv_base = b * S * K * H + (n // G) * H
     q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
     do_desc = tma.make_tensor_descriptor(do_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
     dq_desc = tma.make_tensor_descriptor(dq_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, H], layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, H], layout)
+    k_desc, v_desc = pair_descriptors(k_ptr, v_ptr, b, n // G, S, K, H, [BN, H], layout, KV_PAIR)
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], layout)

@@ -29,13 +29,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ._gluon_backward_kernel import (
     DkdvOptions,
-    dkdv_descriptors,
     probabilities,
     program_tile,
     query_blocks,
     store_dkdv,
 )
-from ._gluon_common import barriers, ring_slot, token_info, wgmma_layout
+from ._gluon_common import barriers, pair_descriptors, ring_slot, token_info, wgmma_layout
 
 _COLS = gl.constexpr(128)  # columns of a half (of head_dim 256)
 
@@ -183,7 +182,8 @@ def gluon_dkdv_wide_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     SEQ_IDS: gl.constexpr,
     HAS_SEG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, INTERPRET: gl.constexpr,
+    DQ: gl.constexpr, ORDERED: gl.constexpr, JOINT: gl.constexpr, KV_PAIR: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """dk, dv [B, S, K, 256] (``JOINT``: side by side, [B, S, K, 512]): the arguments of
     `_gluon_backward_kernel.gluon_dkdv_kernel` (``dq_acc_ptr`` unused: ``DQ`` must be
@@ -206,10 +206,9 @@ def gluon_dkdv_wide_kernel(
     # this program's (batch, kv head), zero-filled and clipped past S. Boxes of 128 columns.
     q_desc = tma.make_tensor_descriptor(q_ptr, [B * T, N * H], [N * H, 1], [R, _COLS], layout)
     do_desc = tma.make_tensor_descriptor(do_ptr, [B * T, N * H], [N * H, 1], [R, _COLS], layout)
-    kv_base = b.to(gl.int64) * S * K * H + kh * H
-    k_desc = tma.make_tensor_descriptor(k_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr + kv_base, [S, H], [K * H, 1], [BN, _COLS], layout)
-    dk_desc, dv_desc = dkdv_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [BN, _COLS], layout,
+    k_desc, v_desc = pair_descriptors(k_ptr, v_ptr, b, kh, S, K, H, [BN, _COLS], layout,
+                                      KV_PAIR)  # fmt: skip
+    dk_desc, dv_desc = pair_descriptors(dk_ptr, dv_ptr, b, kh, S, K, H, [BN, _COLS], layout,
                                         JOINT)  # fmt: skip
     q_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)
     do_smem = gl.allocate_shared_memory(dtype, [4 * STAGES, R, _COLS], layout)

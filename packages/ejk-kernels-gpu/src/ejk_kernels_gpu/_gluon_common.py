@@ -7,7 +7,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 
 @gluon.jit
@@ -128,3 +128,21 @@ def reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(
         ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
     )
+
+
+@gluon.jit
+def pair_descriptors(a_ptr, b_ptr, b, kh, S: gl.constexpr, K: gl.constexpr, H: gl.constexpr,
+                     block: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr):  # fmt: skip
+    """TMA descriptors of the ``[S, H]`` slabs of batch ``b``, kv head ``kh`` in two arrays
+    ``[B, S, K, H]``, or with ``PAIR`` in the two halves of each head's columns of ``a``'s
+    ``[B, S, K, 2H]`` (``b_ptr`` unused): k and v read so (``KV_PAIR``: keys and values
+    gathered as one array), dk and dv written so (``JOINT``: reduce-scattered as one)."""
+    if PAIR:
+        base = b.to(gl.int64) * S * K * 2 * H + kh * 2 * H
+        a_desc = tma.make_tensor_descriptor(a_ptr + base, [S, H], [2 * K * H, 1], block, layout)
+        b_desc = tma.make_tensor_descriptor(a_ptr + base + H, [S, H], [2 * K * H, 1], block, layout)
+    else:
+        base = b.to(gl.int64) * S * K * H + kh * H
+        a_desc = tma.make_tensor_descriptor(a_ptr + base, [S, H], [K * H, 1], block, layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr + base, [S, H], [K * H, 1], block, layout)
+    return a_desc, b_desc

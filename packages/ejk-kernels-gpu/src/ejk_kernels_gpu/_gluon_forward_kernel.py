@@ -64,6 +64,7 @@ from ._gluon_common import (
     RIGHT_SIDE,
     barriers,
     operand_layout,
+    pair_descriptors,
     ring_slot,
     tanh,
     token_info,
@@ -109,6 +110,7 @@ class GluonOptions(NamedTuple):
     # kept (`_softmax`): no max per score and no rescaling of o after it
     RESUME: bool  # rows start from a previous call's (o, lse) over other keys (`_resume`);
     # a tile with no key block here stores nothing (its output buffer holds that call's)
+    KV_PAIR: bool  # k and v: the halves of each head's columns of one [B, S, K, 2H] array
 
 
 @gluon.jit
@@ -152,7 +154,7 @@ def _origin(b, n, F: gl.constexpr):
     (q row, q column, k row, k column): persistent programs address the whole tensors,
     the others descriptors of their own (batch, head)."""
     if F.PERSISTENT:
-        return b * F.T, n * F.H, b * F.S, (n // F.G) * F.H
+        return b * F.T, n * F.H, b * F.S, (n // F.G) * F.H * (2 if F.KV_PAIR else 1)
     return 0, 0, 0, 0
 
 
@@ -554,7 +556,7 @@ def gluon_fwd_kernel(
     HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     OBUF: gl.constexpr, ORDERED: gl.constexpr, FIXED_SHIFT: gl.constexpr, RESUME: gl.constexpr,
-    INTERPRET: gl.constexpr,
+    KV_PAIR: gl.constexpr, INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
@@ -574,7 +576,7 @@ def gluon_fwd_kernel(
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
         N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
-        FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME,
+        FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G
@@ -591,26 +593,30 @@ def gluon_fwd_kernel(
         o_desc = tma.make_tensor_descriptor(
             o_ptr, [B * T, N * H], [N * H, 1], [HALF, H], smem_layout
         )
-        k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, K * H], [K * H, 1], [BN, H], smem_layout)
+        # (``KV_PAIR``: k's and v's columns alternate by H, so v's start H on and a tile of
+        # either sits at the same coordinates)
+        KV_COLS: gl.constexpr = 2 * K * H if KV_PAIR else K * H
+        V_OFF: gl.constexpr = H if KV_PAIR else 0
+        k_desc = tma.make_tensor_descriptor(
+            k_ptr, [B * S, KV_COLS], [KV_COLS, 1], [BN, H], smem_layout
+        )
+        v_desc = tma.make_tensor_descriptor(
+            v_ptr + V_OFF, [B * S, KV_COLS - V_OFF], [KV_COLS, 1], [BN, H], smem_layout
+        )
     else:  # this program's (batch, head): TMA zero-fills and clips rows past T and S
         tile0 = gl.load(order_ptr + gl.program_id(0)) if ORDERED else gl.program_id(0)
         where = _tile(tile0, n_m, F)
         b = where[0].to(gl.int64)
         n = where[1]
         q_base = b * T * N * H + n * H
-        kv_base = b * S * K * H + (n // G) * H
         q_desc = tma.make_tensor_descriptor(
             q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
         )
         o_desc = tma.make_tensor_descriptor(
             o_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
         )
-        k_desc = tma.make_tensor_descriptor(
-            k_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout
-        )
-        v_desc = tma.make_tensor_descriptor(
-            v_ptr + kv_base, [S, H], [K * H, 1], [BN, H], smem_layout
+        k_desc, v_desc = pair_descriptors(
+            k_ptr, v_ptr, b, n // G, S, K, H, [BN, H], smem_layout, KV_PAIR
         )
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)

@@ -208,6 +208,20 @@ def grid_order(HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def kv_bases(k_ptr, v_ptr, b64, kh, S: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+             KV_PAIR: tl.constexpr):  # fmt: skip
+    """``(k, v)`` slab bases of one (batch, kv head): apart, or with ``KV_PAIR`` the two
+    halves of each head's columns of one ``[B, S, K, 2H]`` array (k first; ``k_ptr`` and
+    ``v_ptr`` both point at it; rows then ``2·K·H`` apart, `kv_row`)."""
+    if KV_PAIR:
+        base = b64 * (S * K * 2 * H) + kh * (2 * H)
+        return k_ptr + base, v_ptr + base + H
+    else:
+        base = b64 * (S * K * H) + kh * H
+        return k_ptr + base, v_ptr + base
+
+
+@triton.jit
 def slab(base, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr,
          BLOCK: tl.constexpr, H: tl.constexpr):  # fmt: skip
     """TMA descriptor of a ``[ROWS, COLS]`` slab in ``[BLOCK, H]`` tiles (zero fill past its end)."""

@@ -256,8 +256,9 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     )
 
 
-def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
-    """The constexpr arguments the Gluon dk/dv and dq kernels share (all but the tiles)."""
+def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any, kv_pair: bool) -> dict:
+    """The constexpr arguments the Gluon dk/dv and dq kernels share (all but the tiles);
+    ``kv_pair``: ``k`` is k and v as one ``[B, S, K, 2H]`` array (``KV_PAIR``)."""
     batch, q_len, heads, head_dim = q.shape
     left, right = opts.window if opts.window is not None else (-1, -1)
     return dict(
@@ -266,12 +267,18 @@ def _gluon_bwd_constexprs(opts: CallOptions, q: Any, k: Any) -> dict:
         B=batch, T=q_len, S=k.shape[1], N=heads, G=heads // k.shape[2], H=head_dim,
         SCALE=float(opts.scale), QK=float(opts.scale * LOG2E), SOFT_CAP=float(opts.soft_cap),
         CAP_IN=float(opts.scale / opts.soft_cap) if opts.soft_cap > 0.0 else 0.0,
-        CAP_OUT=float(opts.soft_cap * LOG2E), CAUSAL=opts.causal,
+        CAP_OUT=float(opts.soft_cap * LOG2E), CAUSAL=opts.causal, KV_PAIR=kv_pair,
     )  # fmt: skip
 
 
 def gluon_dkdv_constexprs(
-    opts: CallOptions, q: Any, k: Any, cfg: FlashConfig, *, joint: bool = False
+    opts: CallOptions,
+    q: Any,
+    k: Any,
+    cfg: FlashConfig,
+    *,
+    joint: bool = False,
+    kv_pair: bool = False,
 ) -> dict:
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
     resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``;
@@ -281,14 +288,17 @@ def gluon_dkdv_constexprs(
     # with an order (segment ids or positions take one there too).
     grouped = q.shape[2] > k.shape[2] and not gluon_dkdv_wide(q.shape[3])
     ordered = opts.ordered_tiles("dkdv", grouped=grouped)
-    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=ordered, JOINT=joint)
+    return dict(_gluon_bwd_constexprs(opts, q, k, kv_pair), **tiles, ORDERED=ordered, JOINT=joint)
 
 
-def gluon_dq_constexprs(opts: CallOptions, q: Any, k: Any, cfg: FlashConfig) -> dict:
+def gluon_dq_constexprs(
+    opts: CallOptions, q: Any, k: Any, cfg: FlashConfig, *, kv_pair: bool = False
+) -> dict:
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dq_kernel`: ``block_q``
     resident query rows (BM), ``block_k`` keys a step (BN)."""
     tiles = dict(BM=cfg.block_q, BN=cfg.block_k, STAGES=cfg.num_stages)
-    return dict(_gluon_bwd_constexprs(opts, q, k), **tiles, ORDERED=opts.ordered_tiles("dq"))
+    ordered = opts.ordered_tiles("dq")
+    return dict(_gluon_bwd_constexprs(opts, q, k, kv_pair), **tiles, ORDERED=ordered)
 
 
 def runnable_config(
@@ -323,8 +333,11 @@ def dq_by_tma(cfg: FlashConfig, head_dim: int, hopper: bool) -> bool:
     return cfg.atomic_dq and hopper and head_block(head_dim) == head_dim
 
 
-def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: bool):
-    """The constexpr arguments the Triton kernels share (each launch adds its tiles)."""
+def kernel_constexprs(
+    opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: bool, kv_pair: bool = False
+):
+    """The constexpr arguments the Triton kernels share (each launch adds its tiles);
+    ``kv_pair``: ``k`` is k and v as one ``[B, S, K, 2H]`` array (``KV_PAIR``)."""
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if bias is None:
@@ -357,14 +370,22 @@ def kernel_constexprs(opts: CallOptions, q: Any, k: Any, bias: Any, has_sinks: b
         # See _kernel_common: the plain case folds log2(e) into the scale of q·kᵀ.
         LOG2_FACTOR=opts.scale * LOG2E if plain else LOG2E,
         BLOCK_D=head_block(head_dim),
+        KV_PAIR=kv_pair,
     )
 
 
 def gluon_constexprs(
-    opts: CallOptions, q: Any, k: Any, has_sinks: bool, cfg: FlashConfig, resume: bool = False
+    opts: CallOptions,
+    q: Any,
+    k: Any,
+    has_sinks: bool,
+    cfg: FlashConfig,
+    resume: bool = False,
+    kv_pair: bool = False,
 ):
     """The constexpr arguments of `_gluon_forward_kernel.gluon_fwd_kernel` (``resume``: the
-    rows continue a previous call's output and lse, ``RESUME``)."""
+    rows continue a previous call's output and lse, ``RESUME``; ``kv_pair``: ``k`` is k and
+    v as one ``[B, S, K, 2H]`` array, ``KV_PAIR``)."""
     _, q_len, heads, head_dim = q.shape
     kv_len = k.shape[1]
     left, right = opts.window if opts.window is not None else (-1, -1)
@@ -385,7 +406,7 @@ def gluon_constexprs(
         PERSISTENT=persistent, OBUF=gluon_obuf(cfg, head_dim, persistent=persistent),
         ORDERED=opts.ordered_tiles("fwd", persistent=persistent),
         # (a resumed row's shift starts at its lse, which no first block may lower)
-        FIXED_SHIFT=fixed_shift(opts, q.dtype) and not resume, RESUME=resume,
+        FIXED_SHIFT=fixed_shift(opts, q.dtype) and not resume, RESUME=resume, KV_PAIR=kv_pair,
     )  # fmt: skip
 
 

@@ -282,7 +282,8 @@ def gluon_dkdv_constexprs(
 ) -> dict:
     """The constexpr arguments of `_gluon_backward_kernel.gluon_dkdv_kernel`: ``block_q``
     resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``;
-    ``joint``: dk and dv side by side in one output (``JOINT``)."""
+    ``joint``: dk and dv side by side in one output (``JOINT``); ``kv_pair``: k and v read
+    from one array (``KV_PAIR``)."""
     tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
     # The wide kernel counts as one head a program: its causal calls were not measured
     # with an order (segment ids or positions take one there too).

@@ -326,22 +326,60 @@ def test_all_gather_gathers_once_for_forward_and_backward(implementation, jaxpr_
         implementation=implementation,
     )  # fmt: skip
     eqns = [e.primitive.name for e in eqns]
-    assert eqns.count("all_gather") == 3  # k, v and the kv ids
+    # k, v and the kv ids; the kernels' one call with documents takes k and v as one array
+    assert eqns.count("all_gather") == (2 if implementation == "triton" else 3)
     assert eqns.count("reduce_scatter") == (1 if implementation == "triton" else 2)
 
 
-def test_all_gather_moves_keys_and_values_as_one_array_with_documents_in_place(jaxpr_equations):
-    """With documents in the contiguous split (the own block's call first) k and v go in
-    one all-gather, as one array the kernels read in place (`gathers_kv_pair`): XLA keeps
-    one collective in flight, so two gathers ran one after the other and only one hid
-    behind the own call."""
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_all_gather_moves_keys_and_values_as_one_array_with_documents(layout, jaxpr_equations):
+    """With documents k and v go in one all-gather, as one array the kernels read in place
+    (`gathers_kv_pair`): XLA keeps one collective in flight, so two gathers ran one after
+    the other and only one hid behind the own block's call (contiguous split). The zigzag
+    layout gathers the same array, so that the facade's ``lax.cond`` between the two keeps
+    one residual for both branches (see the next test)."""
     eqns = _gradient_equations(
-        jaxpr_equations, 2, documents=True, strategy="all_gather", layout="contiguous",
+        jaxpr_equations, 2, documents=True, strategy="all_gather", layout=layout,
         implementation="triton",
     )  # fmt: skip
     gathers = [e for e in eqns if e.primitive.name == "all_gather"]
     assert len(gathers) == 2  # k and v as one array, and the kv ids
     assert sorted(e.invars[0].aval.shape[-1] for e in gathers)[-1] == 2 * H
+
+
+def test_the_facade_layout_branches_share_the_gathered_keys(jaxpr_equations):
+    """The facade's ``lax.cond`` between the contiguous and the zigzag layout (packed
+    documents) returns each branch's backward residuals; residuals of different shapes
+    each take a slot, which the other branch fills with zeros (two H200s: a 0.08 ms
+    broadcast and a copy, at 12f2d4a). Both branches gather k and v as one array: one
+    slot."""
+    from ejk_attention import flash_attention
+
+    n, t = 2, 32
+    mesh = _mesh(n)
+    q = jnp.zeros((B, t, N, H), jnp.bfloat16)
+    kv = jnp.zeros((B, t, K, H), jnp.bfloat16)
+    ids = jnp.asarray(np.repeat(np.arange(4), t // 4)[None], jnp.int32)
+
+    def loss(q, k, v):
+        out = flash_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=(ids, ids),
+            mesh=mesh,
+            in_specs=P(None, "sp"),
+            implementation="triton",
+        )  # fmt: skip  (grouped heads: the facade picks all-gather)
+        return jnp.sum(out.astype(jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+    conds = [e for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
+    gathered = [
+        v.aval.shape for e in conds for v in e.outvars if len(v.aval.shape) == 5
+    ]  # [n, B, S, K, ...]: the gathered blocks kept for the backward
+    assert gathered == [(n, B, t // n, K, 2 * H)], gathered
 
 
 def test_all_gather_joins_dk_and_dv_for_free():
@@ -362,7 +400,9 @@ def test_all_gather_joins_dk_and_dv_for_free():
             shape = [int(x) for x in found.group(1).split(",")]
             if int(found.group(2)) == len(shape) - 1 and shape[-1] == 2 * H:
                 joins.append(shape)
-    assert joins == [[B, 2 * 2 * CHUNK, K, 2 * H]]  # the call's [B, T, K, 2H], not [n, ...]
+    # the call's [B, T, K, 2H], and the device's k and v joined for the one all-gather
+    # (`gathers_kv_pair`, [B, T / n, K, 2H]); none of the gathered [n, ...] blocks
+    assert sorted(joins) == [[B, 2 * CHUNK, K, 2 * H], [B, 2 * 2 * CHUNK, K, 2 * H]], joins
     assert "reduce-scatter(" in hlo
 
 

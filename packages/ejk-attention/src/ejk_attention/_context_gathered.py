@@ -69,20 +69,27 @@ def _block_masks(cm: CallMasks) -> Any:
     )
 
 
-def _whole(layout: Layout, gathered: Any) -> tuple[Array, Array | None, Array | None]:
+def _whole(layout: Layout, gathered: Any) -> tuple[dict[str, Array | None], Array | None]:
+    """The gathered ``(k, v, ids)`` (or ``(pair, None, ids)``, `gathers_kv_pair`) in global
+    order: the kernels' key arguments (``k``, ``v``, or ``kv``), and the ids."""
     k, v, ids = gathered
     whole = lambda x: None if x is None else global_order(x, layout.kv_zigzag)
-    return whole(k), whole(v), whole(ids)
+    if v is None:
+        return {"k": None, "v": None, "kv": whole(k)}, whole(ids)
+    return {"k": whole(k), "v": whole(v)}, whole(ids)
 
 
-def gathers_kv_pair(layout: Layout, q_ids: Array | None) -> bool:
+def gathers_kv_pair(q_ids: Array | None) -> bool:
     """Whether all-gather moves k and v as one array ``[B, S, K, 2H]`` (each head's k
-    columns, then its v columns; the gathered blocks then ``(pair, None, ids)``): where
-    the forward runs the own block first (`own_block_first`). XLA keeps one collective in
-    flight, so the gathers of k and of v ran one after the other and only the second hid
-    behind the own call (two H200s, T = 65536, 16 documents: the first, 0.3 ms, exposed);
-    as one, the whole gather hides. The kernels read the pair in place (``kv=``)."""
-    return own_block_first(layout, q_ids)
+    columns, then its v columns; the gathered blocks then ``(pair, None, ids)``): with
+    documents, where the forward may run the own block first (`own_block_first`). XLA
+    keeps one collective in flight, so the gathers of k and of v ran one after the other
+    and only the second hid behind the own call (two H200s, T = 65536, 16 documents: the
+    first, 0.3 ms, exposed); as one, the whole gather hides. The kernels read the pair in
+    place (``kv=``). The zigzag layout takes it too: the facade's ``lax.cond`` between the
+    two layouts keeps the residuals of both branches, and residuals of different shapes
+    are each filled with zeros in the other branch (0.08 ms, and a copy)."""
+    return q_ids is not None
 
 
 def own_block_first(layout: Layout, q_ids: Array | None) -> bool:
@@ -103,9 +110,9 @@ def gathered_forward(
     own: tuple[Array, Array, Array | None],
 ) -> tuple[Array, Array]:
     """``(out, lse)`` of this device's rows: one call against the gathered ``(k, v, ids)``
-    (each stacked ``[n, B, S, ...]``; ids None without documents), or where
-    `own_block_first` (the gathered blocks then ``(k and v as one array, None, ids)``,
-    `gathers_kv_pair`), a call against the device's ``own`` ``(k, v, ids)``, which does
+    (each stacked ``[n, B, S, ...]``; ids None without documents; with documents k and v
+    as one array, ``(pair, None, ids)``, `gathers_kv_pair`), or where
+    `own_block_first`, a call against the device's ``own`` ``(k, v, ids)``, which does
     not wait for the gathers (one of them hides behind it: XLA keeps one collective in
     flight), and one against every other device's keys (the own block's ids made padding,
     so its blocks are skipped) resuming the first call's rows inside the kernel
@@ -116,9 +123,9 @@ def gathered_forward(
     masks = _block_masks(cm)
     q_offset = tuple(layout.offsets(me, layout.q_len))
     if not own_block_first(layout, q_ids):
-        k, v, kv_ids = _whole(layout, gathered)
+        keys, kv_ids = _whole(layout, gathered)
         return block_forward(
-            masks, q, k, v, q_offset=q_offset,
+            masks, q, **keys, q_offset=q_offset,
             segment_ids=None if q_ids is None else (q_ids, kv_ids),
         )  # fmt: skip
     own_k, own_v, own_ids = own
@@ -126,13 +133,12 @@ def gathered_forward(
         masks, q, own_k, own_v, q_offset=q_offset,
         k_offset=layout.offsets(me, layout.kv_len)[0], segment_ids=(q_ids, own_ids),
     )  # fmt: skip
-    pair, _, ids = gathered  # (`gathers_kv_pair`)
+    k, v, ids = gathered
     others = jax.lax.dynamic_update_index_in_dim(ids, jnp.full_like(own_ids, -1), me, axis=0)
-    pair, _, kv_ids = _whole(layout, (pair, None, others))
+    keys, kv_ids = _whole(layout, (k, v, others))
     return block_forward(
-        masks, q, None, None, kv=pair, q_offset=q_offset, segment_ids=(q_ids, kv_ids),
-        resume=first,
-    )  # fmt: skip
+        masks, q, **keys, q_offset=q_offset, segment_ids=(q_ids, kv_ids), resume=first
+    )
 
 
 def gathered_backward(
@@ -147,21 +153,18 @@ def gathered_backward(
 
     q, _, _, q_ids, _, out, lse = res
     d_out, d_lse = cts
-    k, v, kv_ids = _whole(layout, gathered)
-    pair = k if v is None else None  # k and v gathered as one array (`gathers_kv_pair`)
+    keys, kv_ids = _whole(layout, gathered)
     dq, dkv = block_backward(
         _block_masks(cm),
         q,
-        None if pair is not None else k,
-        v,
-        out,
-        lse,
-        d_out,
-        d_lse,
+        out=out,
+        lse=lse,
+        d_out=d_out,
+        d_lse=d_lse,
         q_offset=tuple(layout.offsets(me, layout.q_len)),
         segment_ids=None if q_ids is None else (q_ids, kv_ids),
         joint_dkdv=True,
-        kv=pair,
+        **keys,
     )
     dkv = device_blocks(dkv, layout.size, layout.kv_zigzag)
     head_dim = q.shape[-1]

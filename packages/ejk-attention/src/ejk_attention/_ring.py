@@ -406,12 +406,8 @@ def _send_home(st: _Ring, share: Any, dtypes: Any, step: int, size: int) -> Any:
 def _placed_forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[tuple[Array, Array], Any]:
     """``((out, lse), gathered)``: the forward and, with all-gather, every device's
     ``(k, v, kv_ids)`` it read."""
-    size = _ring_size(st.axis_name)
-    one_call = st.strategy == "all_gather" and _gathers_in_one_call(
-        st.strategy, st.masks.kernels, st.masks.dropout_rate
-    )
-    pair = one_call and gathers_kv_pair(_layout(st, Placement(None, size), q, k), q_ids)
-    where = _placement(st, (k, v, kv_ids), pair)
+    one_call = _gathers_in_one_call(st.strategy, st.masks.kernels, st.masks.dropout_rate)
+    where = _placement(st, (k, v, kv_ids), pair=one_call and gathers_kv_pair(q_ids))
     return device_forward(st, q, k, v, q_ids, kv_ids, where, drop), where.gathered
 
 

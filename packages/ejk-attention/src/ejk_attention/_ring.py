@@ -223,10 +223,12 @@ def _gathers_in_one_call(strategy: str, kernels: bool, dropout_rate: float) -> b
     return strategy == "all_gather" and kernels and dropout_rate == 0.0
 
 
+def _runs_one_call(st: _Ring) -> bool:
+    return _gathers_in_one_call(st.strategy, st.masks.kernels, st.masks.dropout_rate)
+
+
 def _one_call(st: _Ring, where: Placement) -> bool:
-    return where.gathered is not None and _gathers_in_one_call(
-        st.strategy, st.masks.kernels, st.masks.dropout_rate
-    )
+    return where.gathered is not None and _runs_one_call(st)
 
 
 def device_forward(
@@ -405,9 +407,9 @@ def _send_home(st: _Ring, share: Any, dtypes: Any, step: int, size: int) -> Any:
 
 def _placed_forward(st: _Ring, q, k, v, q_ids, kv_ids, drop) -> tuple[tuple[Array, Array], Any]:
     """``((out, lse), gathered)``: the forward and, with all-gather, every device's
-    ``(k, v, kv_ids)`` it read."""
-    one_call = _gathers_in_one_call(st.strategy, st.masks.kernels, st.masks.dropout_rate)
-    where = _placement(st, (k, v, kv_ids), pair=one_call and gathers_kv_pair(q_ids))
+    ``(k, v, kv_ids)`` it read (k and v as one array, ``(pair, None, kv_ids)``, where the
+    kernels' one call serves documents: `gathers_kv_pair`)."""
+    where = _placement(st, (k, v, kv_ids), pair=_runs_one_call(st) and gathers_kv_pair(q_ids))
     return device_forward(st, q, k, v, q_ids, kv_ids, where, drop), where.gathered
 
 

@@ -113,11 +113,10 @@ def gathered_forward(
     (each stacked ``[n, B, S, ...]``; ids None without documents; with documents k and v
     as one array, ``(pair, None, ids)``, `gathers_kv_pair`), or where
     `own_block_first`, a call against the device's ``own`` ``(k, v, ids)``, which does
-    not wait for the gathers (one of them hides behind it: XLA keeps one collective in
-    flight), and one against every other device's keys (the own block's ids made padding,
-    so its blocks are skipped) resuming the first call's rows inside the kernel
-    (`block_forward`'s ``resume``): no merge pass, and tiles of rows whose documents start
-    in the own block write nothing."""
+    not wait for the gather (it hides behind the call), and one against every other
+    device's keys (the own block's ids made padding, so its blocks are skipped) resuming
+    the first call's rows inside the kernel (`block_forward`'s ``resume``): no merge pass,
+    and tiles of rows whose documents start in the own block write nothing."""
     from ejk_kernels_gpu._context import block_forward
 
     masks = _block_masks(cm)

@@ -12,6 +12,11 @@ without the transfers. Target: time(device) <= 1.1 * time(unsharded) / n.
 ``--check`` first compares, at a small size, every device's outputs and gradients
 (assembled over the devices and laid back out of the zigzag) with the float32 reference.
 
+``--layout contiguous``: the facade's layout for packed documents shorter than a shard
+(`_context_sharding`): queries and keys in the contiguous split, all-gather running the
+own block first and gathering k and v as one array (`_context_gathered`). Issue 19's
+target is stated for the zigzag layout (the default).
+
 Usage (GPU):  python packages/ejk-attention/benchmarks/bench_context.py --out bench.json
 """
 
@@ -54,15 +59,16 @@ def _documents(t: int) -> jax.Array:
     return jnp.asarray(np.repeat(np.arange(DOCS), t // DOCS)[None], jnp.int32)
 
 
-def _keys_zigzag(strategy: str) -> bool:
+def _keys_zigzag(strategy: str, layout: str = "zigzag") -> bool:
     """The facade's key layout: all-gather's one call keeps keys in the contiguous split."""
-    return strategy != "all_gather"
+    return strategy != "all_gather" and layout == "zigzag"
 
 
-def _options(strategy: str, kernels: bool = True) -> _Ring:
+def _options(strategy: str, kernels: bool = True, layout: str = "zigzag") -> _Ring:
     masks = CallMasks(scale=H**-0.5, causal=True, window=None, soft_cap=None, kernels=kernels)
-    kv_zigzag = None if _keys_zigzag(strategy) else False
-    return _Ring(axis_name=None, masks=masks, strategy=strategy, zigzag=True, kv_zigzag=kv_zigzag)
+    zigzag = layout == "zigzag"
+    kv_zigzag = None if _keys_zigzag(strategy, layout) or not zigzag else False
+    return _Ring(axis_name=None, masks=masks, strategy=strategy, zigzag=zigzag, kv_zigzag=kv_zigzag)
 
 
 def _blocks(x: jax.Array | None, n: int, zigzag: bool = True):
@@ -74,15 +80,23 @@ def _blocks(x: jax.Array | None, n: int, zigzag: bool = True):
     return jnp.stack(jnp.split(z, n, axis=1))
 
 
-def _device_blocks(strategy: str, n: int, q, k, v, ids, d_out) -> dict:
+def _device_blocks(strategy: str, n: int, q, k, v, ids, d_out, layout: str = "zigzag") -> dict:
     """Every device's blocks as the facade lays them out for ``strategy``: queries (and
-    their ids, d_out) zigzag; keys, values and kv ids zigzag or contiguous."""
-    kz = _keys_zigzag(strategy)
+    their ids, d_out) zigzag (or contiguous); keys, values and kv ids zigzag or contiguous,
+    and gathered as the forward gathers them (all-gather's one call with documents: k and
+    v as one array, `gathers_kv_pair`)."""
+    kz = _keys_zigzag(strategy, layout)
+    qz = layout == "zigzag"
+    kv = tuple(_blocks(x, n, kz) for x in (k, v, ids))
+    gathered = kv
+    if strategy == "all_gather" and ids is not None:
+        gathered = (_blocks(jnp.concatenate([k, v], axis=-1), n, kz), None, kv[2])
     return {
-        "q": _blocks(q, n),
-        "q_ids": _blocks(ids, n),
-        "d_out": _blocks(d_out, n),
-        "kv": tuple(_blocks(x, n, kz) for x in (k, v, ids)),
+        "q": _blocks(q, n, qz),
+        "q_ids": _blocks(ids, n, qz),
+        "d_out": _blocks(d_out, n, qz),
+        "kv": kv,
+        "gathered": gathered,
     }
 
 
@@ -94,14 +108,14 @@ def _own(blocks: dict, d: int) -> tuple:
     return tuple(None if x is None else jnp.array(x[d]) for x in parts)
 
 
-def device_work(n: int, d: int, with_bwd: bool, strategy: str):
+def device_work(n: int, d: int, with_bwd: bool, strategy: str, layout: str = "zigzag"):
     """The jitted work of device ``d`` of an n-way zigzag layout (``me`` traced): the
     ring's steps, or all-gather's one call against the whole sequence. Called with the
     device's own blocks ``(q, k, v, q_ids, kv_ids)`` as arrays of their own (as a device
     holds them; slicing them out of the stack inside would time a copy no device makes),
     every device's ``(k, v, kv_ids)`` stacked, ``me`` and, with the backward, the
     device's d_out."""
-    st = _options(strategy)
+    st = _options(strategy, layout=layout)
 
     def fwd(own, gathered, me):
         q, k, v, q_ids, kv_ids = own
@@ -135,26 +149,31 @@ def unsharded(with_bwd: bool):
     return jax.jit(fwd_bwd if with_bwd else fwd)
 
 
-def check(t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16) -> dict:
+def check(
+    t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16, layout: str = "zigzag"
+) -> dict:
     """Every device's work assembled against the float32 reference: max relative errors."""
     q, k, v, d_out = _inputs(t, dtype, seed=1)
     ids = _documents(t) if with_docs else None
-    blocks = _device_blocks(strategy, n, q, k, v, ids, d_out)
+    blocks = _device_blocks(strategy, n, q, k, v, ids, d_out, layout)
     outs, lses, dqs = [], [], []
     dk = dv = 0.0
     for d in range(n):
         own = _own(blocks, d)
-        out, lse = device_work(n, d, False, strategy)(own, blocks["kv"], jnp.int32(d))
-        dq, *dkv = device_work(n, d, True, strategy)(
-            own, blocks["kv"], jnp.int32(d), blocks["d_out"][d]
+        out, lse = device_work(n, d, False, strategy, layout)(own, blocks["gathered"], jnp.int32(d))
+        dq, *dkv = device_work(n, d, True, strategy, layout)(
+            own, blocks["gathered"], jnp.int32(d), blocks["d_out"][d]
         )
         dk_d, dv_d = jnp.split(dkv[0], 2, axis=-1) if len(dkv) == 1 else dkv
         outs.append(out)
         lses.append(lse)
         dqs.append(dq)
         dk, dv = dk + dk_d, dv + dv_d
-    unlay = lambda parts, axis=1: from_zigzag(jnp.concatenate(parts, axis), n, axis=axis)
-    unlay_kv = unlay if _keys_zigzag(strategy) else (lambda parts: jnp.concatenate(parts, 1))
+    joined = lambda parts, axis=1: jnp.concatenate(parts, axis)
+    unlay = joined
+    if layout == "zigzag":
+        unlay = lambda parts, axis=1: from_zigzag(joined(parts, axis), n, axis=axis)
+    unlay_kv = unlay if _keys_zigzag(strategy, layout) else joined
     got = {
         "out": unlay(outs),
         "lse": unlay(lses, 2),
@@ -170,7 +189,8 @@ def check(t: int, n: int, with_docs: bool, strategy: str, dtype=jnp.bfloat16) ->
     (want_out, want_lse), vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
     dq_w, dk_w, dv_w = vjp((f32(d_out), jnp.zeros_like(want_lse)))
     want = {"out": want_out, "lse": want_lse, "dq": dq_w, "dk": dk_w, "dv": dv_w}
-    row = {"t": t, "n": n, "docs": with_docs, "strategy": strategy, "dtype": jnp.dtype(dtype).name}
+    row = {"t": t, "n": n, "docs": with_docs, "strategy": strategy, "layout": layout}
+    row["dtype"] = jnp.dtype(dtype).name
     ok = True
     for name, w in want.items():
         g = f32(got[name])
@@ -189,6 +209,7 @@ def bench(
     strategies: tuple[str, ...],
     rounds: int,
     reps: int,
+    layout: str = "zigzag",
 ) -> list[dict]:
     q, k, v, d_out = _inputs(t, jnp.bfloat16)
     ids = _documents(t) if with_docs else None
@@ -200,12 +221,13 @@ def bench(
         )
         for n in ns:
             for strategy in strategies:
-                blocks = _device_blocks(strategy, n, q, k, v, ids, d_out)
+                blocks = _device_blocks(strategy, n, q, k, v, ids, d_out, layout)
                 for d in sorted({0, n - 1}):
                     cot = (blocks["d_out"][d],) if with_bwd else ()
-                    args = (_own(blocks, d), blocks["kv"], jnp.int32(d), *cot)
+                    args = (_own(blocks, d), blocks["gathered"], jnp.int32(d), *cot)
                     row = {"impl": strategy, "n": n, "device": d, "bwd": with_bwd}
-                    contenders.append((row, device_work(n, d, with_bwd, strategy), args))
+                    work = device_work(n, d, with_bwd, strategy, layout)
+                    contenders.append((row, work, args))
     for _, fn, args in contenders:  # compile and warm up
         jax.block_until_ready(fn(*args))
     times = [[] for _ in contenders]
@@ -214,7 +236,7 @@ def bench(
             times[i].append(seconds_per_call(fn, *args, reps=reps))
     rows = []
     for (row, _, _), ts in zip(contenders, times, strict=True):
-        rows.append(dict(row, t=t, docs=with_docs, ms=float(np.median(ts)) * 1e3))
+        rows.append(dict(row, t=t, docs=with_docs, layout=layout, ms=float(np.median(ts)) * 1e3))
     for row in rows:
         base = next(r for r in rows if r["impl"] == "unsharded" and r["bwd"] == row["bwd"])
         row["ratio_to_ideal"] = row["ms"] / (base["ms"] / row["n"])
@@ -233,6 +255,12 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="check numerics first")
     parser.add_argument(
         "--documents", choices=("both", "no", "yes"), default="both", help="16 packed documents"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("zigzag", "contiguous"),
+        default="zigzag",
+        help="the queries' split (contiguous: the facade's for short documents)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -263,7 +291,7 @@ def main() -> None:
 
     if args.check:
         for with_docs, n, strategy in itertools.product((False, True), (2, 4), args.strategy):
-            row = check(2048, n, with_docs, strategy)
+            row = check(2048, n, with_docs, strategy, layout=args.layout)
             print("check", row, flush=True)
             result["checks"].append(row)
             save()
@@ -272,8 +300,9 @@ def main() -> None:
         for with_docs in docs:
             start = time.perf_counter()
             rows = bench(
-                t, tuple(args.ring), with_docs, tuple(args.strategy), args.rounds, args.reps
-            )
+                t, tuple(args.ring), with_docs, tuple(args.strategy), args.rounds, args.reps,
+                layout=args.layout,
+            )  # fmt: skip
             for row in rows:
                 print(
                     f"T={t:6d} docs={with_docs!s:5} {'fwd+bwd' if row['bwd'] else 'fwd    '} "

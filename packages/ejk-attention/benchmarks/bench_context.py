@@ -9,6 +9,19 @@ run exactly the steps device ``d`` would (its index passed as a traced argument,
 ``lax.switch`` of each step is taken at run time as on the ring), back to back in one jit,
 without the transfers. Target: time(device) <= 1.1 * time(unsharded) / n.
 
+Each row has two times. ``ms``: wall time per call over ``--reps`` calls with one sync, as
+a model's step sees it; with short calls (a device's share of a call with documents takes
+0.3 ms) the latency before the first call's first kernel weighs on it (one H200, T = 32768,
+16 documents, n = 4: forward 1.35x the share at 10 calls, 1.14x at 40). ``gpu_ms``: the GPU's
+span per call over ``--trace-calls`` calls back to back in a profiler trace, first kernel's
+start to last kernel's end (the gaps between kernels within and between calls included, the
+host's lead before the first not): the device's work, which the target's ratio is read on
+(``gpu_ratio_to_ideal``). A device's rows run ``n`` times as many calls as the unsharded
+one, so that both keep the GPU busy about as long: under sustained load the card slows (the
+unsharded forward at T = 65536 took 4.09 ms a call over 20 calls, 3.93 over 10 by the wall
+clock), which would flatter the shorter calls. Runs of the rows before 2026-11-28's twenty-third session report
+``ms`` only.
+
 ``--check`` first compares, at a small size, every device's outputs and gradients
 (assembled over the devices and laid back out of the zigzag) with the float32 reference.
 
@@ -28,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +54,7 @@ sys.path.insert(0, str(_KERNEL_BENCH))
 
 from _timing import seconds_per_call  # noqa: E402
 from gpu_conformance import run_info  # noqa: E402
+from multi_gpu_context_check import summarize_trace  # noqa: E402
 
 from ejk_attention._context_calls import CallMasks  # noqa: E402
 from ejk_attention._ring import Placement, _Ring, device_backward, device_forward  # noqa: E402
@@ -202,6 +217,24 @@ def check(
     return row
 
 
+def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float]:
+    """(span, busy) in ms per call of ``calls`` calls of ``fn`` run back to back under a
+    profiler trace: the first kernel's start to the last one's end on the GPU, and the time
+    kernels ran (`summarize_trace`)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as where:
+        with jax.profiler.trace(where):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        summary = summarize_trace(Path(where))
+    gpus = summary.get("gpus") or {}
+    if not gpus:  # (no GPU kernels in the trace: a CPU run)
+        return float("nan"), float("nan")
+    gpu = gpus[min(gpus)]
+    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls
+
+
 def bench(
     t: int,
     ns: tuple[int, ...],
@@ -210,6 +243,7 @@ def bench(
     rounds: int,
     reps: int,
     layout: str = "zigzag",
+    trace_calls: int = 20,
 ) -> list[dict]:
     q, k, v, d_out = _inputs(t, jnp.bfloat16)
     ids = _documents(t) if with_docs else None
@@ -235,11 +269,18 @@ def bench(
         for i, (_, fn, args) in enumerate(contenders):
             times[i].append(seconds_per_call(fn, *args, reps=reps))
     rows = []
-    for (row, _, _), ts in zip(contenders, times, strict=True):
-        rows.append(dict(row, t=t, docs=with_docs, layout=layout, ms=float(np.median(ts)) * 1e3))
+    for (row, fn, args), ts in zip(contenders, times, strict=True):
+        calls = trace_calls * row["n"]  # (as long busy as the unsharded call's)
+        span, busy = gpu_span_ms(fn, args, calls) if trace_calls else (None, None)
+        rows.append(
+            dict(row, t=t, docs=with_docs, layout=layout, ms=float(np.median(ts)) * 1e3,
+                 gpu_ms=span, gpu_busy_ms=busy)
+        )  # fmt: skip
     for row in rows:
         base = next(r for r in rows if r["impl"] == "unsharded" and r["bwd"] == row["bwd"])
         row["ratio_to_ideal"] = row["ms"] / (base["ms"] / row["n"])
+        if trace_calls:
+            row["gpu_ratio_to_ideal"] = row["gpu_ms"] / (base["gpu_ms"] / row["n"])
     return rows
 
 
@@ -251,6 +292,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--strategy", nargs="+", choices=("ring", "all_gather"), default=["ring", "all_gather"]
+    )
+    parser.add_argument(
+        "--trace-calls",
+        type=int,
+        default=20,
+        help="unsharded calls per trace for gpu_ms, n times as many for n devices (0: none)",
     )
     parser.add_argument("--check", action="store_true", help="check numerics first")
     parser.add_argument(
@@ -301,13 +348,16 @@ def main() -> None:
             start = time.perf_counter()
             rows = bench(
                 t, tuple(args.ring), with_docs, tuple(args.strategy), args.rounds, args.reps,
-                layout=args.layout,
+                layout=args.layout, trace_calls=args.trace_calls,
             )  # fmt: skip
             for row in rows:
+                gpu = ""
+                if args.trace_calls:
+                    gpu = f"  GPU {row['gpu_ms']:8.3f} ms  ratio {row['gpu_ratio_to_ideal']:.3f}"
                 print(
                     f"T={t:6d} docs={with_docs!s:5} {'fwd+bwd' if row['bwd'] else 'fwd    '} "
                     f"{row['impl']:10s} n={row['n']} dev={row.get('device', '-')}: "
-                    f"{row['ms']:8.2f} ms  ratio to 1/n = {row['ratio_to_ideal']:.3f}",
+                    f"{row['ms']:8.3f} ms  ratio to 1/n = {row['ratio_to_ideal']:.3f}{gpu}",
                     flush=True,
                 )
             result["rows"].extend(rows)

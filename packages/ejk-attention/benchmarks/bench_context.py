@@ -17,10 +17,11 @@ span per call over ``--trace-calls`` calls back to back in a profiler trace, fir
 start to last kernel's end (the gaps between kernels within and between calls included, the
 host's lead before the first not): the device's work, which the target's ratio is read on
 (``gpu_ratio_to_ideal``). A device's rows run ``n`` times as many calls as the unsharded
-one, so that both keep the GPU busy about as long: under sustained load the card slows (the
-unsharded forward at T = 65536 took 4.09 ms a call over 20 calls, 3.93 over 10 by the wall
-clock), which would flatter the shorter calls. Runs of the rows before 2026-11-28's twenty-third session report
-``ms`` only.
+one, so that both keep the GPU busy about as long: under sustained load the card can slow
+(one H200: the unsharded f+b at T = 32768 took 5.24 ms a call over 10 calls, 5.50 by the
+slope to 40; in one run the forward at T = 65536 took 4.09 ms a call over 20 traced calls
+against 3.93 over 10 by the wall clock), which would flatter the shorter calls. Runs before
+2026-11-28's twenty-third session report ``ms`` only.
 
 ``--check`` first compares, at a small size, every device's outputs and gradients
 (assembled over the devices and laid back out of the zigzag) with the float32 reference.

@@ -181,6 +181,9 @@ def _shared_bytes(
     score tile of layout conversions (AOT-measured: 35 KiB at 128x128 in the forward);
     that scratch and the dq tile's are counted as one, plus 4 KiB (AOT-measured at
     128x64x3 with TMA reduces of dq: 209 KiB plain, 214 KiB with every side input).
+    With atomic dq, 32 query rows a step and a pipelined loop the build holds a second
+    float32 dq-sized tile (AOT-measured at head_dim 128 and 256: 12.5-29 KiB above the
+    rest of this estimate; at 64x32x3, head_dim 256, 229 KiB against 200 estimated: past the limit).
     """
     d = head_block(head_dim)
     stages = max(cfg.num_stages, 1)
@@ -194,6 +197,8 @@ def _shared_bytes(
     if kind == "dkdv" and cfg.atomic_dq:
         resident += cfg.block_q * cfg.block_k
         extra = max(extra, cfg.block_k * d * 4) + 4096
+        if stages > 1 and cfg.block_k < 64:
+            extra += cfg.block_k * d * 4
     return (resident + stages * streamed) * itemsize + extra
 
 

@@ -183,7 +183,10 @@ def _shared_bytes(
     128x64x3 with TMA reduces of dq: 209 KiB plain, 214 KiB with every side input).
     With atomic dq, 32 query rows a step and a pipelined loop the build holds a second
     float32 dq-sized tile (AOT-measured at head_dim 128 and 256: 12.5-29 KiB above the
-    rest of this estimate; at 64x32x3, head_dim 256, 229 KiB against 200 estimated: past the limit).
+    rest of this estimate; at 64x32x3, head_dim 256, 229 KiB against 200 estimated: past
+    the limit), counted once here. The estimate stays below some builds far from the
+    limit (128 resident keys at head_dim 128: 168.5 KiB against 156) and, unpipelined, near
+    it (128x32x1 atomic at head_dim 256: 224 KiB against 204, which fits).
     """
     d = head_block(head_dim)
     stages = max(cfg.num_stages, 1)

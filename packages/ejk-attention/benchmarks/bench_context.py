@@ -16,7 +16,10 @@ a model's step sees it; with short calls (a device's share of a call with docume
 span per call over ``--trace-calls`` calls back to back in a profiler trace, first kernel's
 start to last kernel's end (the gaps between kernels within and between calls included, the
 host's lead before the first not): the device's work, which the target's ratio is read on
-(``gpu_ratio_to_ideal``). A device's rows run ``n`` times as many calls as the unsharded
+(``gpu_ratio_to_ideal``). One trace a round, interleaved with the other rows' as the
+wall-clock rounds are: the median round's span, every round's in ``gpu_ms_rounds``, and
+that round's longest kernels in ``gpu_kernels_ms`` (since the twenty-fourth session; before,
+one trace after the rounds). A device's rows run ``n`` times as many calls as the unsharded
 one, so that both keep the GPU busy about as long: under sustained load the card can slow
 (one H200: the unsharded f+b at T = 32768 took 5.24 ms a call over 10 calls, 5.50 by the
 slope to 40; in one run the forward at T = 65536 took 4.09 ms a call over 20 traced calls
@@ -218,10 +221,10 @@ def check(
     return row
 
 
-def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float]:
-    """(span, busy) in ms per call of ``calls`` calls of ``fn`` run back to back under a
-    profiler trace: the first kernel's start to the last one's end on the GPU, and the time
-    kernels ran (`summarize_trace`)."""
+def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float, dict[str, float]]:
+    """(span, busy, kernels) in ms per call of ``calls`` calls of ``fn`` run back to back
+    under a profiler trace: the first kernel's start to the last one's end on the GPU, the
+    time kernels ran, and the kernels that took longest, by name (`summarize_trace`)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as where:
         with jax.profiler.trace(where):
@@ -231,9 +234,10 @@ def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float]:
         summary = summarize_trace(Path(where))
     gpus = summary.get("gpus") or {}
     if not gpus:  # (no GPU kernels in the trace: a CPU run)
-        return float("nan"), float("nan")
+        return float("nan"), float("nan"), {}
     gpu = gpus[min(gpus)]
-    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls
+    kernels = {name: ms / calls for name, ms in gpu["top_kernels_ms"].items()}
+    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls, kernels
 
 
 def bench(
@@ -266,16 +270,21 @@ def bench(
     for _, fn, args in contenders:  # compile and warm up
         jax.block_until_ready(fn(*args))
     times = [[] for _ in contenders]
+    spans = [[] for _ in contenders]  # (span, busy, kernels) of each round's trace
     for _ in range(rounds):
-        for i, (_, fn, args) in enumerate(contenders):
+        for i, (row, fn, args) in enumerate(contenders):
             times[i].append(seconds_per_call(fn, *args, reps=reps))
+            if trace_calls:  # (n times the calls: as long busy as the unsharded call's)
+                spans[i].append(gpu_span_ms(fn, args, trace_calls * row["n"]))
     rows = []
-    for (row, fn, args), ts in zip(contenders, times, strict=True):
-        calls = trace_calls * row["n"]  # (as long busy as the unsharded call's)
-        span, busy = gpu_span_ms(fn, args, calls) if trace_calls else (None, None)
+    for (row, _, _), ts, sp in zip(contenders, times, spans, strict=True):
+        span = busy = kernels = None
+        if sp:  # the median round's (the upper middle of an even count)
+            span, busy, kernels = sorted(sp, key=lambda x: x[0])[len(sp) // 2]
         rows.append(
             dict(row, t=t, docs=with_docs, layout=layout, ms=float(np.median(ts)) * 1e3,
-                 gpu_ms=span, gpu_busy_ms=busy)
+                 gpu_ms=span, gpu_busy_ms=busy, gpu_ms_rounds=[x[0] for x in sp],
+                 gpu_kernels_ms=kernels)
         )  # fmt: skip
     for row in rows:
         base = next(r for r in rows if r["impl"] == "unsharded" and r["bwd"] == row["bwd"])

@@ -11,6 +11,9 @@ their tiles in the grid's order (each group's heaviest first) or, with ``ORDERED
 launch's (`_schedule.launch_order`, `program_tile`): a few groups at a time, the heaviest
 first.
 
+- a program whose keys no query block sees (by the block table) stores zeros as their dk
+  and dv and ends, before it builds descriptors, barriers or warp partitions (in context
+  parallelism's all-gather call, most programs at n = 4; `store_zero_dkdv`);
 - a producer warp copies the program's k and v once (not at all for keys no query block
   sees: their dk and dv are zeros), then q and dO of each visited query block into a
   ring of ``STAGES`` slots by TMA (``ready``: the copy landed; ``empty``: both consumers
@@ -155,6 +158,28 @@ def store_dkdv(dk, dv, bufs, dests, coord):
     tma.async_copy_shared_to_global(dk_desc, coord, k_buf)
     tma.async_copy_shared_to_global(dv_desc, coord, v_buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def store_zero_dkdv(dests, b, kh, pid_n, S: gl.constexpr, K: gl.constexpr, H: gl.constexpr,
+                    BN: gl.constexpr, JOINT: gl.constexpr):  # fmt: skip
+    """Zeros as dk and dv of keys ``pid_n·BN ..`` (clipped at S) of batch ``b``, kv head
+    ``kh``, by plain stores: what a program whose keys no query block sees writes, before
+    it would build descriptors, barriers and warp partitions. ``dests``: dk's and dv's
+    pointers ([B, S, K, H] each; with ``JOINT`` dk's [B, S, K, 2H] holds both)."""
+    dk_ptr, dv_ptr = dests
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, layout)), 1)
+    cols = gl.expand_dims(gl.arange(0, H, layout=gl.SliceLayout(0, layout)), 0)
+    width: gl.constexpr = 2 * H if JOINT else H
+    at = ((b.to(gl.int64) * S + rows) * K + kh) * width + cols
+    keep = (rows < S) & (cols < H)
+    zeros = gl.zeros([BN, H], dk_ptr.dtype.element_ty, layout)
+    gl.store(dk_ptr + at, zeros, mask=keep)
+    if JOINT:
+        gl.store(dk_ptr + H + at, zeros, mask=keep)
+    else:
+        gl.store(dv_ptr + at, zeros, mask=keep)
 
 
 @gluon.jit
@@ -353,6 +378,12 @@ def gluon_dkdv_kernel(
     pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
+    if F.TABLE:
+        first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
+        if end <= first:  # no query block sees these keys (in context parallelism's
+            # all-gather call, at n = 4 three programs in four): zeros, and nothing else
+            store_zero_dkdv((dk_ptr, dv_ptr), b, kh, pid_n, S, K, H, BN, JOINT)
+            return
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

@@ -33,6 +33,7 @@ from ._gluon_backward_kernel import (
     program_tile,
     query_blocks,
     store_dkdv,
+    store_zero_dkdv,
 )
 from ._gluon_common import barriers, pair_descriptors, ring_slot, token_info, wgmma_layout
 
@@ -200,6 +201,11 @@ def gluon_dkdv_wide_kernel(
     pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
+    if F.TABLE:
+        first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
+        if end <= first:  # no query block sees these keys (`gluon_dkdv_kernel`)
+            store_zero_dkdv((dk_ptr, dv_ptr), b, kh, pid_n, S, K, H, BN, JOINT)
+            return
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     # q and dO: every (batch, row) by every (head, column), T on whole tiles; k, v, dk, dv:

@@ -125,10 +125,11 @@ def _rel(x, ref):
     return float(jnp.linalg.norm(x - ref) / (jnp.linalg.norm(ref) + 1e-30))
 
 
-def _documents(rng, batch, length, repeat):
-    """Segment ids [batch, length]: documents 0, 1, ... of 100-400 tokens, 7 padding tokens
-    (-1) at the end; ``repeat``: the last document reuses id 0 (a separate run)."""
-    return random_document_ids(rng, batch, length, min_len=100, max_len=400, padding=7,
+def _documents(rng, batch, length, repeat, padding=7):
+    """Segment ids [batch, length]: documents 0, 1, ... of 100-400 tokens, ``padding``
+    padding tokens (-1) at the end; ``repeat``: the last document reuses id 0 (a separate
+    run)."""
+    return random_document_ids(rng, batch, length, min_len=100, max_len=400, padding=padding,
                                repeat=repeat)  # fmt: skip
 
 
@@ -157,7 +158,10 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         kw["segment_ids"] = ids
     documents = kw.pop("documents", False)
     if documents:  # runs of 100-400 tokens (longer than the tiles), padding at the end
-        kw["segment_ids"] = jnp.asarray(_documents(rng, B, T, repeat=documents == "repeat"))
+        # ("padded": 300 tokens of it, whole key blocks no row sees)
+        padding = 300 if documents == "padded" else 7
+        ids = _documents(rng, B, T, repeat=documents == "repeat", padding=padding)
+        kw["segment_ids"] = jnp.asarray(ids)
     if kw.pop("packed", False):
         cuts = np.sort(rng.choice(np.arange(1, T), size=6, replace=False))
         cu = np.r_[0, cuts, cuts[-1], T - 5].astype(np.int32)  # one empty sequence, padding
@@ -379,6 +383,10 @@ CASES = [
     # block load no k or v and store zeros, at head_dim 128 (dq inside) and 256.
     ("gluon bwd causal keys past the rows mha", 2, 1024, 2048, 8, 8, 128, GG, dict(causal=True)),
     ("gluon bwd h256 causal keys past the rows", 1, 1024, 2048, 8, 4, 256, GG, dict(causal=True)),
+    # Key blocks of padding alone (300 tokens at the end): by the block table no query block
+    # sees them, and their Gluon dk/dv programs store zeros and end first (`store_zero_dkdv`).
+    ("gluon bwd documents padded tail h128", 2, 1024, 1024, 8, 2, 128, GG, dict(documents="padded", causal=True)),
+    ("gluon bwd h256 documents padded tail fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents="padded", dtype=jnp.float16)),
 ]  # fmt: skip
 
 

@@ -380,7 +380,7 @@ CASES = [
     ("gluon bwd h256 documents fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents=True, dtype=jnp.float16)),
     ("gluon bwd h256 window softcap sinks", 1, 2048, 2048, 8, 8, 256, GG, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, sinks=True)),
     # Keys no query row sees (causal, S > T): the Gluon dk/dv programs that visit no query
-    # block load no k or v and store zeros, at head_dim 128 (dq inside) and 256.
+    # block store zeros and end first (`store_zero_dkdv`), at head_dim 128 (dq inside) and 256.
     ("gluon bwd causal keys past the rows mha", 2, 1024, 2048, 8, 8, 128, GG, dict(causal=True)),
     ("gluon bwd h256 causal keys past the rows", 1, 1024, 2048, 8, 4, 256, GG, dict(causal=True)),
     # Key blocks of padding alone (300 tokens at the end): by the block table no query block

@@ -11,11 +11,10 @@ their tiles in the grid's order (each group's heaviest first) or, with ``ORDERED
 launch's (`_schedule.launch_order`, `program_tile`): a few groups at a time, the heaviest
 first.
 
-- a program whose keys no query block sees (by the block table) stores zeros as their dk
-  and dv and ends, before it builds descriptors, barriers or warp partitions (in context
-  parallelism's all-gather call, most programs at n = 4; `store_zero_dkdv`);
-- a producer warp copies the program's k and v once (not at all for keys no query block
-  sees: their dk and dv are zeros), then q and dO of each visited query block into a
+- a program whose keys no query block sees stores zeros as their dk and dv and ends,
+  before it builds descriptors, barriers or warp partitions (causal keys past the rows;
+  in context parallelism's all-gather call, most programs at n = 4; `store_zero_dkdv`);
+- a producer warp copies the program's k and v once, then q and dO of each visited query block into a
   ring of ``STAGES`` slots by TMA (``ready``: the copy landed; ``empty``: both consumers
   are done with the slot);
 - two consumer warpgroups own 64 keys each. Per query block they issue ``Sᵀ = k·qᵀ``
@@ -190,13 +189,12 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     kv_ready, ready, empty = bars[:3]
     HALF: gl.constexpr = F.BN // 2
     first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
-    steps = end - first
-    if steps > 0:  # keys no row sees (dk = dv = 0) need no k or v: see `_consumer`
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-        for c in gl.static_range(2):
-            key = pid_n * F.BN + c * HALF
-            tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
-            tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
+    steps = end - first  # (at least one: programs without are done in `gluon_dkdv_kernel`)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        key = pid_n * F.BN + c * HALF
+        tma.async_copy_global_to_shared(k_desc, [key, 0], kv_ready, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [key, 0], kv_ready, v_smem.index(c))
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -279,9 +277,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     key_info = token_info(keys, F.S, b, key_tabs, F, -2)  # what the masks read per key
     cols = gl.arange(0, F.BM, layout=col_layout)
     first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
-    steps = end - first
-    if steps > 0:  # without steps the producer loads no k or v (zeros are stored below)
-        mbarrier.wait(kv_ready, 0)
+    steps = end - first  # (at least one, see `_producer`)
+    mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -378,10 +375,11 @@ def gluon_dkdv_kernel(
     pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
-    if F.TABLE:
+    if F.TABLE or CAUSAL:  # (without either every program sees every query block)
         first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
-        if end <= first:  # no query block sees these keys (in context parallelism's
-            # all-gather call, at n = 4 three programs in four): zeros, and nothing else
+        if end <= first:  # no query block sees these keys (causal keys past the rows; in
+            # context parallelism's all-gather call three programs in four at n = 4):
+            # zeros, and nothing else
             store_zero_dkdv((dk_ptr, dv_ptr), b, kh, pid_n, S, K, H, BN, JOINT)
             return
     dtype: gl.constexpr = q_ptr.dtype.element_ty

@@ -49,16 +49,15 @@ def _producer(descs, smem, bars, ranges_ptr, b, kh, pid_n, F: gl.constexpr):
     q_smem, do_smem, k_smem, v_smem = smem[:4]
     kv_ready, ready, empty = bars[:3]
     first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
-    steps = end - first
-    if steps > 0:  # keys no row sees need no k or v (as `_gluon_backward_kernel`'s)
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-        for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(
-                k_desc, [pid_n * F.BN, h * _COLS], kv_ready, k_smem.index(h)
-            )
-            tma.async_copy_global_to_shared(
-                v_desc, [pid_n * F.BN, h * _COLS], kv_ready, v_smem.index(h)
-            )
+    steps = end - first  # (at least one: programs without are done in the kernel)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for h in gl.static_range(2):
+        tma.async_copy_global_to_shared(
+            k_desc, [pid_n * F.BN, h * _COLS], kv_ready, k_smem.index(h)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [pid_n * F.BN, h * _COLS], kv_ready, v_smem.index(h)
+        )
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -117,9 +116,8 @@ def _consumer(smem, bars, stats, tabs, dest, b, kh, pid_n, F: gl.constexpr, C: g
     key_info = token_info(keys, F.S, b, key_tabs, F, -2)  # what the masks read per key
     cols = gl.arange(0, R, layout=col_layout)
     first, full_lo, full_hi, end = query_blocks(pid_n, b, ranges_ptr, F)
-    steps = end - first
-    if steps > 0:  # without steps the producer loads no k or v
-        mbarrier.wait(kv_ready, 0)
+    steps = end - first  # (at least one, see `_producer`)
+    mbarrier.wait(kv_ready, 0)
     for i in range(F.G * steps):
         n = kh * F.G + i // steps
         m = first + i % steps
@@ -201,7 +199,7 @@ def gluon_dkdv_wide_kernel(
     pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
     b = group // K
     kh = group % K
-    if F.TABLE:
+    if F.TABLE or CAUSAL:  # (without either every program sees every query block)
         first, _, _, end = query_blocks(pid_n, b, ranges_ptr, F)
         if end <= first:  # no query block sees these keys (`gluon_dkdv_kernel`)
             store_zero_dkdv((dk_ptr, dv_ptr), b, kh, pid_n, S, K, H, BN, JOINT)

@@ -118,10 +118,20 @@ def _visible(c, b, rows, keys, tabs, lengths, ids=True):
 
 def _tiles(order, count, consts):
     """The tiles a Gluon kernel's programs take, in order: with ``ORDERED`` the launch's
-    order, which must be a permutation of them; else the grid's (a placeholder order)."""
+    order, with ``ROWS_MAJOR`` (`_gluon_forward_kernel._rows_major`) one query block of
+    every (batch, head) at a time, the last first where causal; either must be a
+    permutation of them; else the grid's (a placeholder order)."""
     if consts["ORDERED"]:
         np.testing.assert_array_equal(np.sort(order), np.arange(count))
         return order
+    if consts.get("ROWS_MAJOR"):
+        assert not consts["ORDERED"] and consts["PERSISTENT"]
+        groups = consts["B"] * consts["N"]
+        n_m = count // groups
+        m, bn = np.divmod(np.arange(count), groups)
+        tiles = bn * n_m + (n_m - 1 - m if consts["CAUSAL"] else m)
+        np.testing.assert_array_equal(np.sort(tiles), np.arange(count))
+        return tiles
     assert order.shape == (1,), order.shape
     return range(count)
 
@@ -665,6 +675,36 @@ def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg,
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=64 if shape[3] == 256 else 128, num_stages=2, gluon=True)
     assert gluon_persistent(opts, shape, shape[1], cfg) == persistent
+
+
+@pytest.mark.parametrize(
+    "shape, causal, seg, varlen, expected",
+    [
+        ((1, 8192, 32, 128), True, True, False, True),  # 2048 tiles: 16 a multiprocessor
+        ((1, 16384, 16, 128), True, False, True, True),  # packed sequences too
+        ((1, 32768, 32, 128), True, True, False, False),  # 62 tiles a multiprocessor
+        ((1, 8192, 32, 128), False, True, False, False),  # not causal: tiles alike in order
+        ((4, 4096, 32, 128), True, False, False, False),  # causal alone: the grid's order
+        ((2, 1000, 8, 128), True, True, False, False),  # rows off the tile: not persistent
+    ],
+)
+def test_short_causal_calls_with_documents_take_their_tiles_rows_major(
+    shape, causal, seg, varlen, expected
+):
+    """One query block of every (batch, head) at a time, the last blocks first, so that the
+    counter's last tiles are light: causal calls with documents or packed sequences of at
+    most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here)."""
+    from ejk_kernels_gpu import _options
+    from ejk_kernels_gpu._options import CallOptions, gluon_persistent, rows_major
+
+    opts = CallOptions(
+        scale=0.1, causal=causal, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
+        varlen=varlen, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+    )  # fmt: skip
+    cfg = FlashConfig(block_q=128, block_k=128, num_stages=2, gluon=True)
+    persistent = gluon_persistent(opts, shape, shape[1], cfg)
+    assert _options.multiprocessors() == 132
+    assert rows_major(opts, shape, cfg, persistent=persistent) == expected
 
 
 @pytest.mark.parametrize(

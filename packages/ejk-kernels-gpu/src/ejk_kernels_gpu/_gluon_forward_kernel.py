@@ -98,12 +98,14 @@ class GluonOptions(NamedTuple):
     TABLE: bool  # key ranges from the block table (window, packing, segment ids); else from
     # the program's rows (unmasked or causal alone: no load before the first copy)
     EARLY_P16: bool  # p to 16 bits in the softmax (registers: masks beyond causal, tile loop)
+    B: int  # batch rows
     N: int  # query heads
     H: int  # head_dim
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
     ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
+    ROWS_MAJOR: bool  # the grid's order takes one query block of every (batch, head) at a time
     OBUF: bool  # o leaves through a buffer of its own (else q's): q is released after the
     # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
     FIXED_SHIFT: bool  # soft cap: each row's shift is set by the tile's first key block and
@@ -116,16 +118,28 @@ class GluonOptions(NamedTuple):
 @gluon.jit
 def _tile(tile, n_m, F: gl.constexpr):
     """(b, n, b·N + n, query block) of a tile: tile ``(b·N + n)·n_m + query block`` taken
-    from the launch's order (``ORDERED``), else the grid's, where the query blocks of one
-    (batch, head) are consecutive tiles (programs at work together share k and v in L2),
-    causal ones heaviest first."""
+    from the launch's order (``ORDERED``) or the rows-major one (``ROWS_MAJOR``,
+    `_rows_major`), else the grid's, where the query blocks of one (batch, head) are
+    consecutive tiles (programs at work together share k and v in L2), causal ones
+    heaviest first."""
     bn = tile // n_m
-    if F.ORDERED:
+    if F.ORDERED or F.ROWS_MAJOR:
         pid_m = tile - bn * n_m
     else:
         m = tile % n_m
         pid_m = n_m - 1 - m if F.CAUSAL else m
     return bn // F.N, bn % F.N, bn, pid_m
+
+
+@gluon.jit
+def _rows_major(place, n_m, F: gl.constexpr):
+    """The tile (as `_tile` reads it with ``ROWS_MAJOR``) at ``place`` of the rows-major
+    order: one query block of every (batch, head) at a time, causal ones the last block
+    first."""
+    m = place // (F.B * F.N)
+    bn = place - m * (F.B * F.N)
+    pid_m = n_m - 1 - m if F.CAUSAL else m
+    return bn * n_m + pid_m
 
 
 @gluon.jit
@@ -248,7 +262,12 @@ def _producer(descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_
         it = 0  # tiles taken by this program
         place = gl.program_id(0)
         while place < total:
-            tile = gl.load(order_ptr + place) if F.ORDERED else place
+            if F.ORDERED:
+                tile = gl.load(order_ptr + place)
+            elif F.ROWS_MAJOR:
+                tile = _rows_major(place, n_m, F)
+            else:
+                tile = place
             _publish_tile(tile, it, sched)
             where = _tile(tile, n_m, F)
             blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
@@ -555,8 +574,9 @@ def gluon_fwd_kernel(
     VARLEN: gl.constexpr, SEQ_IDS: gl.constexpr, HAS_SEG: gl.constexpr, MASKED: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    OBUF: gl.constexpr, ORDERED: gl.constexpr, FIXED_SHIFT: gl.constexpr, RESUME: gl.constexpr,
-    KV_PAIR: gl.constexpr, INTERPRET: gl.constexpr,
+    OBUF: gl.constexpr, ORDERED: gl.constexpr, ROWS_MAJOR: gl.constexpr,
+    FIXED_SHIFT: gl.constexpr, RESUME: gl.constexpr, KV_PAIR: gl.constexpr,
+    INTERPRET: gl.constexpr,
 ):  # fmt: skip
     """out [B, T, N, H], lse [B, N, T] (natural log). ``QK`` = softmax scale · log2(e);
     ``ranges_ptr``: the forward block table (``[blocks, 4]``, ``[B, blocks, 4]`` with
@@ -575,8 +595,8 @@ def gluon_fwd_kernel(
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
-        FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
+        B=B, N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
+        ROWS_MAJOR=ROWS_MAJOR, FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2
     K: gl.constexpr = N // G

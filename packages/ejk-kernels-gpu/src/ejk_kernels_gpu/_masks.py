@@ -259,10 +259,13 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
     return _with_full(start, full_lo, full_hi, end, inner)
 
 
-# Other-axis ids one program of `fused_segment_table` summarises at once (64 KiB, 64
-# registers a thread at `TABLE_WARPS`): 16384 keys of 128-key blocks in one step.
+# Other-axis ids one program of `fused_segment_table` summarises at once (64 KiB, 32
+# registers a thread at `TABLE_WARPS`): 16384 keys of 128-key blocks in one step. Its
+# programs wait on their loads: H200, 64 programs walking 32768 keys (all-gather's device
+# call at n = 4), 16 warps 6.1-6.3 us, 8 warps 7.7, 32 warps 7.6; 4096 ids a step 12.2
+# (docs/gpu-runs/2026-11-28-h200-forward-rows-major-draft.json).
 CHUNK_ELEMENTS = 16384
-TABLE_WARPS = 8
+TABLE_WARPS = 16
 
 
 def _power_of_two(n: int) -> int:

@@ -29,8 +29,10 @@ tile's first key block (``FIXED_SHIFT``, `_softmax`): no max per score, no resca
 
 A tile is one query block of one (batch, head); programs take tiles in the grid's order (a
 head's query blocks consecutive, so the programs at work share k and v in L2; causal
-ones heaviest first) or, with ``ORDERED``, in the launch's (`_schedule.launch_order`: a few
-heads' query blocks at a time, the heaviest first). Where T and S fill whole tiles
+ones heaviest first), with ``ORDERED`` in the launch's (`_schedule.launch_order`: a few
+heads' query blocks at a time, the heaviest first), or with ``ROWS_MAJOR`` (persistent
+programs, short causal calls with documents: `_options.rows_major`) one query block of
+every (batch, head) at a time, the last first (`_rows_major`). Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous

@@ -59,7 +59,8 @@ def choose_strategy(request: AttentionRequest, shards: int) -> str:
 # The contiguous split is taken with segment ids when its busiest device has at most this
 # many times the work of zigzag's: the exchange it saves moves a query block and its
 # output each way (and their gradients), 25 % of the two-GPU time with 16 documents at
-# T = 65536 (docs/performance.md, "Context parallelism").
+# T = 65536 (docs/performance-log.md, "Context parallelism: the notes of the fourth to
+# twenty-fourth sessions").
 _CONTIGUOUS_BALANCE = 1.1
 
 # The request's fields that `ring_attention` takes by the same name.

@@ -478,18 +478,21 @@ def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,
         return False
     if opts.ordered_tiles("fwd", persistent=persistent):
         return False
-    batch, q_len, heads, _ = q_shape
-    tiles = -(-q_len // cfg.block_q) * batch * heads
-    return tiles <= ROWS_MAJOR_WAVES * multiprocessors()
+    return gluon_tiles(q_shape, cfg) <= ROWS_MAJOR_WAVES * multiprocessors()
 
 
 # Tiles a multiprocessor up to which `rows_major` takes the rows-major order.
 ROWS_MAJOR_WAVES = 24
 
 
-def gluon_grid(q_shape: tuple[int, ...], cfg: FlashConfig, *, persistent: bool) -> tuple[int]:
-    """The Gluon forward's one-dimensional grid: one program a tile (a query block of one
-    (batch, head)), or with ``persistent`` at most one per SM."""
+def gluon_tiles(q_shape: tuple[int, ...], cfg: FlashConfig) -> int:
+    """The Gluon forward's tiles: a query block of one (batch, head) each."""
     batch, q_len, heads, _ = q_shape
-    tiles = -(-q_len // cfg.block_q) * batch * heads
+    return -(-q_len // cfg.block_q) * batch * heads
+
+
+def gluon_grid(q_shape: tuple[int, ...], cfg: FlashConfig, *, persistent: bool) -> tuple[int]:
+    """The Gluon forward's one-dimensional grid: one program a tile (`gluon_tiles`), or
+    with ``persistent`` at most one per SM."""
+    tiles = gluon_tiles(q_shape, cfg)
     return (min(tiles, multiprocessors()) if persistent else tiles,)

@@ -162,7 +162,7 @@ def _emulate_gluon(inputs, consts):
     tiles that see no key leave the outputs as the previous call's."""
     from ejk_kernels_gpu._gluon_forward_kernel import _SHIFT_ROOM  # (Triton set up by now)
 
-    q, k, v, sinks, prev_o, prev_lse, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order = (
+    q, k, v, sinks, prev_o, prev_lse, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order, _ = (
         np.asarray(x) for x in inputs
     )
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
@@ -1156,5 +1156,31 @@ def test_context_rows_against_the_whole_sequence_take_the_tile_order(
     want, want_lse = reference_attention(
         *f32, causal=True, segment_ids=seg if documents else None, return_lse=True
     )
+    np.testing.assert_allclose(np.asarray(out, np.float32), want[:, rows], atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, rows], atol=1e-3)
+
+
+def test_forward_takes_its_counter_from_the_table_kernel(gluon_launches, rng, monkeypatch):
+    """Where the fused table kernel builds the forward's table (on a GPU: with segment
+    ids), the persistent forward takes over the zero it wrote as its counter (aliased, no
+    memset). Here the kernel builds a context call's masks
+    from positions, and the values stay the reference's."""
+    from ejk_kernels_gpu import _masks
+    from ejk_kernels_gpu._context import BlockMasks, block_forward
+
+    monkeypatch.setattr(_masks._triton, "interpreting", lambda: False)  # the fused path
+    t, chunk = 512, 128  # device 0 of two: global chunks 0 and 3
+    rows = np.concatenate([np.arange(0, chunk), np.arange(t - chunk, t)])
+    q, k, v = (jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(3))
+    seg = jnp.asarray(np.repeat(np.arange(4), [100, 200, 150, 62])[None], jnp.int32)
+    masks = BlockMasks(scale=128**-0.5, causal=True, relative=True)
+    out, lse = block_forward(
+        masks, q[:, rows], k, v, q_offset=(0, t - chunk), segment_ids=(seg[:, rows], seg)
+    )
+    [(_, _, consts, _, kwargs)] = gluon_launches
+    assert consts["PERSISTENT"], consts
+    assert kwargs["aliases"] == {14: 2} and not kwargs["zeroed"][2], kwargs
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_lse = reference_attention(*f32, causal=True, segment_ids=seg, return_lse=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), want[:, rows], atol=2e-2)
     np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, rows], atol=1e-3)

@@ -98,7 +98,8 @@ def _tables_with_ids(q_ids, kv_ids, packing=None, *, causal=False, sliding_windo
     )  # fmt: skip
     rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
     cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
-    return _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+    *tables, _ = _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+    return tables
 
 
 @pytest.mark.parametrize(
@@ -246,10 +247,78 @@ def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
             inner,
             positions_after_full=after_full,
         )
-        got = _masks.fused_segment_table(
+        got, counter = _masks.fused_segment_table(
             table, ids, other_ids, block, inner, positions_after_full=after_full
         )
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
+        np.testing.assert_array_equal(np.asarray(counter), [0])
+
+
+def _chunk_positions(rng, length, chunks):
+    """Positions of ``chunks`` equal chunks of ``length`` indices at random increasing
+    offsets (gaps between chunks, or none)."""
+    size = length // chunks
+    gaps = rng.integers(0, 3 * size + 2, chunks) * rng.integers(0, 2, chunks)
+    starts = np.cumsum(gaps) + np.arange(chunks) * size - int(rng.integers(0, 40))
+    return jnp.asarray((starts[:, None] + np.arange(size)).reshape(-1), jnp.int32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_position_ranges_in_the_table_kernel_give_the_jnp_tables(seed, monkeypatch):
+    # Context parallelism's ranges (positions at offsets, the other axis in chunks: a
+    # zigzag device's rows against keys, and keys against those rows), built by the table
+    # kernel from the positions, against `PositionRanges.lo_hi` through `block_table`;
+    # with one document (the masks' entries as they are) or a few.
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(_masks, "CHUNK_ELEMENTS", int(rng.choice([4, 4096])))
+    chunks = int(rng.choice([1, 2, 3]))
+    length, other = int(rng.integers(1, 40)), chunks * int(rng.integers(1, 25))
+    of_queries = bool(seed % 2)
+    pos = _chunk_positions(rng, length, 1)
+    other_pos = _chunk_positions(rng, other, chunks)
+    causal = seed % 3 != 2
+    window = None if seed % 3 == 0 else (int(rng.integers(0, 30)), int(rng.integers(0, 9)))
+    ranges = _masks.PositionRanges.of(pos, other_pos, chunks, causal, window, of_queries=of_queries)
+    block, inner = int(rng.choice([1, 3, 16])), int(rng.choice([1, 5, 16]))
+    ids = np.sort(rng.integers(-1, 3, (2, length)))
+    other_ids = np.sort(rng.integers(-1, 3, (2, other)))
+    if seed % 4 < 2:
+        ids, other_ids = np.zeros_like(ids), np.zeros_like(other_ids)
+    ids, other_ids = jnp.asarray(ids, jnp.int32), jnp.asarray(other_ids, jnp.int32)
+    for after_full in (False, True):
+        want = _masks._intersect(
+            _masks.mask_table(ranges, block, inner),
+            _masks.segment_block_table(ids, other_ids, block, inner),
+            inner,
+            positions_after_full=after_full,
+        )
+        got, _ = _masks.fused_segment_table(
+            ranges, ids, other_ids, block, inner, positions_after_full=after_full
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_position_ranges_hold_exactly_the_pairs_that_positions_allow(seed):
+    # `PositionRanges.lo_hi` against the definition pair by pair: index i sees index j of
+    # the other axis iff their positions pass causal and the window.
+    rng = np.random.default_rng(seed)
+    chunks = int(rng.choice([1, 2]))
+    pos = _chunk_positions(rng, int(rng.integers(1, 30)), 1)
+    other_pos = _chunk_positions(rng, chunks * int(rng.integers(1, 20)), chunks)
+    window = None if seed % 2 else (int(rng.integers(0, 20)), int(rng.integers(0, 6)))
+    for of_queries in (True, False):
+        ranges = _masks.PositionRanges.of(
+            pos, other_pos, chunks, True, window, of_queries=of_queries
+        )
+        lo, hi = (np.asarray(x) for x in ranges.lo_hi())
+        p, o = np.asarray(pos)[:, None], np.asarray(other_pos)[None, :]
+        q_at, k_at = (p, o) if of_queries else (o, p)
+        sees = k_at <= q_at
+        if window is not None:
+            sees &= (k_at >= q_at - window[0]) & (k_at <= q_at + window[1])
+        idx = np.arange(o.shape[1])[None, :]
+        np.testing.assert_array_equal(sees, (idx >= lo[:, None]) & (idx < hi[:, None]))
 
 
 @pytest.mark.parametrize("window", [None, (40, 0)])
@@ -268,7 +337,9 @@ def test_range_tables_fused_or_not_agree(window):
     rows = _masks.ranges(128, 128, True, window, None, of_queries=True)
     cols = _masks.ranges(128, 128, True, window, None, of_queries=False)
     ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    fused = _masks.range_tables(opts, rows, cols, ids, fused=True)
-    plain = _masks.range_tables(opts, rows, cols, ids, fused=False)
+    *fused, counter = _masks.range_tables(opts, rows, cols, ids, fused=True)
+    *plain, none = _masks.range_tables(opts, rows, cols, ids, fused=False)
     for got, want in zip(fused, plain, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(counter), [0])
+    assert none is None

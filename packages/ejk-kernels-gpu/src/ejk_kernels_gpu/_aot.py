@@ -60,7 +60,7 @@ _POINTER_TYPES = {
     "prev_o_ptr": "data", "prev_lse_ptr": "fp32",
     "do_ptr": "data", "dq_ptr": "data", "dk_ptr": "data", "dv_ptr": "data",
     "sinks_ptr": "fp32", "lse_ptr": "fp32", "delta_ptr": "fp32", "dbias_ptr": "fp32",
-    "dq_acc_ptr": "fp32", "counter_ptr": "i32",
+    "dq_acc_ptr": "fp32", "counter_ptr": "i32", "counter_in_ptr": "i32",
     "scratch_ptr": "u8", "qsid_ptr": "i32", "ksid_ptr": "i32", "qpos_ptr": "i32", "kpos_ptr": "i32",
     "qseg_ptr": "i32", "kseg_ptr": "i32", "ranges_ptr": "i32", "order_ptr": "i32", "seed_ptr": "u32",
 }  # fmt: skip
@@ -228,17 +228,25 @@ def compile_kernel(
 
 
 # `_masks.fused_segment_table`'s builds: (block, inner block) pairs of the Gluon and
-# ordinary configs' tiles, with and without the causal forward's rule.
-TABLE_BUILDS = tuple(
-    (block, inner, after_full)
-    for block, inner in ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32))
-    for after_full in (False, True)
+# ordinary configs' tiles, with and without the causal forward's rule, masks from a table;
+# and context parallelism's, masks from positions (`_masks.table_constexprs`' positions):
+# rows against keys, and keys against a zigzag device's two chunks of rows.
+TABLE_BUILDS = (
+    *(
+        (block, inner, after_full, None)
+        for block, inner in ((128, 128), (128, 64), (64, 128), (64, 64), (128, 32))
+        for after_full in (False, True)
+    ),
+    (128, 128, True, (1, 0, None)),
+    (128, 128, False, (2, None, 0)),
 )
 
 
-def compile_table(block: int, inner: int, after_full: bool, length: int = 16384) -> dict[str, Any]:
+def compile_table(
+    block: int, inner: int, after_full: bool, positions: tuple | None, length: int = 16384
+) -> dict[str, Any]:
     """Compile `_table_kernel.segment_table_kernel` for sm_90 (``length`` ids a row on both
-    axes) and report its resources and spills."""
+    axes; ``positions``: `_masks.table_constexprs`') and report its resources and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -248,7 +256,9 @@ def compile_table(block: int, inner: int, after_full: bool, length: int = 16384)
     if module.INTERPRET:
         raise RuntimeError("compile_table needs TRITON_INTERPRET unset (run it in a subprocess)")
     fn = module.segment_table_kernel
-    consts = dict(table_constexprs(length, length, block, inner, after_full), INTERPRET=False)
+    consts = dict(
+        table_constexprs(length, length, block, inner, after_full, positions), INTERPRET=False
+    )
     pointers = {name: "*i32" for name in fn.arg_names if name not in consts}
     signature, attrs = source_signature(fn, pointers, consts)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
@@ -260,6 +270,7 @@ def compile_table(block: int, inner: int, after_full: bool, length: int = 16384)
         block=block,
         inner=inner,
         after_full=after_full,
+        positions=positions,
         shared=int(compiled.metadata.shared),
         spill_stores=spill_stores(compiled.asm["ptx"]),
     )

@@ -54,7 +54,7 @@ def _attention(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
 
 def _attention_fwd(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
     out, lse, rows = forward(opts, q, k, v, bias, sinks, tables)
-    return (out, lse), (q, k, v, bias, sinks, tables, out, rows)
+    return (out, lse), (q, k, v, bias, sinks, tables.for_backward(), out, rows)
 
 
 def _attention_bwd(opts: CallOptions, res, cts):

@@ -42,7 +42,7 @@ from ejk_sequtils import validate_attention
 from ._backward_launch import backward
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
 from ._forward_launch import forward
-from ._masks import Tables, dummy, range_tables
+from ._masks import PositionRanges, Tables, dummy, range_tables
 from ._options import (
     CallOptions,
     call_options,
@@ -162,48 +162,6 @@ def _query_positions(offsets: tuple[Array, ...], q_len: int) -> Array:
     return jnp.concatenate([o + jnp.arange(c, dtype=_I32) for o in offsets])
 
 
-def _rows_seeing_keys(
-    masks: BlockMasks, kv_len: int, q_len: int, k_offset: Array, offsets: tuple[Array, ...]
-) -> tuple[Array, Array]:
-    """``[lo, hi)`` of query rows that may see each key, the rows in chunks at ``offsets``
-    (increasing, so the rows a key's interval of positions covers are contiguous): the
-    union of each chunk's range."""
-    c = q_len // len(offsets)
-    key_positions = k_offset + jnp.arange(kv_len, dtype=_I32)
-    lo = jnp.full((kv_len,), q_len, _I32)
-    hi = jnp.zeros((kv_len,), _I32)
-    for i, offset in enumerate(offsets):
-        lo_i, hi_i = _mask_ranges(masks, key_positions, c, offset, of_queries=False)
-        some = lo_i < hi_i
-        lo = jnp.where(some, jnp.minimum(lo, lo_i + i * c), lo)
-        hi = jnp.where(some, jnp.maximum(hi, hi_i + i * c), hi)
-    return jnp.minimum(lo, hi), hi
-
-
-def _mask_ranges(
-    masks: BlockMasks, own: Array, other_len: int, other: Array, of_queries: bool
-) -> tuple[Array, Array]:
-    """``[lo, hi)`` on the other axis for each index of this axis from causal and window:
-    query i (global position ``own[i]``) sees keys ``j`` with global ``other + j`` in
-    ``[p - left, p + right]`` (``<= p`` causal); key j is seen by the mirror range."""
-    length = own.shape[0]
-    p = own - other  # own position in the other's indices
-    lo = jnp.zeros((length,), _I32)
-    hi = jnp.full((length,), other_len, _I32)
-    left, right = masks.window if masks.window is not None else (None, None)
-    below, above = (left, right) if of_queries else (right, left)
-    if masks.causal:
-        if of_queries:
-            above = 0 if above is None else min(above, 0)
-        else:
-            below = 0 if below is None else min(below, 0)
-    if below is not None:
-        lo = jnp.maximum(lo, p - below)
-    if above is not None:
-        hi = jnp.minimum(hi, p + above + 1)
-    return lo, hi
-
-
 def block_tables(
     opts: CallOptions,
     masks: BlockMasks,
@@ -224,29 +182,35 @@ def block_tables(
         )
     if not masks.relative:
         chunks, k_offset = (jnp.zeros((), _I32),), 0
-    ko = jnp.asarray(k_offset, _I32)
     q_positions = _query_positions(chunks, q_len)
-    rlo, rhi = _mask_ranges(masks, q_positions, kv_len, ko, of_queries=True)
-    clo, chi = _rows_seeing_keys(masks, kv_len, q_len, ko, chunks)
-    rhi, chi = jnp.maximum(rhi, rlo), jnp.maximum(chi, clo)
+    k_positions = jnp.asarray(k_offset, _I32) + jnp.arange(kv_len, dtype=_I32)
+    # The ranges by positions: with segment ids the table kernel builds the masks' entries
+    # from them (no XLA kernels for the masks); else jnp does (`_masks.PositionRanges`).
+    rows = PositionRanges.of(
+        q_positions, k_positions, 1, masks.causal, masks.window, of_queries=True
+    )
+    cols = PositionRanges.of(
+        k_positions, q_positions, len(chunks), masks.causal, masks.window, of_queries=False
+    )
     if segment_ids is None:
         q_seg = k_seg = dummy()
     else:
         # Per batch row, from each block's document ids (`_masks.segment_block_table`:
         # blocks of other documents are skipped, as on one GPU).
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
-    fwd_table, dq_table, dkdv_table = range_tables(opts, (rlo, rhi), (clo, chi), segment_ids)
+    fwd_table, dq_table, dkdv_table, counter = range_tables(opts, rows, cols, segment_ids)
     q_sid = k_sid = q_pos = k_pos = dummy()  # one sequence: no ids (``SEQ_IDS`` off)
     if masks.relative:
-        q_pos = q_positions
-        k_pos = ko + jnp.arange(kv_len, dtype=_I32)
+        q_pos, k_pos = q_positions, k_positions
     if (dropout_key is None) != (masks.dropout_rate == 0.0):
         raise ValueError(
             f"a dropout key comes with dropout_rate > 0 and only then, got "
             f"dropout_rate={masks.dropout_rate} and a key {'' if dropout_key is None else 'not '}None"
         )
     seed = dummy(jnp.uint32) if dropout_key is None else jnp.asarray(dropout_key, jnp.uint32)
-    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
+    return Tables(
+        q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed, counter
+    )
 
 
 def block_forward(

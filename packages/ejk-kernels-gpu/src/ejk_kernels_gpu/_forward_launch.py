@@ -40,6 +40,9 @@ def _gluon_forward(
     )
     prev = _previous(resume, q)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
+    # The counter of the persistent programs: the table kernel's zero where it built the
+    # forward's table (taken over, `Tables.fwd_counter`), else zeroed by a memset.
+    counter = tables.fwd_counter
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
     order = launch_order(tables.fwd_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=batch * heads)  # fmt: skip
@@ -55,6 +58,7 @@ def _gluon_forward(
             *tables.masking(),
             tables.fwd_ranges,
             order,
+            dummy() if counter is None else counter,
         ),
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -65,8 +69,9 @@ def _gluon_forward(
         consts,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        zeroed=(False, False, consts["PERSISTENT"], False),
-        aliases={} if resume is None else {4: 0, 5: 1},  # (o, lse) start as the previous
+        zeroed=(False, False, consts["PERSISTENT"] and counter is None, False),
+        # (o, lse) start as the previous; the counter as the table kernel's zero
+        aliases=({} if resume is None else {4: 0, 5: 1}) | ({} if counter is None else {14: 2}),
     )
     return out, lse
 

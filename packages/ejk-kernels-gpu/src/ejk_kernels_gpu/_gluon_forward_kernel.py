@@ -568,7 +568,7 @@ def _consumer(smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total
 def gluon_fwd_kernel(
     q_ptr, k_ptr, v_ptr, sinks_ptr, prev_o_ptr, prev_lse_ptr,
     qsid_ptr, ksid_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, ranges_ptr, order_ptr,
-    o_ptr, lse_ptr, counter_ptr, scratch_ptr,
+    counter_in_ptr, o_ptr, lse_ptr, counter_ptr, scratch_ptr,
     B: gl.constexpr, T: gl.constexpr, S: gl.constexpr, N: gl.constexpr, G: gl.constexpr,
     H: gl.constexpr,
     QK: gl.constexpr, SOFT_CAP: gl.constexpr, CAP_IN: gl.constexpr, CAP_OUT: gl.constexpr,
@@ -586,7 +586,8 @@ def gluon_fwd_kernel(
     output and lse of the same rows (``o_ptr`` and ``lse_ptr`` alias them: a tile that
     sees no key here leaves them as they are); ``order_ptr``: with ``ORDERED``, the tiles in the order programs take
     them (`_schedule.launch_order`); ``counter_ptr``: one int32, zero on entry, the
-    persistent programs' counter of places in the order (`_producer`); ``scratch_ptr``
+    persistent programs' counter of places in the order (`_producer`; ``counter_in_ptr``
+    is unused: the buffer given to start from, the table kernel's zero, or a stand-in); ``scratch_ptr``
     holds the TMA descriptors (see _jax_triton_fix);
     INTERPRET is unused. A one-dimensional grid: one program per tile, or with
     ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it

@@ -30,11 +30,13 @@ from ._options import CallOptions
 
 __all__ = [
     "Packing",
+    "PositionRanges",
     "Tables",
     "block_table",
     "dummy",
     "fused_segment_table",
     "kernel_tables",
+    "mask_table",
     "range_tables",
     "ranges",
     "segment_block_table",
@@ -138,6 +140,62 @@ def ranges(
     p = packing
     seq, pos, cu_other = (p.q_seq, p.q_pos, p.cu_k) if of_queries else (p.k_seq, p.k_pos, p.cu_q)
     return _ranges(length, other, seq, pos, cu_other, p.num_seqs, upper, lower)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionRanges:
+    """The ranges ``[lo, hi)`` of the other axis each index of this axis sees, given by
+    positions: index i is at ``pos[i]``, and the other axis's ``M`` indices are ``chunks``
+    equal contiguous chunks of increasing positions (chunk c's first at
+    ``other_pos[c * M // chunks]``, the rest following it). Index i sees the other indices
+    at most ``lower`` positions before its own and ``upper`` past it (None: unbounded;
+    `_bounds`), so within one chunk a contiguous run, and over the chunks their hull
+    (exact: positions increase with the index). Context parallelism's blocks: positions
+    known only when the call runs, so the fused table kernel builds the masks' entries
+    from them (`fused_segment_table`) instead of a few XLA kernels building ``(lo, hi)``.
+    """
+
+    pos: Array  # int32 [L]
+    other_pos: Array  # int32 [M]
+    chunks: int
+    upper: int | None
+    lower: int | None
+
+    @classmethod
+    def of(
+        cls,
+        pos: Array,
+        other_pos: Array,
+        chunks: int,
+        causal: bool,
+        window: tuple[int, int] | None,
+        *,
+        of_queries: bool,
+    ) -> PositionRanges:
+        """The ranges of keys each query sees (``of_queries``; ``pos`` the queries') or of
+        queries that see each key, under causal and a window."""
+        upper, lower = _bounds(causal, window, keys_of_queries=of_queries)
+        return cls(pos, other_pos, chunks, upper, lower)
+
+    def lo_hi(self) -> tuple[Array, Array]:
+        """``(lo, hi)``, int32 ``[L]`` each (``lo == hi == 0`` where nothing is seen)."""
+        other_len = self.other_pos.shape[0]
+        size = other_len // self.chunks
+        lo = jnp.full(self.pos.shape, other_len, jnp.int32)
+        hi = jnp.zeros(self.pos.shape, jnp.int32)
+        for i in range(self.chunks):
+            rel = self.pos - self.other_pos[i * size]
+            lo_i = jnp.zeros_like(rel) if self.lower is None else jnp.maximum(rel - self.lower, 0)
+            hi_i = jnp.full_like(rel, size)
+            if self.upper is not None:
+                hi_i = jnp.minimum(hi_i, rel + self.upper + 1)
+            some = lo_i < hi_i
+            lo = jnp.where(some, jnp.minimum(lo, lo_i + i * size), lo)
+            hi = jnp.where(some, jnp.maximum(hi, hi_i + i * size), hi)
+        return jnp.minimum(lo, hi), hi
+
+
+Ranges = tuple[Table, Table] | PositionRanges  # listed per index, or given by positions
 
 
 def block_table(lo: Table, hi: Table, block: int, inner_block: int) -> Table:
@@ -273,69 +331,102 @@ def _power_of_two(n: int) -> int:
 
 
 def table_constexprs(
-    length: int, other_len: int, block: int, inner_block: int, positions_after_full: bool
+    length: int,
+    other_len: int,
+    block: int,
+    inner_block: int,
+    positions_after_full: bool,
+    positions: tuple[int, int | None, int | None] | None = None,
 ) -> dict[str, Any]:
-    """`_table_kernel.segment_table_kernel`'s compile-time arguments (`fused_segment_table`)."""
+    """`_table_kernel.segment_table_kernel`'s compile-time arguments (`fused_segment_table`;
+    ``positions``: `PositionRanges`' ``(chunks, upper, lower)`` where the kernel builds the
+    masks' entries from positions, else None)."""
     inner_p2 = _power_of_two(inner_block)
     num_inner = -(-other_len // inner_block)
+    chunks, upper, lower = positions or (1, None, None)
     return dict(
         L=length, M=other_len, NBLK=-(-length // block), BLOCK=block, INNER=inner_block,
         BLOCK_P2=_power_of_two(block), INNER_P2=inner_p2,
         CHUNK=min(_power_of_two(num_inner), max(1, CHUNK_ELEMENTS // inner_p2)),
-        AFTER_FULL=positions_after_full,
+        AFTER_FULL=positions_after_full, POSITIONS=positions is not None, CHUNKS=chunks,
+        UPPER=_bound(upper), LOWER=_bound(lower),
     )  # fmt: skip
 
 
 def fused_segment_table(
-    table: Table,
+    masks: Table | PositionRanges,
     ids: Array,
     other_ids: Array,
     block: int,
     inner_block: int,
     *,
     positions_after_full: bool,
-) -> Array:
+) -> tuple[Array, Array]:
     """``_intersect(table, segment_block_table(ids, other_ids, block, inner_block), ...)``
-    in one Triton kernel (`_table_kernel`): the same int32 ``[B, blocks, 4]``, one launch
-    in place of a few XLA kernels."""
+    in one Triton kernel (`_table_kernel`), ``table`` being ``masks`` or, for
+    `PositionRanges`, ``block_table(*masks.lo_hi(), block, inner_block)``: the same int32
+    ``[B, blocks, 4]``, one launch in place of a few XLA kernels. Also returns an int32
+    ``[1]`` zero written by the same launch: the persistent forward's counter
+    (`Tables.fwd_counter`)."""
     batch, length = ids.shape
-    consts = table_constexprs(length, other_ids.shape[1], block, inner_block, positions_after_full)
+    by_positions = isinstance(masks, PositionRanges)
+    consts = table_constexprs(
+        length, other_ids.shape[1], block, inner_block, positions_after_full,
+        (masks.chunks, masks.upper, masks.lower) if by_positions else None,
+    )  # fmt: skip
     nblk = consts["NBLK"]
-    (out,) = _triton.launch(
+    if by_positions:
+        table, pos, other_pos = dummy(), masks.pos, masks.other_pos
+    else:
+        table, pos, other_pos = masks, dummy(), dummy()
+    out, counter = _triton.launch(
         _triton.kernels().segment_table_kernel,
         (nblk, batch),
-        (ids.astype(jnp.int32), other_ids.astype(jnp.int32), jnp.asarray(table, jnp.int32)),
-        (jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),),
+        tuple(jnp.asarray(x, jnp.int32) for x in (ids, other_ids, table, pos, other_pos)),
+        (
+            jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ),
         consts,
         num_warps=TABLE_WARPS,
         num_stages=1,
     )
-    return out
+    return out, counter
+
+
+def _bound(bound: int | None) -> int:
+    """A `PositionRanges` bound as the table kernel's constexpr (-1: unbounded)."""
+    if bound is not None and bound < 0:
+        raise ValueError(f"bounds of PositionRanges are >= 0 or None, got {bound}")
+    return -1 if bound is None else bound
 
 
 def range_tables(
     opts: CallOptions,
-    rows: tuple[Table, Table],
-    cols: tuple[Table, Table],
+    rows: Ranges,
+    cols: Ranges,
     segment_ids: tuple[Array, Array] | None,
     *,
     fused: bool | None = None,
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, Array, Array, Array | None]:
     """The forward, dq and dk/dv block tables of a call.
 
     Args:
         opts: the call's options (the configs' tiles).
-        rows: ``(lo, hi)``, ``[T]`` each: the keys each query row may see (`ranges`).
-        cols: ``(lo, hi)``, ``[S]`` each: the queries that may see each key.
+        rows: the keys each query row may see: ``(lo, hi)``, ``[T]`` each (`ranges`), or
+            `PositionRanges`.
+        cols: the queries that may see each key, likewise (``[S]``).
         segment_ids: int32 ``(q_ids [B, T], kv_ids [B, S])`` or None.
         fused: build each table with segment ids in one Triton kernel
             (`fused_segment_table`) or in jnp; None: the kernel where Triton compiles (on a
             GPU: one launch a table), jnp in Triton's interpreter (the same tables).
 
     Returns:
-        ``(fwd, dq, dkdv)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with segment ids
-        (the masks' table intersected with `segment_block_table`'s; a causal forward's
-        blocks after its unmasked range hold the block's own id, `_intersect`).
+        ``(fwd, dq, dkdv, fwd_counter)``: ``[blocks, 4]`` each, or ``[B, blocks, 4]`` with
+        segment ids (the masks' table intersected with `segment_block_table`'s; a causal
+        forward's blocks after its unmasked range hold the block's own id, `_intersect`);
+        and where the forward's table came from the fused kernel, the zero it wrote for
+        the forward's counter (`Tables.fwd_counter`), else None.
     """
     fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
@@ -344,22 +435,39 @@ def range_tables(
     dq = gluon_dq_beside(bwd) or bwd
     shapes = ((fwd.block_q, fwd.block_k), (dq.block_q, dq.block_k), (bwd.block_q, bwd.block_k))
     ranges_of = (rows, rows, cols)
-    tables = [block_table(*r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
+    if fused is None:
+        fused = not _triton.interpreting()
+    if segment_ids is None or not fused:
+        tables = [mask_table(r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
     if segment_ids is None:  # NumPy ones become constants of the compiled call
-        return tuple(jnp.asarray(t) for t in tables)
+        return (*(jnp.asarray(t) for t in tables), None)
     q_seg, k_seg = segment_ids
     ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
     after_full = (opts.causal, False, False)  # the forward's (see `_intersect`)
-    if fused is None:
-        fused = not _triton.interpreting()
+    if not fused:
+        fwd, dq, dkdv = (
+            _intersect(t, segment_block_table(*ids, *blocks), blocks[1], positions_after_full=a)
+            for t, ids, blocks, a in zip(tables, ids_of, shapes, after_full, strict=True)
+        )
+        return fwd, dq, dkdv, None
+    (fwd, counter), (dq, _), (dkdv, _) = (
+        fused_segment_table(_kernel_masks(r, blocks), *ids, *blocks, positions_after_full=a)
+        for r, ids, blocks, a in zip(ranges_of, ids_of, shapes, after_full, strict=True)
+    )
+    return fwd, dq, dkdv, counter
 
-    def with_ids(table, ids, blocks, after):
-        if fused:
-            return fused_segment_table(table, *ids, *blocks, positions_after_full=after)
-        seg = segment_block_table(*ids, *blocks)
-        return _intersect(table, seg, blocks[1], positions_after_full=after)
 
-    return tuple(map(with_ids, tables, ids_of, shapes, after_full))
+def mask_table(ranges: Ranges, block: int, inner_block: int) -> Table:
+    """`block_table` of ``ranges`` (listed, or `PositionRanges`)."""
+    lo_hi = ranges.lo_hi() if isinstance(ranges, PositionRanges) else ranges
+    return block_table(*lo_hi, block, inner_block)
+
+
+def _kernel_masks(ranges: Ranges, blocks: tuple[int, int]) -> Table | PositionRanges:
+    """What `fused_segment_table` takes of ``ranges``: position ranges as they are (the
+    kernel builds their entries), or the masks' table of listed ranges (NumPy, a
+    constant of the call, where no packing takes part)."""
+    return ranges if isinstance(ranges, PositionRanges) else block_table(*ranges, *blocks)
 
 
 def dummy(dtype: object = jnp.int32) -> Array:
@@ -381,6 +489,14 @@ class Tables:
     dq_ranges: Any
     dkdv_ranges: Any
     seed: Any  # dropout: uint32 [seed, b0, n0, i0, j0] (`ejk_sequtils.dropout_key`)
+    # int32 [1], zero: the persistent forward's counter, written by the launch that built
+    # ``fwd_ranges`` (`fused_segment_table`), which the forward takes over (no memset of
+    # its own); None: the forward zeroes one. Used once: not a residual (`for_backward`).
+    fwd_counter: Any = None
+
+    def for_backward(self) -> Tables:
+        """These tables as the backward keeps them: without the forward's counter."""
+        return dataclasses.replace(self, fwd_counter=None)
 
     def masking(self) -> tuple[Any, ...]:
         """The masking tables in the kernels' argument order (`_kernel_common.MaskTables`)."""
@@ -409,7 +525,7 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         segment_ids = None
     else:
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, jnp.int32) for x in request.segment_ids)
-    fwd_table, dq_table, dkdv_table = range_tables(opts, rows, cols, segment_ids)
+    fwd_table, dq_table, dkdv_table, counter = range_tables(opts, rows, cols, segment_ids)
     if packing is None:
         q_sid = k_sid = q_pos = k_pos = dummy()
     else:
@@ -419,4 +535,6 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         seed = dummy(jnp.uint32)
     else:
         seed = dropout_key(request.dropout_seed, request.dropout_offsets)
-    return Tables(q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed)
+    return Tables(
+        q_sid, k_sid, q_pos, k_pos, q_seg, k_seg, fwd_table, dq_table, dkdv_table, seed, counter
+    )

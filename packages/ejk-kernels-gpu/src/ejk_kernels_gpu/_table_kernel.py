@@ -7,8 +7,13 @@ the same table, entry for entry, in one launch: program ``(b, m)`` summarises bl
 ``m``'s ids (lowest, highest, whether all one id), walks the other axis's inner blocks
 a chunk at a time with the same summary, and keeps the first and last block whose ids
 may meet its own and the first run of blocks holding its own single id; then it
-intersects that with row ``m`` of the mask table. `_masks` stays the definition (and the
-path on the CPU); the tests hold the two equal on random ids.
+intersects that with block ``m``'s entry of the masks' table: read from the table, or,
+for ranges given by positions (``POSITIONS``, `_masks.PositionRanges`: context
+parallelism's blocks, whose offsets are known when the call runs), built from its
+indices' positions, so that such calls need no XLA kernels for their masks. It also
+writes the zero that the persistent forward's counter starts from (``counter_ptr``: the
+forward takes the buffer over, with no memset launched). `_masks` stays the definition
+(and the path on the CPU); the tests hold the two equal on random ids.
 """
 
 import triton
@@ -32,11 +37,62 @@ def _with_full(start, full_lo, full_hi, end, INNER: tl.constexpr):
 
 
 @triton.jit
+def _entry_of_ranges(lo, hi, real, INNER: tl.constexpr):
+    """`_masks.block_table`'s entry of one block from its indices' ranges ``[lo, hi)``
+    (``real``: the indices inside the axis; the others are neutral)."""
+    sees = real & (lo < hi)
+    start = tl.min(tl.where(sees, lo, _BIG), axis=0)
+    end = tl.max(tl.where(sees, hi, 0), axis=0)
+    none = start >= end
+    start = tl.where(none, 0, start // INNER * INNER)
+    end = tl.where(none, 0, end)
+    lo_all = tl.max(tl.where(real, lo, -_BIG), axis=0)
+    hi_all = tl.min(tl.where(real, hi, _BIG), axis=0)
+    full_lo = (lo_all + INNER - 1) // INNER * INNER
+    full_hi = hi_all // INNER * INNER
+    full_lo, full_hi = _with_full(start, full_lo, full_hi, end, INNER)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
+def _position_entry(pos_ptr, other_pos_ptr, m, L: tl.constexpr, M: tl.constexpr,
+                    BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, INNER: tl.constexpr,
+                    CHUNKS: tl.constexpr, UPPER: tl.constexpr, LOWER: tl.constexpr):  # fmt: skip
+    """Block ``m``'s entry of the masks' table from positions (`_masks.PositionRanges`,
+    whose ``lo_hi`` this follows): index i at ``pos[i]`` sees, in each of the other axis's
+    ``CHUNKS`` equal chunks (the chunk's first position read from ``other_pos``), the
+    indices within ``LOWER`` before and ``UPPER`` past its position (-1: unbounded), and
+    the hull of those over the chunks."""
+    lane = tl.arange(0, BLOCK_P2)
+    idx = m * BLOCK + lane
+    real = (lane < BLOCK) & (idx < L)
+    p = tl.load(pos_ptr + idx, mask=real, other=0)
+    C: tl.constexpr = M // CHUNKS
+    lo = tl.full([BLOCK_P2], M, tl.int32)
+    hi = tl.zeros([BLOCK_P2], tl.int32)
+    for i in tl.static_range(CHUNKS):
+        rel = p - tl.load(other_pos_ptr + i * C)
+        lo_i = tl.zeros([BLOCK_P2], tl.int32)
+        hi_i = tl.full([BLOCK_P2], C, tl.int32)
+        if LOWER >= 0:
+            lo_i = tl.maximum(lo_i, rel - LOWER)
+        if UPPER >= 0:
+            hi_i = tl.minimum(hi_i, rel + UPPER + 1)
+        some = lo_i < hi_i
+        lo = tl.where(some, tl.minimum(lo, lo_i + i * C), lo)
+        hi = tl.where(some, tl.maximum(hi, hi_i + i * C), hi)
+    return _entry_of_ranges(tl.minimum(lo, hi), hi, real, INNER)
+
+
+@triton.jit
 def segment_table_kernel(
     ids_ptr,  # int32 [B, L]: this axis's segment ids (negative: padding)
     other_ptr,  # int32 [B, M]: the other axis's
     mask_ptr,  # int32 [NBLK, 4]: the masks' table of the same blocks (`_masks.block_table`)
+    pos_ptr,  # with POSITIONS, int32 [L]: this axis's positions (`_masks.PositionRanges`)
+    other_pos_ptr,  # ... and the other axis's, [M]
     out_ptr,  # int32 [B, NBLK, 4]
+    counter_ptr,  # int32 [1]: set to zero (the persistent forward's counter)
     L: tl.constexpr,
     M: tl.constexpr,
     NBLK: tl.constexpr,
@@ -46,6 +102,10 @@ def segment_table_kernel(
     INNER_P2: tl.constexpr,
     CHUNK: tl.constexpr,  # inner blocks summarised at once (a power of two)
     AFTER_FULL: tl.constexpr,  # `_masks._intersect`'s ``positions_after_full``
+    POSITIONS: tl.constexpr,  # the masks' entries from positions, not from ``mask_ptr``
+    CHUNKS: tl.constexpr,  # with POSITIONS: `_masks.PositionRanges`' chunks, upper, lower
+    UPPER: tl.constexpr,
+    LOWER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(1)
@@ -60,12 +120,19 @@ def segment_table_kernel(
     top = tl.max(ids, axis=0)
     high = tl.where(top >= 0, top, -1)
     uniform = (tl.min(ids, axis=0) == top) & (top >= 0)
+    if (b == 0) & (m == 0):
+        tl.store(counter_ptr, 0)
     # The masks' entry, loaded before the walk so that its latency hides behind it.
-    row = mask_ptr + m * 4
-    mask_start = tl.load(row)
-    mask_lo = tl.load(row + 1)
-    mask_hi = tl.load(row + 2)
-    mask_end = tl.load(row + 3)
+    if POSITIONS:
+        mask_start, mask_lo, mask_hi, mask_end = _position_entry(
+            pos_ptr, other_pos_ptr, m, L, M, BLOCK, BLOCK_P2, INNER, CHUNKS, UPPER, LOWER
+        )
+    else:
+        row = mask_ptr + m * 4
+        mask_start = tl.load(row)
+        mask_lo = tl.load(row + 1)
+        mask_hi = tl.load(row + 2)
+        mask_end = tl.load(row + 3)
     # The other axis, CHUNK inner blocks at a time; keys past the end are padding (-1).
     cols = tl.arange(0, INNER_P2)
     first = tl.full([], num_inner, tl.int32)

@@ -161,12 +161,18 @@ def _chunk_offsets(q_offset: QueryOffset, q_len: int) -> tuple[Offset, ...]:
 def _positions(offsets: tuple[Offset, ...], length: int) -> Array:
     """int32 ``[length]``: equal chunks, each counting up from its offset. Offsets known
     when tracing (Python ints) give a constant of the compiled call (no kernel launched
-    with each call, as XLA's iota is: all-gather's keys at offset 0); traced ones jnp."""
+    with each call: all-gather's keys at offset 0); traced ones one elementwise pass over
+    one iota (chunks concatenated from a shared ``arange`` took XLA two kernels, the
+    iota alone and the concatenation)."""
     c = length // len(offsets)
     if all(isinstance(o, (int, np.integer)) for o in offsets):
         local = np.arange(c, dtype=np.int32)
         return jnp.asarray(np.concatenate([int(o) + local for o in offsets]).astype(np.int32))
-    return jnp.concatenate([jnp.asarray(o, _I32) + jnp.arange(c, dtype=_I32) for o in offsets])
+    index = jnp.arange(length, dtype=_I32)
+    positions = index + jnp.asarray(offsets[0], _I32)
+    for i, offset in enumerate(offsets[1:], 1):
+        positions = jnp.where(index >= i * c, index - i * c + jnp.asarray(offset, _I32), positions)
+    return positions
 
 
 def block_tables(

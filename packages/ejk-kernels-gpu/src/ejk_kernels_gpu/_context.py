@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 from jaxtyping import Float, Int, UInt32
 
@@ -146,33 +145,21 @@ def _keys(q: Array, k: Array | None, v: Array | None, kv: Array | None) -> tuple
     return kv[..., :head_dim], kv[..., head_dim:], kv, kv
 
 
-def _chunk_offsets(q_offset: QueryOffset, q_len: int) -> tuple[Offset, ...]:
-    """The global offsets of the query rows' chunks: one for a contiguous block, or one per
-    equal chunk (``len(q_offset)`` of them, in increasing order)."""
+def _chunk_offsets(q_offset: QueryOffset, q_len: int) -> tuple[Array, ...]:
+    """The global offsets of the query rows' chunks, int32: one for a contiguous block, or
+    one per equal chunk (``len(q_offset)`` of them, in increasing order)."""
     offsets = q_offset if isinstance(q_offset, (tuple, list)) else (q_offset,)
     if not offsets or q_len % len(offsets):
         raise ValueError(
             f"q_offset gives the offsets of equal chunks of the {q_len} query rows; got "
             f"{len(offsets)} offsets"
         )
-    return tuple(offsets)
+    return tuple(jnp.asarray(o, _I32) for o in offsets)
 
 
-def _positions(offsets: tuple[Offset, ...], length: int) -> Array:
-    """int32 ``[length]``: equal chunks, each counting up from its offset. Offsets known
-    when tracing (Python ints) give a constant of the compiled call (no kernel launched
-    with each call: all-gather's keys at offset 0); traced ones one elementwise pass over
-    one iota (chunks concatenated from a shared ``arange`` took XLA two kernels, the
-    iota alone and the concatenation)."""
-    c = length // len(offsets)
-    if all(isinstance(o, (int, np.integer)) for o in offsets):
-        local = np.arange(c, dtype=np.int32)
-        return jnp.asarray(np.concatenate([int(o) + local for o in offsets]).astype(np.int32))
-    index = jnp.arange(length, dtype=_I32)
-    positions = index + jnp.asarray(offsets[0], _I32)
-    for i, offset in enumerate(offsets[1:], 1):
-        positions = jnp.where(index >= i * c, index - i * c + jnp.asarray(offset, _I32), positions)
-    return positions
+def _query_positions(offsets: tuple[Array, ...], q_len: int) -> Array:
+    c = q_len // len(offsets)
+    return jnp.concatenate([o + jnp.arange(c, dtype=_I32) for o in offsets])
 
 
 def block_tables(
@@ -194,9 +181,9 @@ def block_tables(
             f"{len(chunks)} chunks"
         )
     if not masks.relative:
-        chunks, k_offset = (0,), 0
-    q_positions = _positions(chunks, q_len)
-    k_positions = _positions((k_offset,), kv_len)
+        chunks, k_offset = (jnp.zeros((), _I32),), 0
+    q_positions = _query_positions(chunks, q_len)
+    k_positions = jnp.asarray(k_offset, _I32) + jnp.arange(kv_len, dtype=_I32)
     # The ranges by positions: with segment ids the table kernel builds the masks' entries
     # from them (no XLA kernels for the masks); else jnp does (`_masks.PositionRanges`).
     rows = PositionRanges.of(

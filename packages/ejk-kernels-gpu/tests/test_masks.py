@@ -239,7 +239,13 @@ def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
     causal = seed % 3 != 1
     lo, hi = _masks.ranges(length, other, causal, window, None, of_queries=True)
     table = _masks.block_table(lo, hi, block, inner)
-    ids, other_ids = jnp.asarray(ids), jnp.asarray(other_ids)
+    _assert_fused_table(table, table, jnp.asarray(ids), jnp.asarray(other_ids), block, inner)
+
+
+def _assert_fused_table(masks, table, ids, other_ids, block, inner):
+    """`fused_segment_table` of ``masks`` (a masks' table or `PositionRanges`) gives
+    `_intersect` of ``table`` (the masks' table in jnp) and `segment_block_table`, with and
+    without the causal forward's rule, and writes the counter's zero."""
     for after_full in (False, True):
         want = _masks._intersect(
             table,
@@ -248,7 +254,7 @@ def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
             positions_after_full=after_full,
         )
         got, counter = _masks.fused_segment_table(
-            table, ids, other_ids, block, inner, positions_after_full=after_full
+            masks, ids, other_ids, block, inner, positions_after_full=after_full
         )
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
         np.testing.assert_array_equal(np.asarray(counter), [0])
@@ -285,17 +291,8 @@ def test_position_ranges_in_the_table_kernel_give_the_jnp_tables(seed, monkeypat
     if seed % 4 < 2:
         ids, other_ids = np.zeros_like(ids), np.zeros_like(other_ids)
     ids, other_ids = jnp.asarray(ids, jnp.int32), jnp.asarray(other_ids, jnp.int32)
-    for after_full in (False, True):
-        want = _masks._intersect(
-            _masks.mask_table(ranges, block, inner),
-            _masks.segment_block_table(ids, other_ids, block, inner),
-            inner,
-            positions_after_full=after_full,
-        )
-        got, _ = _masks.fused_segment_table(
-            ranges, ids, other_ids, block, inner, positions_after_full=after_full
-        )
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
+    table = _masks.mask_table(ranges, block, inner)
+    _assert_fused_table(ranges, table, ids, other_ids, block, inner)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -295,6 +295,14 @@ def test_position_ranges_in_the_table_kernel_give_the_jnp_tables(seed, monkeypat
     _assert_fused_table(ranges, table, ids, other_ids, block, inner)
 
 
+def test_position_ranges_refuse_uneven_chunks_and_negative_bounds():
+    pos = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="5 indices in 2 chunks"):
+        _masks.PositionRanges(pos, jnp.arange(5, dtype=jnp.int32), 2, None, 0)
+    with pytest.raises(ValueError, match="upper is >= 0 or None, got -1"):
+        _masks.PositionRanges(pos, pos, 1, -1, None)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_position_ranges_hold_exactly_the_pairs_that_positions_allow(seed):
     # `PositionRanges.lo_hi` against the definition pair by pair: index i sees index j of

@@ -586,9 +586,9 @@ def gluon_fwd_kernel(
     output and lse of the same rows (``o_ptr`` and ``lse_ptr`` alias them: a tile that
     sees no key here leaves them as they are); ``order_ptr``: with ``ORDERED``, the tiles in the order programs take
     them (`_schedule.launch_order`); ``counter_ptr``: one int32, zero on entry, the
-    persistent programs' counter of places in the order (`_producer`; ``counter_in_ptr``
-    is unused: the buffer given to start from, the table kernel's zero, or a stand-in); ``scratch_ptr``
-    holds the TMA descriptors (see _jax_triton_fix);
+    persistent programs' counter of places in the order (`_producer`; ``counter_in_ptr``,
+    unused, is the buffer it starts as: the table kernel's zero, or a stand-in);
+    ``scratch_ptr`` holds the TMA descriptors (see _jax_triton_fix);
     INTERPRET is unused. A one-dimensional grid: one program per tile, or with
     ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it
     takes from the counter, so that a tile's first copies overlap the previous one's

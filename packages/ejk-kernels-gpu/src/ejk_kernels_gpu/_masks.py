@@ -161,6 +161,18 @@ class PositionRanges:
     upper: int | None
     lower: int | None
 
+    def __post_init__(self) -> None:
+        other_len = self.other_pos.shape[0]
+        if self.chunks < 1 or other_len % self.chunks:
+            raise ValueError(
+                f"PositionRanges' other axis is `chunks` equal chunks: {other_len} indices "
+                f"in {self.chunks} chunks"
+            )
+        for name in ("upper", "lower"):
+            bound = getattr(self, name)
+            if bound is not None and bound < 0:
+                raise ValueError(f"PositionRanges' {name} is >= 0 or None, got {bound}")
+
     @classmethod
     def of(
         cls,
@@ -395,9 +407,7 @@ def fused_segment_table(
 
 
 def _bound(bound: int | None) -> int:
-    """A `PositionRanges` bound as the table kernel's constexpr (-1: unbounded)."""
-    if bound is not None and bound < 0:
-        raise ValueError(f"bounds of PositionRanges are >= 0 or None, got {bound}")
+    """A `PositionRanges` bound (>= 0) as the table kernel's constexpr (-1: unbounded)."""
     return -1 if bound is None else bound
 
 

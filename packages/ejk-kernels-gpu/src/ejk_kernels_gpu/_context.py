@@ -42,7 +42,7 @@ from ejk_sequtils import validate_attention
 from ._backward_launch import backward
 from ._config import FlashConfig, bwd_heuristic, fwd_heuristic
 from ._forward_launch import forward
-from ._masks import PositionRanges, Tables, dummy, range_tables
+from ._masks import PositionRanges, Tables, dummy, range_tables, ranges
 from ._options import (
     CallOptions,
     call_options,
@@ -180,18 +180,22 @@ def block_tables(
             "dropout hashes positions from one offset per call; got a q_offset of "
             f"{len(chunks)} chunks"
         )
-    if not masks.relative:
-        chunks, k_offset = (jnp.zeros((), _I32),), 0
-    q_positions = _query_positions(chunks, q_len)
-    k_positions = jnp.asarray(k_offset, _I32) + jnp.arange(kv_len, dtype=_I32)
-    # The ranges by positions: with segment ids the table kernel builds the masks' entries
-    # from them (no XLA kernels for the masks); else jnp does (`_masks.PositionRanges`).
-    rows = PositionRanges.of(
-        q_positions, k_positions, 1, masks.causal, masks.window, of_queries=True
-    )
-    cols = PositionRanges.of(
-        k_positions, q_positions, len(chunks), masks.causal, masks.window, of_queries=False
-    )
+    q_sid = k_sid = q_pos = k_pos = dummy()  # one sequence: no ids (``SEQ_IDS`` off)
+    if masks.relative:
+        q_pos = _query_positions(chunks, q_len)
+        k_pos = jnp.asarray(k_offset, _I32) + jnp.arange(kv_len, dtype=_I32)
+        # The ranges by positions: with segment ids the table kernel builds the masks'
+        # entries from them (no XLA kernels for the masks); else jnp does
+        # (`_masks.PositionRanges`).
+        rows = PositionRanges.of(q_pos, k_pos, 1, masks.causal, masks.window, of_queries=True)
+        cols = PositionRanges.of(
+            k_pos, q_pos, len(chunks), masks.causal, masks.window, of_queries=False
+        )
+    else:  # local positions: the masks' ranges are NumPy constants, as on one GPU
+        rows, cols = (
+            ranges(q_len, kv_len, masks.causal, masks.window, None, of_queries=of_queries)
+            for of_queries in (True, False)
+        )
     if segment_ids is None:
         q_seg = k_seg = dummy()
     else:
@@ -199,9 +203,6 @@ def block_tables(
         # blocks of other documents are skipped, as on one GPU).
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
     fwd_table, dq_table, dkdv_table, counter = range_tables(opts, rows, cols, segment_ids)
-    q_sid = k_sid = q_pos = k_pos = dummy()  # one sequence: no ids (``SEQ_IDS`` off)
-    if masks.relative:
-        q_pos, k_pos = q_positions, k_positions
     if (dropout_key is None) != (masks.dropout_rate == 0.0):
         raise ValueError(
             f"a dropout key comes with dropout_rate > 0 and only then, got "

@@ -438,26 +438,30 @@ def range_tables(
         and where the forward's table came from the fused kernel, the zero it wrote for
         the forward's counter (`Tables.fwd_counter`), else None.
     """
-    fwd, bwd = opts.fwd_cfg, opts.bwd_cfg
+    fwd_cfg, bwd_cfg = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
     # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
     # beside a Gluon dk/dv config (`gluon_dq_beside`: other tiles at head_dim 256).
-    dq = gluon_dq_beside(bwd) or bwd
-    shapes = ((fwd.block_q, fwd.block_k), (dq.block_q, dq.block_k), (bwd.block_q, bwd.block_k))
+    dq_cfg = gluon_dq_beside(bwd_cfg) or bwd_cfg
+    shapes = tuple((c.block_q, c.block_k) for c in (fwd_cfg, dq_cfg, bwd_cfg))
     ranges_of = (rows, rows, cols)
     if fused is None:
         fused = not _triton.interpreting()
-    if segment_ids is None or not fused:
-        tables = [mask_table(r, *blocks) for r, blocks in zip(ranges_of, shapes, strict=True)]
     if segment_ids is None:  # NumPy ones become constants of the compiled call
-        return (*(jnp.asarray(t) for t in tables), None)
+        masks_only = (mask_table(r, *b) for r, b in zip(ranges_of, shapes, strict=True))
+        return (*(jnp.asarray(t) for t in masks_only), None)
     q_seg, k_seg = segment_ids
     ids_of = ((q_seg, k_seg), (q_seg, k_seg), (k_seg, q_seg))
     after_full = (opts.causal, False, False)  # the forward's (see `_intersect`)
     if not fused:
         fwd, dq, dkdv = (
-            _intersect(t, segment_block_table(*ids, *blocks), blocks[1], positions_after_full=a)
-            for t, ids, blocks, a in zip(tables, ids_of, shapes, after_full, strict=True)
+            _intersect(
+                mask_table(r, *blocks),
+                segment_block_table(*ids, *blocks),
+                blocks[1],
+                positions_after_full=a,
+            )
+            for r, ids, blocks, a in zip(ranges_of, ids_of, shapes, after_full, strict=True)
         )
         return fwd, dq, dkdv, None
     (fwd, counter), (dq, _), (dkdv, _) = (

@@ -243,10 +243,11 @@ TABLE_BUILDS = (
 
 
 def compile_table(
-    block: int, inner: int, after_full: bool, positions: tuple | None, length: int = 16384
+    block: int, inner: int, after_full: bool, positions: tuple | None, length: int = 65536
 ) -> dict[str, Any]:
     """Compile `_table_kernel.segment_table_kernel` for sm_90 (``length`` ids a row on both
-    axes; ``positions``: `_masks.table_constexprs`') and report its resources and spills."""
+    axes: by default two whole steps of `_masks.CHUNK_ELEMENTS`; ``positions``:
+    `_masks.table_constexprs`') and report its resources and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
 

@@ -329,12 +329,15 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
     return _with_full(start, full_lo, full_hi, end, inner)
 
 
-# Other-axis ids one program of `fused_segment_table` summarises at once (64 KiB, 32
-# registers a thread at `TABLE_WARPS`): 16384 keys of 128-key blocks in one step. Its
-# programs wait on their loads: H200, 64 programs walking 32768 keys (all-gather's device
-# call at n = 4), 16 warps 6.1-6.3 us, 8 warps 7.7, 32 warps 7.6; 4096 ids a step 12.2
+# Other-axis ids one program of `fused_segment_table` summarises at once (128 KiB, 64
+# registers a thread at `TABLE_WARPS`, no spills on sm_90): 32768 keys of 128-key blocks in
+# one step. Its programs wait on their loads, so fewer steps are faster: H200, 64 programs
+# walking 32768 keys (all-gather's device call at n = 4), 16 warps, 16384 ids a step
+# 6.9-7.0 us, 32768 6.1-6.2 (one process a variant, A B A B;
+# docs/gpu-runs/2026-11-29-h200-table-chunk-draft.json); earlier, at 16384 ids, 8 warps
+# 7.7 us and 32 warps 7.6 against 16 warps' 6.1-6.3, and 4096 ids a step 12.2
 # (docs/gpu-runs/2026-11-28-h200-forward-rows-major-draft.json).
-CHUNK_ELEMENTS = 16384
+CHUNK_ELEMENTS = 32768
 TABLE_WARPS = 16
 
 

@@ -26,6 +26,17 @@ slope to 40; in one run the forward at T = 65536 took 4.09 ms a call over 20 tra
 against 3.93 over 10 by the wall clock), which would flatter the shorter calls. Runs before
 2026-11-28's twenty-third session report ``ms`` only.
 
+``gpu_call_ms`` (since 2026-11-29's twenty-seventh session): in the same traces, each call's
+own span, its first kernel's start to its last one's end (every call runs the same kernels
+one after the other, `multi_gpu_context_check._call_spans`), the median over the calls and
+then over the rounds, and
+``gpu_call_ratio_to_ideal`` on it. It is ``gpu_ms`` without the GPU's wait between two
+calls of the jitted function (5-6 us on an H200, a cost of calling the benchmark's jit
+over and over, not of the work: inside a model's step the kernels follow other work),
+which ``gpu_ms`` charges a device's row n times against the unsharded row's once. The
+target reads "its step kernels ... run back to back in one jit" against "the unsharded
+kernel's time"; both ratios are reported.
+
 ``--check`` first compares, at a small size, every device's outputs and gradients
 (assembled over the devices and laid back out of the zigzag) with the float32 reference.
 
@@ -221,23 +232,30 @@ def check(
     return row
 
 
-def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float, dict[str, float]]:
-    """(span, busy, kernels) in ms per call of ``calls`` calls of ``fn`` run back to back
-    under a profiler trace: the first kernel's start to the last one's end on the GPU, the
-    time kernels ran, and the kernels that took longest, by name (`summarize_trace`)."""
+def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float, dict[str, float], float]:
+    """(span, busy, kernels, call span) in ms per call of ``calls`` calls of ``fn`` run back
+    to back under a profiler trace: the first kernel's start to the last one's end on the
+    GPU, the time kernels ran, the kernels that took longest, by name, and the median of each
+    call's own span, without the wait between calls (`summarize_trace`)."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as where:
         with jax.profiler.trace(where):
             for _ in range(calls):
                 out = fn(*args)
             jax.block_until_ready(out)
-        summary = summarize_trace(Path(where))
+        summary = summarize_trace(Path(where), calls)
     gpus = summary.get("gpus") or {}
     if not gpus:  # (no GPU kernels in the trace: a CPU run)
-        return float("nan"), float("nan"), {}
+        return float("nan"), float("nan"), {}, float("nan")
     gpu = gpus[min(gpus)]
     kernels = {name: ms / calls for name, ms in gpu["top_kernels_ms"].items()}
-    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls, kernels
+    own = gpu["call_spans_ms"]
+    call = float("nan")
+    if len(own) == calls:
+        call = float(np.median(own))
+    else:  # (kernels that do not divide into the calls: `_call_spans`)
+        print(f"gpu_span_ms: no call spans ({len(own)} for {calls} calls)", flush=True)
+    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls, kernels, call
 
 
 def bench(
@@ -270,7 +288,7 @@ def bench(
     for _, fn, args in contenders:  # compile and warm up
         jax.block_until_ready(fn(*args))
     times = [[] for _ in contenders]
-    spans = [[] for _ in contenders]  # (span, busy, kernels) of each round's trace
+    spans = [[] for _ in contenders]  # (span, busy, kernels, call span) of each round's trace
     for _ in range(rounds):
         for i, (row, fn, args) in enumerate(contenders):
             times[i].append(seconds_per_call(fn, *args, reps=reps))
@@ -278,12 +296,14 @@ def bench(
                 spans[i].append(gpu_span_ms(fn, args, trace_calls * row["n"]))
     rows = []
     for (row, _, _), ts, sp in zip(contenders, times, spans, strict=True):
-        span = busy = kernels = None
+        span = busy = kernels = call = None
         if sp:  # the median round's (the upper middle of an even count)
-            span, busy, kernels = sorted(sp, key=lambda x: x[0])[len(sp) // 2]
+            span, busy, kernels, _ = sorted(sp, key=lambda x: x[0])[len(sp) // 2]
+            call = sorted(x[3] for x in sp)[len(sp) // 2]  # (rounds' medians of their calls)
         rows.append(
             dict(row, t=t, docs=with_docs, layout=layout, ms=float(np.median(ts)) * 1e3,
                  gpu_ms=span, gpu_busy_ms=busy, gpu_ms_rounds=[x[0] for x in sp],
+                 gpu_call_ms=call, gpu_call_ms_rounds=[x[3] for x in sp],
                  gpu_kernels_ms=kernels)
         )  # fmt: skip
     for row in rows:
@@ -291,6 +311,7 @@ def bench(
         row["ratio_to_ideal"] = row["ms"] / (base["ms"] / row["n"])
         if trace_calls:
             row["gpu_ratio_to_ideal"] = row["gpu_ms"] / (base["gpu_ms"] / row["n"])
+            row["gpu_call_ratio_to_ideal"] = row["gpu_call_ms"] / (base["gpu_call_ms"] / row["n"])
     return rows
 
 
@@ -363,7 +384,11 @@ def main() -> None:
             for row in rows:
                 gpu = ""
                 if args.trace_calls:
-                    gpu = f"  GPU {row['gpu_ms']:8.3f} ms  ratio {row['gpu_ratio_to_ideal']:.3f}"
+                    gpu = (
+                        f"  GPU {row['gpu_ms']:8.3f} ms  ratio {row['gpu_ratio_to_ideal']:.3f}"
+                        f"  a call {row['gpu_call_ms']:8.3f} ms  ratio "
+                        f"{row['gpu_call_ratio_to_ideal']:.3f}"
+                    )
                 print(
                     f"T={t:6d} docs={with_docs!s:5} {'fwd+bwd' if row['bwd'] else 'fwd    '} "
                     f"{row['impl']:10s} n={row['n']} dev={row.get('device', '-')}: "

@@ -135,13 +135,33 @@ def _covered(start, end, union) -> float:
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
 
 
-def summarize_trace(trace_dir: Path) -> dict:
+def _call_spans(kernels, calls: int | None) -> list[float]:
+    """Each call's span in ms, its first kernel's start to its last one's end, for a trace of
+    ``calls`` calls of one jitted function one after the other: every call runs the same
+    kernels, so in order of start the first ``len(kernels) // calls`` are the first call's,
+    and so on. ``kernels``: ``(start, end, name)`` in us. Empty without ``calls``, or where
+    the kernels do not divide into calls of the same kernels in the same order (kernels of
+    two calls interleaved). Unlike the span over all the calls it leaves out the GPU's wait
+    between two calls."""
+    if not calls or not kernels or len(kernels) % calls:
+        return []
+    ordered = sorted(kernels)
+    size = len(ordered) // calls
+    groups = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    names = [name for _, _, name in groups[0]]
+    if any([name for _, _, name in g] != names for g in groups):
+        return []
+    return [(max(b for _, b, _ in g) - g[0][0]) / 1e3 for g in groups]
+
+
+def summarize_trace(trace_dir: Path, calls: int | None = None) -> dict:
     """How much of each GPU's communication ran while its compute kernels ran.
 
     Reads the ``*.trace.json.gz`` that ``jax.profiler.trace`` writes. Per GPU: the time its
     NCCL kernels (the ring's ``ppermute``, the all-gather's collectives) took, the part of
-    it covered by other kernels on that GPU (hidden), the kernels' busy time, and the
-    kernels that took the most time (summed by name).
+    it covered by other kernels on that GPU (hidden), the kernels' busy time, the kernels
+    that took the most time (summed by name), and with ``calls`` (the trace holds that many
+    calls of one jitted function, one after the other) each call's span (`_call_spans`).
     """
     files = sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
@@ -161,6 +181,7 @@ def summarize_trace(trace_dir: Path) -> dict:
         if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
     per_gpu: dict[str, dict[str, list]] = {}
+    named: dict[str, list] = {}  # per GPU, every kernel's (start, end, name)
     kernel_ms: dict[str, dict[str, float]] = {}  # per GPU, per kernel name
     for e in events:
         name = names.get(e.get("pid"), "")
@@ -171,6 +192,7 @@ def summarize_trace(trace_dir: Path) -> dict:
         kind = "comm" if "nccl" in e["name"].lower() else "compute"
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         per_gpu.setdefault(name, {"comm": [], "compute": []})[kind].append(span)
+        named.setdefault(name, []).append((*span, e["name"]))
         totals = kernel_ms.setdefault(name, {})
         totals[e["name"][:80]] = totals.get(e["name"][:80], 0.0) + float(e["dur"]) / 1e3
     summary = {
@@ -195,6 +217,7 @@ def summarize_trace(trace_dir: Path) -> dict:
             "top_kernels_ms": dict(
                 sorted(kernel_ms[gpu].items(), key=lambda kv: -kv[1])[:_TOP_KERNELS]
             ),
+            "call_spans_ms": _call_spans(named[gpu], calls),
         }
     return summary
 

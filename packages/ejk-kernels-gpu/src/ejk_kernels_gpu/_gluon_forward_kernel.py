@@ -203,9 +203,14 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
     program copied before; ``qph``: the phase of q's barriers for this tile; ``blocks``:
     its key range (`_key_blocks`). Returns the new count.
 
-    The first ``STAGES`` key blocks go before q: they need only ring slots the previous
-    tile frees, so they land during its epilogue, while q waits for it (q's buffer is the
-    previous tile's output buffer; a second q buffer measured no faster).
+    Key blocks go before q as far as their ring slots are free before q's buffer is: with
+    o through q's buffer (freed once the previous tile's output has left), the first
+    ``STAGES``, which need only slots the previous tile frees by its last p·v, so they land
+    during its epilogue (a second q buffer measured no faster); with ``OBUF`` (q freed after
+    the previous tile's last q·kᵀ) the first ``STAGES - 1``, whose slots that tile freed
+    before its last key block: the next, in its last block's slots, would hold q back until
+    that block's p·v is done (H200: q then landed 0.7-1.0 us after the epilogue, a tile's
+    wait).
     """
     q_desc = descs[0]
     q_smem = smem[0]
@@ -217,7 +222,8 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
     j_lo = blocks[0]
     j_hi = blocks[3]
     qrow, qcol, krow, kcol = _origin(b, n, F)
-    head = gl.minimum(j_hi, j_lo + F.STAGES)
+    LEAD: gl.constexpr = F.STAGES - 1 if F.OBUF else F.STAGES
+    head = gl.minimum(j_hi, j_lo + LEAD)
     for j in range(j_lo, head):
         _copy_kv(descs, smem, kv_bars, j, count + j - j_lo, (krow, kcol), F)
     mbarrier.wait(q_empty, qph ^ 1)  # the previous tile's q is done with (OBUF), or its

@@ -429,8 +429,8 @@ def fwd_heuristic(
     at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
     ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
-    packing, segment ids) or it has a soft cap: its programs run few key blocks a tile, or
-    heavy ones, and at head_dim 128 the Gluon forward's two-slot config gives its output a
+    packing, segment ids), it has a soft cap, or it is causal over few keys
+    (`_options.short_causal`): its programs run few key blocks a tile, or heavy ones, and at head_dim 128 the Gluon forward's two-slot config gives its output a
     buffer of its own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
     """
     gluon = warp_specialize if gluon is None else gluon

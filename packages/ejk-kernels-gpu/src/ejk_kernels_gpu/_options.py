@@ -118,6 +118,20 @@ class CallOptions:
         )
 
 
+# Causal calls with at most this many keys take the short-loop forward config: their tiles
+# walk 1 to 64 key blocks, and a tile's fixed cost weighs (`short_causal`).
+SHORT_CAUSAL_KEYS = 8192
+
+
+def short_causal(opts: CallOptions, kv_len: int) -> bool:
+    """Whether a causal call's tiles are short enough for the forward's two-slot config with
+    its own output buffer (`_config.fwd_heuristic`'s ``short_loops``): H200, a0ee2bc, forward
+    kernel, three slots against two (docs/gpu-runs/2026-11-29-h200-forward-slots-a0ee2bc.json):
+    causal B4 T4096 N32 908 -> 879 us, K8 891 -> 870; B1 T16384 N16 1594 -> 1607 (longer
+    tiles: three); unmasked B4 T4096 1541 -> 1545 (three)."""
+    return opts.causal and kv_len <= SHORT_CAUSAL_KEYS
+
+
 def call_options(
     request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
 ) -> CallOptions:
@@ -143,7 +157,7 @@ def call_options(
     if config is None:
         fwd = fwd_heuristic(
             head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon,
-            short_loops=opts.tabled() or opts.soft_cap > 0.0,
+            short_loops=opts.tabled() or opts.soft_cap > 0.0 or short_causal(opts, kv_len),
         )  # fmt: skip
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     gluon_bwd = can_run_gluon_dkdv(

@@ -117,18 +117,23 @@ def _visible(c, b, rows, keys, tabs, lengths, ids=True):
 
 
 def _tiles(order, count, consts):
-    """The tiles a Gluon kernel's programs take, in order: with ``ORDERED`` the launch's
-    order, with ``ROWS_MAJOR`` (`_gluon_forward_kernel._rows_major`) one query block of
-    every (batch, head) at a time, the last first where causal; either must be a
-    permutation of them; else the grid's (a placeholder order)."""
+    """The tiles a Gluon kernel's programs take, in order (``(b·N + n)·n_m + query block``):
+    with ``ORDERED`` the launch's order, with ``ROWS_MAJOR`` (`_gluon_forward_kernel._rows_major`)
+    the grid's up to the last ``ROWS_MAJOR`` (batch, head) groups, then one query block of
+    each of those at a time, the last first where causal; either must be a permutation of
+    them; else the grid's (a placeholder order)."""
     if consts["ORDERED"]:
         np.testing.assert_array_equal(np.sort(order), np.arange(count))
         return order
     if consts.get("ROWS_MAJOR"):
         assert not consts["ORDERED"] and consts["PERSISTENT"]
-        groups = consts["B"] * consts["N"]
+        groups, last = consts["B"] * consts["N"], consts["ROWS_MAJOR"]
         n_m = count // groups
-        m, bn = np.divmod(np.arange(count), groups)
+        place = np.arange(count)
+        first = (groups - last) * n_m
+        m, g = np.divmod(place - first, last)
+        bn = np.where(place < first, place // n_m, groups - last + g)
+        m = np.where(place < first, place % n_m, m)
         tiles = bn * n_m + (n_m - 1 - m if consts["CAUSAL"] else m)
         np.testing.assert_array_equal(np.sort(tiles), np.arange(count))
         return tiles
@@ -682,20 +687,25 @@ def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg,
 @pytest.mark.parametrize(
     "shape, causal, seg, varlen, expected",
     [
-        ((1, 8192, 32, 128), True, True, False, True),  # 2048 tiles: 16 a multiprocessor
-        ((1, 16384, 16, 128), True, False, True, True),  # packed sequences too
-        ((1, 32768, 32, 128), True, True, False, False),  # 62 tiles a multiprocessor
-        ((1, 8192, 32, 128), False, True, False, False),  # not causal: tiles alike in order
-        ((4, 4096, 32, 128), True, False, False, False),  # causal alone: the grid's order
-        ((2, 1000, 8, 128), True, True, False, False),  # rows off the tile: not persistent
+        ((1, 8192, 32, 128), True, True, False, 32),  # 2048 tiles: 16 a multiprocessor
+        ((1, 16384, 16, 128), True, False, True, 16),  # packed sequences too
+        ((1, 32768, 32, 128), True, True, False, 0),  # 62 tiles a multiprocessor
+        ((1, 8192, 32, 128), False, True, False, 0),  # not causal: tiles alike in order
+        ((4, 4096, 32, 128), True, False, False, 17),  # causal alone: 4 x 132 / 32 blocks
+        ((1, 8192, 32, 128), True, False, False, 9),  # 4 x 132 / 64
+        ((1, 8192, 2, 128), True, False, False, 2),  # every group
+        ((1, 16384, 16, 128), True, False, False, 0),  # 128 blocks a group: the grid's order
+        ((2, 1000, 8, 128), True, True, False, 0),  # rows off the tile: not persistent
     ],
 )
-def test_short_causal_calls_with_documents_take_their_tiles_rows_major(
+def test_short_causal_calls_take_their_last_tiles_rows_major(
     shape, causal, seg, varlen, expected
 ):
-    """One query block of every (batch, head) at a time, the last blocks first, so that the
-    counter's last tiles are light: causal calls with documents or packed sequences of at
-    most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here)."""
+    """One query block of each (batch, head) at a time, the last blocks first, so that the
+    counter's last tiles are light: every group in causal calls with documents or packed
+    sequences of at most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here); the last
+    groups holding `TAIL_WAVES` multiprocessors' worth of the heaviest tiles in causal
+    calls without a table of at most `TAIL_BLOCKS` query blocks."""
     from ejk_kernels_gpu import _options
     from ejk_kernels_gpu._options import CallOptions, gluon_persistent, rows_major
 
@@ -707,6 +717,21 @@ def test_short_causal_calls_with_documents_take_their_tiles_rows_major(
     persistent = gluon_persistent(opts, shape, shape[1], cfg)
     assert _options.multiprocessors() == 132
     assert rows_major(opts, shape, cfg, persistent=persistent) == expected
+
+
+def test_a_causal_call_takes_its_last_groups_rows_major_with_the_reference_values(
+    gluon_launches, rng
+):
+    """72 (batch, head) groups of 8 query blocks: the first 6 in the grid's order, the last
+    66 (4 x 132 / 8) one query block of each at a time; the tiles stay a permutation and
+    the output the reference's."""
+    q = jnp.asarray(rng.standard_normal((1, 1024, 72, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 1024, 8, 128)), jnp.bfloat16) for _ in range(2))
+    out = flash_attention(q, k, v, causal=True)
+    [(name, _, consts, _, _)] = gluon_launches
+    assert name == "gluon_fwd_kernel" and consts["PERSISTENT"] and consts["ROWS_MAJOR"] == 66
+    want = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
 
 
 @pytest.mark.parametrize(

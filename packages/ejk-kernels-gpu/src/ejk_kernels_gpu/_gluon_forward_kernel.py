@@ -31,8 +31,9 @@ A tile is one query block of one (batch, head); programs take tiles in the grid'
 head's query blocks consecutive, so the programs at work share k and v in L2; causal
 ones heaviest first), with ``ORDERED`` in the launch's (`_schedule.launch_order`: a few
 heads' query blocks at a time, the heaviest first), or with ``ROWS_MAJOR`` (persistent
-programs, short causal calls with documents: `_options.rows_major`) one query block of
-every (batch, head) at a time, the last first (`_rows_major`). Where T and S fill whole tiles
+causal programs, `_options.rows_major`) the last ``ROWS_MAJOR`` (batch, head) groups'
+one query block of each at a time, the last first (`_rows_major`): all of them in short
+calls with documents, the last few in short causal ones, so the last tiles are light. Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
@@ -107,7 +108,8 @@ class GluonOptions(NamedTuple):
     BM: int  # query rows per tile
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
     ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
-    ROWS_MAJOR: bool  # the grid's order takes one query block of every (batch, head) at a time
+    ROWS_MAJOR: int  # the grid's order takes the last ROWS_MAJOR (batch, head) groups' tiles
+    # one query block of each at a time (`_rows_major`); 0: none
     OBUF: bool  # o leaves through a buffer of its own (else q's): q is released after the
     # tile's last q·kᵀ, and a tile's output store is waited for only before the next one's
     FIXED_SHIFT: bool  # soft cap: each row's shift is set by the tile's first key block and
@@ -120,12 +122,11 @@ class GluonOptions(NamedTuple):
 @gluon.jit
 def _tile(tile, n_m, F: gl.constexpr):
     """(b, n, b·N + n, query block) of a tile: tile ``(b·N + n)·n_m + query block`` taken
-    from the launch's order (``ORDERED``) or the rows-major one (``ROWS_MAJOR``,
-    `_rows_major`), else the grid's, where the query blocks of one (batch, head) are
-    consecutive tiles (programs at work together share k and v in L2), causal ones
-    heaviest first."""
+    from the launch's order (``ORDERED``), else ``(b·N + n)·n_m + m`` of the grid's, where
+    the query blocks of one (batch, head) are consecutive tiles (programs at work together
+    share k and v in L2), causal ones heaviest first (block ``n_m - 1 - m``)."""
     bn = tile // n_m
-    if F.ORDERED or F.ROWS_MAJOR:
+    if F.ORDERED:
         pid_m = tile - bn * n_m
     else:
         m = tile % n_m
@@ -135,13 +136,20 @@ def _tile(tile, n_m, F: gl.constexpr):
 
 @gluon.jit
 def _rows_major(place, n_m, F: gl.constexpr):
-    """The tile (as `_tile` reads it with ``ROWS_MAJOR``) at ``place`` of the rows-major
-    order: one query block of every (batch, head) at a time, causal ones the last block
-    first."""
-    m = place // (F.B * F.N)
-    bn = place - m * (F.B * F.N)
-    pid_m = n_m - 1 - m if F.CAUSAL else m
-    return bn * n_m + pid_m
+    """The tile (as `_tile` reads the grid's) at ``place`` of the order with ``ROWS_MAJOR``:
+    the grid's up to the last ``ROWS_MAJOR`` (batch, head) groups, then one query block of
+    each of those at a time (causal ones the last block first)."""
+    first: gl.constexpr = F.B * F.N - F.ROWS_MAJOR  # the first group taken rows-major
+    if first == 0:  # every group (no branch: the producer's few registers)
+        m = place // F.ROWS_MAJOR
+        tile = (place - m * F.ROWS_MAJOR) * n_m + m
+    else:
+        tile = place
+        if place >= first * n_m:
+            r = place - first * n_m
+            m = r // F.ROWS_MAJOR
+            tile = (first + r - m * F.ROWS_MAJOR) * n_m + m
+    return tile
 
 
 @gluon.jit
@@ -272,7 +280,7 @@ def _producer(descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_
         while place < total:
             if F.ORDERED:
                 tile = gl.load(order_ptr + place)
-            elif F.ROWS_MAJOR:
+            elif F.ROWS_MAJOR > 0:
                 tile = _rows_major(place, n_m, F)
             else:
                 tile = place

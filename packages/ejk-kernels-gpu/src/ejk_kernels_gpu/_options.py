@@ -476,27 +476,43 @@ def gluon_persistent(
 
 
 def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,
-               persistent: bool) -> bool:  # fmt: skip
-    """Whether the persistent Gluon forward takes its tiles one query block of every
-    (batch, head) at a time, the last blocks first (``ROWS_MAJOR``), instead of each
-    (batch, head)'s blocks together: causal calls with segment ids or packed sequences of
-    at most `ROWS_MAJOR_WAVES` tiles a multiprocessor. In the grid's own order the last
-    (batch, head)'s first document comes last and a program can be left with its heaviest
-    tile while the others have ended (about a tile's time, 30 us with documents of 2048);
-    rows-major, a document's tiles run together across heads, heaviest first, and the last
-    tiles handed out are the first document's lightest. H200, B1 N32 K8 H128, documents of
-    2048 (docs/performance.md, "The forward's tile order"): 8192 rows 0.274 -> 0.266 ms,
-    16384 level, 32768 (62 tiles a multiprocessor) 1.011 -> 1.021, so longer calls keep the
-    grid's order."""
-    if not (persistent and opts.causal and (opts.has_seg or opts.varlen)):
-        return False
-    if opts.ordered_tiles("fwd", persistent=persistent):
-        return False
-    return gluon_tiles(q_shape, cfg) <= ROWS_MAJOR_WAVES * multiprocessors()
+               persistent: bool) -> int:  # fmt: skip
+    """How many (batch, head) groups, the last ones, the persistent Gluon forward takes one
+    query block of each at a time, the last blocks first (``ROWS_MAJOR``), instead of each
+    group's blocks together; 0: none. In the grid's own order the last groups' heaviest
+    tiles start late and a program can be left with one while the others have ended.
+
+    - Causal calls with segment ids or packed sequences of at most `ROWS_MAJOR_WAVES` tiles
+      a multiprocessor: every group. A document's tiles run together across heads,
+      heaviest first, and the last tiles handed out are the first document's lightest (about
+      a tile's time, 30 us with documents of 2048). H200, B1 N32 K8 H128, documents of 2048
+      (docs/performance.md, "The forward's tile order"): 8192 rows 0.274 -> 0.266 ms, 16384
+      level, 32768 (62 tiles a multiprocessor) 1.011 -> 1.021, so longer calls keep the
+      grid's order.
+    - Causal calls without a table of at most `TAIL_BLOCKS` query blocks: the last groups
+      that hold `TAIL_WAVES` multiprocessors' worth of tiles of the heaviest's size, so that
+      the heaviest start early enough; the rest keep the grid's order (the programs at work
+      share k and v in L2). H200, forward kernel, e6c884f, the grid's order against this one
+      (docs/gpu-runs/2026-11-29-h200-forward-tail-e6c884f.json): B4 T4096 N32 875 -> 854 us,
+      N32 K8 866 -> 841, B1 T8192 N32 K8 848 -> 802; B1 T16384 N16 level (1580 / 1586)."""
+    if not (persistent and opts.causal) or opts.ordered_tiles("fwd", persistent=persistent):
+        return 0
+    batch, q_len, heads, _ = q_shape
+    if opts.has_seg or opts.varlen:
+        short = gluon_tiles(q_shape, cfg) <= ROWS_MAJOR_WAVES * multiprocessors()
+        return batch * heads if short else 0
+    blocks = -(-q_len // cfg.block_q)
+    if opts.tabled() or blocks > TAIL_BLOCKS:
+        return 0
+    return min(batch * heads, -(-TAIL_WAVES * multiprocessors() // blocks))
 
 
-# Tiles a multiprocessor up to which `rows_major` takes the rows-major order.
+# Tiles a multiprocessor up to which `rows_major` takes every group rows-major (documents).
 ROWS_MAJOR_WAVES = 24
+# Causal calls without a table: query blocks a group up to which `rows_major` takes the last
+# groups rows-major, and how many multiprocessors' worth of heaviest tiles those hold.
+TAIL_BLOCKS = 64
+TAIL_WAVES = 4
 
 
 def gluon_tiles(q_shape: tuple[int, ...], cfg: FlashConfig) -> int:

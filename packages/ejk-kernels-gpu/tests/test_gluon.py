@@ -698,9 +698,7 @@ def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg,
         ((2, 1000, 8, 128), True, True, False, 0),  # rows off the tile: not persistent
     ],
 )
-def test_short_causal_calls_take_their_last_tiles_rows_major(
-    shape, causal, seg, varlen, expected
-):
+def test_short_causal_calls_take_their_last_tiles_rows_major(shape, causal, seg, varlen, expected):
     """One query block of each (batch, head) at a time, the last blocks first, so that the
     counter's last tiles are light: every group in causal calls with documents or packed
     sequences of at most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here); the last

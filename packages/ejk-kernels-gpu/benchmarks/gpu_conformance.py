@@ -387,6 +387,9 @@ CASES = [
     # sees them, and their Gluon dk/dv programs store zeros and end first (`store_zero_dkdv`).
     ("gluon bwd documents padded tail h128", 2, 1024, 1024, 8, 2, 128, GG, dict(documents="padded", causal=True)),
     ("gluon bwd h256 documents padded tail fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents="padded", dtype=jnp.float16)),
+    # 32 (batch, head) groups of 64 query blocks: the persistent forward takes the last 9
+    # rows-major, the first 23 in the grid's order (`_options.rows_major`)
+    ("gluon causal last groups rows-major", 1, 8192, 8192, 32, 8, 128, GG, dict(causal=True)),
 ]  # fmt: skip
 
 

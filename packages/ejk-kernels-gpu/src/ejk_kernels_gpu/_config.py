@@ -247,7 +247,9 @@ _WS_CONFIGS = {
     128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
 }
 # The Gluon forward; three ring slots measured 3-17 % faster than two on the benchmark's
-# head_dim-128 shapes (H100, docs/performance.md step 10), so the heuristic takes them.
+# head_dim-128 shapes (H100, docs/performance.md step 10), so the heuristic takes them for
+# long loops; two (with the output's own buffer) for short ones (`fwd_heuristic`'s
+# ``short_loops``: masks beyond causal, soft caps, causal calls of up to 8192 keys).
 # head_dim 256: 64-key tiles, two slots (`gluon_fits`).
 _GLUON_CONFIGS = {
     64: (

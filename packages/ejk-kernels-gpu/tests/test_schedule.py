@@ -1,7 +1,8 @@
 """The Gluon kernels' program order (`_schedule.tile_order`): a permutation of the grid's
 tiles, heaviest first within blocks of (batch, head) groups, and a shorter schedule than
 the grid's own order where programs' work is uneven; the steps it weighs, from block
-tables and from causal alone, are the blocks the kernels walk."""
+tables and from causal alone, are the blocks the kernels walk. Also the persistent
+forward's own order with its last groups rows-major (`_options.rows_major`)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,39 @@ def test_grouped_causal_dkdv_programs_end_with_light_ones():
     ideal = (work + 0.5).sum() / 132
     assert _makespan(np.arange(work.size), work) / ideal > 1.1
     assert _makespan(tile_order(steps, 32, 132), work) / ideal < 1.01
+
+
+def _forward_order(groups, n_m, last):
+    """The persistent Gluon forward's tiles in the order its counter hands them out, as query
+    block indices ``group * n_m + block``: the grid's (each group's blocks, the last first),
+    the last ``last`` groups one query block of each at a time (`_gluon_forward_kernel._rows_major`)."""
+    place = np.arange(groups * n_m)
+    first = (groups - last) * n_m
+    m, g = np.divmod(place - first, max(last, 1))
+    bn = np.where(place < first, place // n_m, groups - last + g)
+    m = np.where(place < first, place % n_m, m)
+    return bn * n_m + (n_m - 1 - m)
+
+
+@pytest.mark.parametrize("shape", [(4, 4096, 32), (1, 8192, 32), (8, 2048, 16)])
+def test_short_causal_forwards_end_with_light_tiles(shape):
+    # Causal calls without a table: in the grid's order the last groups' heaviest tiles
+    # start late; `_options.rows_major` takes the last groups one query block at a time.
+    from ejk_kernels_gpu import FlashConfig
+    from ejk_kernels_gpu._options import CallOptions, rows_major
+
+    batch, q_len, heads = shape
+    opts = CallOptions(
+        scale=0.1, causal=True, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=False,
+        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+    )  # fmt: skip
+    cfg = FlashConfig(block_q=128, block_k=128, num_stages=2, gluon=True)
+    last = rows_major(opts, (batch, q_len, heads, 128), cfg, persistent=True)
+    groups, n_m = batch * heads, q_len // 128
+    steps = np.tile(np.arange(1, n_m + 1), groups)  # query block p walks p + 1 key blocks
+    ideal = (steps + 0.5).sum() / 132
+    grid = _makespan(_forward_order(groups, n_m, 0), steps) / ideal
+    taken = _makespan(_forward_order(groups, n_m, last), steps) / ideal
+    assert 0 < last < groups
+    np.testing.assert_array_equal(np.sort(_forward_order(groups, n_m, last)), np.arange(steps.size))
+    assert grid > 1.03 and taken < 1.015, (last, grid, taken)

@@ -432,8 +432,9 @@ def fwd_heuristic(
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
     ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
     packing, segment ids), it has a soft cap, or it is causal over few keys
-    (`_options.short_causal`): its programs run few key blocks a tile, or heavy ones, and at head_dim 128 the Gluon forward's two-slot config gives its output a
-    buffer of its own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
+    (`_options.short_causal`): its programs run few key blocks a tile, or heavy ones, and
+    at head_dim 128 the Gluon forward's two-slot config gives its output a buffer of its
+    own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
     """
     gluon = warp_specialize if gluon is None else gluon
     if gluon and itemsize == 2 and head_dim in _GLUON_HEURISTIC_HEAD_DIMS:

@@ -33,7 +33,8 @@ ones heaviest first), with ``ORDERED`` in the launch's (`_schedule.launch_order`
 heads' query blocks at a time, the heaviest first), or with ``ROWS_MAJOR`` (persistent
 causal programs, `_options.rows_major`) the last ``ROWS_MAJOR`` (batch, head) groups'
 one query block of each at a time, the last first (`_rows_major`): all of them in short
-calls with documents, the last few in short causal ones, so the last tiles are light. Where T and S fill whole tiles
+calls with documents, the last few in short causal ones, so the last tiles are light.
+Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous

@@ -23,6 +23,7 @@ import pytest
 
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, gluon_fits, ordinary_config
+from ejk_kernels_gpu._schedule import forward_order
 from ejk_kernels_gpu._triton import multiprocessors
 from ejk_sequtils import random_document_ids, reference_attention
 
@@ -118,23 +119,16 @@ def _visible(c, b, rows, keys, tabs, lengths, ids=True):
 
 def _tiles(order, count, consts):
     """The tiles a Gluon kernel's programs take, in order (``(b·N + n)·n_m + query block``):
-    with ``ORDERED`` the launch's order, with ``ROWS_MAJOR`` (`_gluon_forward_kernel._rows_major`)
-    the grid's up to the last ``ROWS_MAJOR`` (batch, head) groups, then one query block of
-    each of those at a time, the last first where causal; either must be a permutation of
-    them; else the grid's (a placeholder order)."""
+    with ``ORDERED`` the launch's order, with ``ROWS_MAJOR`` the counter's
+    (`_schedule.forward_order`); either must be a permutation of them; else the grid's (a
+    placeholder order)."""
     if consts["ORDERED"]:
         np.testing.assert_array_equal(np.sort(order), np.arange(count))
         return order
     if consts.get("ROWS_MAJOR"):
         assert not consts["ORDERED"] and consts["PERSISTENT"]
-        groups, last = consts["B"] * consts["N"], consts["ROWS_MAJOR"]
-        n_m = count // groups
-        place = np.arange(count)
-        first = (groups - last) * n_m
-        m, g = np.divmod(place - first, last)
-        bn = np.where(place < first, place // n_m, groups - last + g)
-        m = np.where(place < first, place % n_m, m)
-        tiles = bn * n_m + (n_m - 1 - m if consts["CAUSAL"] else m)
+        groups = consts["B"] * consts["N"]
+        tiles = forward_order(groups, count // groups, consts["ROWS_MAJOR"], consts["CAUSAL"])
         np.testing.assert_array_equal(np.sort(tiles), np.arange(count))
         return tiles
     assert order.shape == (1,), order.shape

@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu._schedule import Walk, causal_steps, launch_order, table_steps, tile_order
+from ejk_kernels_gpu._schedule import (
+    Walk,
+    causal_steps,
+    forward_order,
+    launch_order,
+    table_steps,
+    tile_order,
+)
 
 
 def _documents_table(key_blocks, busy_documents, doc_blocks=16, rows=64):
@@ -150,18 +157,6 @@ def test_grouped_causal_dkdv_programs_end_with_light_ones():
     assert _makespan(tile_order(steps, 32, 132), work) / ideal < 1.01
 
 
-def _forward_order(groups, n_m, last):
-    """The persistent Gluon forward's tiles in the order its counter hands them out, as query
-    block indices ``group * n_m + block``: the grid's (each group's blocks, the last first),
-    the last ``last`` groups one query block of each at a time (`_gluon_forward_kernel._rows_major`)."""
-    place = np.arange(groups * n_m)
-    first = (groups - last) * n_m
-    m, g = np.divmod(place - first, max(last, 1))
-    bn = np.where(place < first, place // n_m, groups - last + g)
-    m = np.where(place < first, place % n_m, m)
-    return bn * n_m + (n_m - 1 - m)
-
-
 @pytest.mark.parametrize("shape", [(4, 4096, 32), (1, 8192, 32), (8, 2048, 16)])
 def test_short_causal_forwards_end_with_light_tiles(shape):
     # Causal calls without a table: in the grid's order the last groups' heaviest tiles
@@ -179,8 +174,8 @@ def test_short_causal_forwards_end_with_light_tiles(shape):
     groups, n_m = batch * heads, q_len // 128
     steps = np.tile(np.arange(1, n_m + 1), groups)  # query block p walks p + 1 key blocks
     ideal = (steps + 0.5).sum() / 132
-    grid = _makespan(_forward_order(groups, n_m, 0), steps) / ideal
-    taken = _makespan(_forward_order(groups, n_m, last), steps) / ideal
+    grid = _makespan(forward_order(groups, n_m, 0), steps) / ideal
+    taken = _makespan(forward_order(groups, n_m, last), steps) / ideal
     assert 0 < last < groups
-    np.testing.assert_array_equal(np.sort(_forward_order(groups, n_m, last)), np.arange(steps.size))
+    np.testing.assert_array_equal(np.sort(forward_order(groups, n_m, last)), np.arange(steps.size))
     assert grid > 1.03 and taken < 1.015, (last, grid, taken)

@@ -35,7 +35,7 @@ import numpy as np
 from ._masks import dummy
 from ._triton import multiprocessors
 
-__all__ = ["Walk", "causal_steps", "launch_order", "table_steps", "tile_order"]
+__all__ = ["Walk", "causal_steps", "forward_order", "launch_order", "table_steps", "tile_order"]
 
 
 class Walk(NamedTuple):
@@ -123,6 +123,20 @@ def tile_order(steps: Any, groups: int, multiprocessors: int) -> Any:
     if xp is np:
         return np.argsort(key.reshape(-1), kind="stable").astype(np.int32)
     return jnp.argsort(key.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def forward_order(groups: int, n_m: int, rows_major: int, causal: bool = True) -> np.ndarray:
+    """The tiles the persistent Gluon forward's counter hands out, in order, as ``group *
+    n_m + query block`` (the definition its producer follows, `_gluon_forward_kernel._tile`
+    and `_rows_major`): the grid's order (each group's ``n_m`` blocks, causal ones the last
+    first), then the last ``rows_major`` groups (``ROWS_MAJOR``, `_options.rows_major`; 0:
+    none) one query block of each at a time."""
+    place = np.arange(groups * n_m)
+    first = (groups - rows_major) * n_m
+    m, g = np.divmod(place - first, max(rows_major, 1))
+    group = np.where(place < first, place // n_m, groups - rows_major + g)
+    m = np.where(place < first, place % n_m, m)
+    return group * n_m + (n_m - 1 - m if causal else m)
 
 
 def launch_order(

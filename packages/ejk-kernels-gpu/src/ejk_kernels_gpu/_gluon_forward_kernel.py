@@ -38,7 +38,8 @@ Where T and S fill whole tiles
 (`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
-tile's epilogue, and the ring's slots and phases run on across tiles (``count``). Where
+tile's epilogue, and the ring's slots and phases run on across tiles (``count``); the
+consumers read the next tile and its key range while a tile's last p·v runs. Where
 shared memory has room (``OBUF``, `_options.gluon_obuf`: head_dim 64, or 128 with two
 slots) the output leaves through a buffer of its own: a consumer releases q after its
 tile's last q·kᵀ, so the next q loads during the last p·v and the epilogue, and waits for
@@ -424,12 +425,14 @@ def _resume(prev, rows, bn, row_c, F: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n_m, tabs,
+def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n_m, tabs, nxt,
                   F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
     """Rows ``C·BM/2 ..`` of one tile's query block (consumer C of two); ``count``: key
     blocks this program consumed before; ``qph``: the phase of q's barriers for this tile
     (`_tile_phase`); ``blocks``: its key range (`_key_blocks`); ``prev``: the previous
-    call's (o, lse) pointers (``RESUME``). Returns the new count."""
+    call's (o, lse) pointers (``RESUME``). ``nxt``: for persistent programs, what
+    `_next_tile` reads, read while the tile's last p·v runs (before its epilogue).
+    Returns the new count and the next tile with its key range (persistent programs)."""
     q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
@@ -504,12 +507,14 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
             mbarrier.arrive(q_empty, count=1)
         last, lph = ring_slot(j_hi - 1 - base, F.STAGES)
         mbarrier.wait(v_ready.index(last), lph)
-        acc = hopper.warpgroup_mma_wait(
-            0, deps=[_issue_pv(p, alpha, acc, v_smem.index(last), layouts, F)]
-        )
+        o_tok = _issue_pv(p, alpha, acc, v_smem.index(last), layouts, F)
+        following = _next_tile(nxt, n_m, F)
+        acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(v_empty.index(last), count=1)
-    elif F.OBUF:
-        mbarrier.arrive(q_empty, count=1)
+    else:
+        following = _next_tile(nxt, n_m, F)
+        if F.OBUF:
+            mbarrier.arrive(q_empty, count=1)
     if F.RESUME and j_hi <= j_lo:  # no key here: the output keeps the previous call's rows
         if not F.OBUF:
             mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
@@ -539,7 +544,21 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         if not F.OBUF:
             tma.store_wait(0)
             mbarrier.arrive(q_empty, count=1)  # the producer may load the next tile's q
-    return count + gl.maximum(j_hi - j_lo, 0)
+    return count + gl.maximum(j_hi - j_lo, 0), following
+
+
+@gluon.jit
+def _next_tile(nxt, n_m, F: gl.constexpr):
+    """For persistent programs (``nxt``: the program's tiles taken so far, the schedule
+    ring, the block table and the tile count) the next tile and its key range (the last
+    tile's past the end); else ``(0, 0)``."""
+    if F.PERSISTENT:
+        it, sched, ranges_ptr, total = nxt
+        tile = _read_tile(it, sched)
+        where = _tile(gl.minimum(tile, total - 1), n_m, F)
+        return tile, _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
+    else:
+        return 0, 0
 
 
 @gluon.jit
@@ -564,17 +583,17 @@ def _consumer(smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total
     if F.PERSISTENT:
         count = 0  # key blocks consumed by this program
         it = 0  # tiles taken by this program
-        tile = _read_tile(it, sched)
+        tile, blocks = _next_tile((it, sched, ranges_ptr, total), n_m, F)
         while tile < total:
-            where = _tile(tile, n_m, F)
-            blocks = _key_blocks(ranges_ptr, where[0], where[3], n_m, F)
-            count = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
-                                  sinks_ptr, prev, n_m, tabs, F, HAS_SINKS, C)  # fmt: skip
+            count, following = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
+                                             sinks_ptr, prev, n_m, tabs,
+                                             (it + 1, sched, ranges_ptr, total),
+                                             F, HAS_SINKS, C)  # fmt: skip
+            tile, blocks = following
             it += 1
-            tile = _read_tile(it, sched)
     else:  # the one tile's key range, read before the partitions split the registers
         _consume_tile(first[0], 0, 0, first[1], smem, bars, dest, sinks_ptr, prev, n_m, tabs,
-                      F, HAS_SINKS, C)  # fmt: skip
+                      0, F, HAS_SINKS, C)  # fmt: skip
     if F.OBUF:
         tma.store_wait(0)
 

@@ -298,3 +298,25 @@ def test_tokamax_matches_ejk_reference_where_it_is_installed(bench_path):
         reference_attention(q, k, v, causal=True, segment_ids=ids),
         atol=1e-5,
     )
+
+
+def test_short_calls_run_longer_batches(bench_path, monkeypatch):
+    """A timed batch runs at least ten calls, and enough short ones to fill about
+    `_timing.BATCH_SECONDS`, so the host's lead per batch weighs little a call; each row
+    says how many (``*_reps``) and its rounds ran that many."""
+    import jax.numpy as jnp
+
+    timing = importlib.import_module("_timing")
+    assert timing.reps_for(1.0) == timing.MIN_REPS == 10
+    assert timing.reps_for(0.0005) == 50  # a 0.5 ms call: 25 ms a batch
+    assert timing.reps_for(1e-7) == timing.MAX_REPS
+    assert timing.reps_for(0.0) == timing.MIN_REPS
+    asked = []
+    once = timing.seconds_per_call
+    monkeypatch.setattr(
+        timing, "seconds_per_call", lambda f, *a, reps=10: asked.append(reps) or once(f, *a, reps=1)
+    )
+    monkeypatch.setattr(timing, "reps_for", lambda seconds: 37)
+    args = tuple(jnp.ones((1, 8, 1, 4)) for _ in range(4))
+    (row,) = timing.time_rounds([timing.contender({}, lambda q, k, v: q * 2.0, args, True)], 2, 1.0)
+    assert row["fwd_reps"] == row["fwdbwd_reps"] == 37 and asked == [37] * 4

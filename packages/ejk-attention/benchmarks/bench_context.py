@@ -28,7 +28,7 @@ against 3.93 over 10 by the wall clock), which would flatter the shorter calls. 
 
 ``gpu_call_ms`` (since 2026-11-29's twenty-seventh session): in the same traces, each call's
 own span, its first kernel's start to its last one's end (every call runs the same kernels
-one after the other, `multi_gpu_context_check._call_spans`), the median over the calls and
+one after the other, `_trace._call_spans` of ejk-kernels-gpu's benchmarks), the median over the calls and
 then over the rounds, and
 ``gpu_call_ratio_to_ideal`` on it. It is ``gpu_ms`` without the GPU's wait between two
 calls of the jitted function (5-6 us on an H200, a cost of calling the benchmark's jit
@@ -56,7 +56,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,8 +67,8 @@ _KERNEL_BENCH = Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "bench
 sys.path.insert(0, str(_KERNEL_BENCH))
 
 from _timing import seconds_per_call  # noqa: E402
+from _trace import gpu_span_ms  # noqa: E402
 from gpu_conformance import run_info  # noqa: E402
-from multi_gpu_context_check import summarize_trace  # noqa: E402
 
 from ejk_attention._context_calls import CallMasks  # noqa: E402
 from ejk_attention._ring import Placement, _Ring, device_backward, device_forward  # noqa: E402
@@ -230,32 +229,6 @@ def check(
         ok &= err <= attention_tolerance(dtype, quantity)
     row["passed"] = bool(ok)
     return row
-
-
-def gpu_span_ms(fn, args: tuple, calls: int) -> tuple[float, float, dict[str, float], float]:
-    """(span, busy, kernels, call span) in ms per call of ``calls`` calls of ``fn`` run back
-    to back under a profiler trace: the first kernel's start to the last one's end on the
-    GPU, the time kernels ran, the kernels that took longest, by name, and the median of each
-    call's own span, without the wait between calls (`summarize_trace`)."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as where:
-        with jax.profiler.trace(where):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        summary = summarize_trace(Path(where), calls)
-    gpus = summary.get("gpus") or {}
-    if not gpus:  # (no GPU kernels in the trace: a CPU run)
-        return float("nan"), float("nan"), {}, float("nan")
-    gpu = gpus[min(gpus)]
-    kernels = {name: ms / calls for name, ms in gpu["top_kernels_ms"].items()}
-    own = gpu["call_spans_ms"]
-    call = float("nan")
-    if len(own) == calls:
-        call = float(np.median(own))
-    else:  # (kernels that do not divide into the calls: `_call_spans`)
-        print(f"gpu_span_ms: no call spans ({len(own)} for {calls} calls)", flush=True)
-    return gpu["span_ms"] / calls, gpu["compute_busy_ms"] / calls, kernels, call
 
 
 def bench(

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from _inputs import attention_inputs
 from _timing import contender, time_rounds
+from _trace import gpu_span_ms
 
 from ejk_kernels_gpu import flash_attention
 
@@ -134,10 +135,15 @@ def run(
     *,
     tiny: bool = False,
     groups: tuple[tuple[str, ...], ...] = DEFAULT_GROUPS,
+    trace_calls: int = 0,
 ) -> list[dict]:
     """Time the rows ``names`` (keys of `ROWS`) in ``rounds`` interleaved rounds, printing
     each as JSON; ``tiny``: their tiny shapes; ``groups``: tokamax's rows, each a tuple of
-    its implementations tried in order (none: no tokamax rows)."""
+    its implementations tried in order (none: no tokamax rows). ``trace_calls``: after the
+    rounds, trace that many calls of each timed contender back to back: ``*_gpu_ms`` (the GPU
+    span a call), ``*_gpu_call_ms`` (a call's own span, without the wait between calls),
+    ``*_kernels_ms`` (its kernels by name; `_trace.gpu_span_ms`), NaN where the trace
+    holds no GPU kernel (a CPU run)."""
     rows = []
     for name in names:
         build, full, small = ROWS[name]
@@ -146,7 +152,13 @@ def run(
             contender({"row": name, **row}, fn, args, with_bwd, *side)
             for row, fn, args, *side in entries
         ]
-        for row in time_rounds(cases, rounds, flops):
+        timed_rows = time_rounds(cases, rounds, flops)
+        for row, timed, _ in cases if trace_calls else ():
+            for key, f, a, _ in timed:
+                span, _, kernels, call = gpu_span_ms(f, a, trace_calls)
+                row.update({f"{key}_gpu_ms": span, f"{key}_gpu_call_ms": call,
+                            f"{key}_kernels_ms": kernels})  # fmt: skip
+        for row in timed_rows:
             print(json.dumps(row, default=str), flush=True)
             rows.append(row)
     return rows
@@ -182,6 +194,10 @@ def main() -> int:
     parser.add_argument("--commit", default="")
     _tokamax.add_arguments(parser)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument(
+        "--trace-calls", type=int, default=0,
+        help="also trace this many calls of each contender for its GPU span (0: none)",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n for n in args.rows.split(",") if n]
     unknown = [n for n in names if n not in ROWS]
@@ -189,7 +205,10 @@ def main() -> int:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
     print("#", jax.devices(), jax.__version__)
     groups = _tokamax.groups_of(args)
-    rows = run(names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny, groups=groups)
+    rows = run(
+        names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny, groups=groups,
+        trace_calls=args.trace_calls,
+    )  # fmt: skip
     _table(rows)
     if args.json:
         from gpu_conformance import run_info

@@ -320,3 +320,47 @@ def test_short_calls_run_longer_batches(bench_path, monkeypatch):
     args = tuple(jnp.ones((1, 8, 1, 4)) for _ in range(4))
     (row,) = timing.time_rounds([timing.contender({}, lambda q, k, v: q * 2.0, args, True)], 2, 1.0)
     assert row["fwd_reps"] == row["fwdbwd_reps"] == 37 and asked == [37] * 4
+
+
+def test_trace_gives_each_calls_span_and_the_wait_between_calls(bench_path, tmp_path):
+    """`_trace.summarize_trace` reads a profiler trace: the GPU span over all the calls, the
+    kernels' busy time, each call's own span (its first kernel's start to its last one's
+    end, without the wait before the next call) and the kernels by name; host lines and the
+    GPU's XLA op lines are not kernels."""
+    import gzip
+    import json
+
+    trace = importlib.import_module("_trace")
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "main"}},
+    ]
+
+    def kernel(name, ts, dur, pid=1, tid=7):
+        return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+    # Two calls of (table 10 us, forward 100 us, 5 us apart), 40 us between the calls.
+    events = [kernel("table", 0, 10), kernel("fwd", 15, 100), kernel("table", 155, 10)]
+    events += [kernel("fwd", 170, 100), kernel("op", 0, 270, tid=8), kernel("host", 0, 500, 2, 1)]
+    with gzip.open(tmp_path / "x.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    (gpu,) = trace.summarize_trace(tmp_path, calls=2)["gpus"].values()
+    assert gpu["span_ms"] == pytest.approx(0.270) and gpu["compute_busy_ms"] == pytest.approx(0.220)
+    assert gpu["call_spans_ms"] == pytest.approx([0.115, 0.115])
+    assert gpu["top_kernels_ms"] == pytest.approx({"fwd": 0.2, "table": 0.02})
+    assert trace.summarize_trace(tmp_path, calls=3)["gpus"]["/device:GPU:0"]["call_spans_ms"] == []
+
+
+def test_feature_bench_traces_each_contender_when_asked(bench_path, one_rep, no_tokamax):
+    """``trace_calls``: every timed contender gets its GPU span fields (NaN on the CPU,
+    whose trace holds no GPU kernel)."""
+    import math
+
+    features = importlib.import_module("bench_features")
+    rows = features.run(["head64"], 1, with_bwd=False, tiny=True, trace_calls=2)
+    (ejk,) = [r for r in rows if r["impl"] == "ejk"]
+    assert math.isnan(ejk["fwd_gpu_ms"]) and math.isnan(ejk["fwd_gpu_call_ms"])
+    assert ejk["fwd_kernels_ms"] == {} and "fwdbwd_gpu_ms" not in ejk

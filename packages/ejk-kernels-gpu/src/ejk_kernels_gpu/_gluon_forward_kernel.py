@@ -550,8 +550,8 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
 @gluon.jit
 def _next_tile(nxt, n_m, F: gl.constexpr):
     """For persistent programs (``nxt``: the program's tiles taken so far, the schedule
-    ring, the block table and the tile count) the next tile and its key range (the last
-    tile's past the end); else ``(0, 0)``."""
+    ring, the block table and the tile count) the next tile and its key range (past the
+    last tile, ``total`` and the last tile's range, unused); else ``(0, 0)``."""
     if F.PERSISTENT:
         it, sched, ranges_ptr, total = nxt
         tile = _read_tile(it, sched)

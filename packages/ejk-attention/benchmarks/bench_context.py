@@ -28,8 +28,8 @@ against 3.93 over 10 by the wall clock), which would flatter the shorter calls. 
 
 ``gpu_call_ms`` (since 2026-11-29's twenty-seventh session): in the same traces, each call's
 own span, its first kernel's start to its last one's end (every call runs the same kernels
-one after the other, `_trace._call_spans` of ejk-kernels-gpu's benchmarks), the median over the calls and
-then over the rounds, and
+one after the other, `_trace._call_spans` of ejk-kernels-gpu's benchmarks), the median over
+the calls and then over the rounds, and
 ``gpu_call_ratio_to_ideal`` on it. It is ``gpu_ms`` without the GPU's wait between two
 calls of the jitted function (5-6 us on an H200, a cost of calling the benchmark's jit
 over and over, not of the work: inside a model's step the kernels follow other work),

@@ -153,11 +153,13 @@ def run(
             for row, fn, args, *side in entries
         ]
         timed_rows = time_rounds(cases, rounds, flops)
-        for row, timed, _ in cases if trace_calls else ():
-            for key, f, a, _ in timed:
-                span, _, kernels, call = gpu_span_ms(f, a, trace_calls)
-                row.update({f"{key}_gpu_ms": span, f"{key}_gpu_call_ms": call,
-                            f"{key}_kernels_ms": kernels})  # fmt: skip
+        if trace_calls:
+            for row, timed, _ in cases:
+                for key, f, a, _ in timed:
+                    span, _, kernels, call = gpu_span_ms(f, a, trace_calls)
+                    row[f"{key}_gpu_ms"] = span
+                    row[f"{key}_gpu_call_ms"] = call
+                    row[f"{key}_kernels_ms"] = kernels
         for row in timed_rows:
             print(json.dumps(row, default=str), flush=True)
             rows.append(row)

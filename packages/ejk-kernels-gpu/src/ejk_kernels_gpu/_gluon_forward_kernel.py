@@ -363,6 +363,14 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
 
 
 @gluon.jit
+def _as_carried(p):
+    """p unchanged, through an opaque move of each pair of its 16-bit values: ptxas then
+    lays p's registers out for the loop that follows rather than for the one before."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype,
+                                     is_pure=False, pack=2)  # fmt: skip
+
+
+@gluon.jit
 def _issue_qk(q, k_smem, zero_s):
     """Issue S = q·kᵀ (asynchronous)."""
     return hopper.warpgroup_mma(q, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -493,6 +501,8 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         if F.MASKED and F.TABLE:  # (else no block precedes the fully visible ones)
             for j in range(j_lo + 1, jf_lo):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)
+            if not F.VARLEN:  # p's registers as the unmasked loop keeps them (no swap a block)
+                state = (_as_carried(state[0]), state[1], state[2], state[3], state[4])
         for j in range(gl.maximum(jf_lo, j_lo + 1), jf_hi):
             state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, False)
         # (A table moves an empty fully visible range to the end, `_masks._with_full`, so

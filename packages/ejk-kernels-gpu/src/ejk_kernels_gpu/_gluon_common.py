@@ -42,7 +42,8 @@ _EXP2_CUBIC = (0.9999281764030457, 0.6932609677314758, 0.2426094263792038, 0.055
 
 def _f32(x: float) -> str:
     """``x`` as a PTX float32 literal."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+    (bits,) = struct.unpack("<I", struct.pack("<f", x))
+    return f"0f{bits:08X}"
 
 
 def _exp2_split_asm(pack: int, by_mufu: int) -> str:

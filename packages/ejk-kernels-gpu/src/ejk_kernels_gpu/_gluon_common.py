@@ -3,8 +3,6 @@ ring slots, the MUFU tanh, wgmma layouts, the TMA reduce, and the masks' rule pe
 (`token_info`, `visible`), which the forward and the dk/dv kernel apply to tiles of
 opposite orientation."""
 
-import struct
-
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,60 +30,6 @@ def tanh(x):
     """tanh by the MUFU instruction (relative error about 2^-11; FlashAttention-3's soft cap)."""
     return gl.inline_asm_elementwise(
         "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
-    )
-
-
-# 2^f on [-1/2, 1/2], lowest degree first: the cubic closest in relative error (7.5e-5, below
-# a 16-bit p's rounding; fitted by reweighted least squares on 200001 points).
-_EXP2_CUBIC = (0.9999281764030457, 0.6932609677314758, 0.2426094263792038, 0.055170975625514984)
-
-
-def _f32(x: float) -> str:
-    """``x`` as a PTX float32 literal."""
-    (bits,) = struct.unpack("<I", struct.pack("<f", x))
-    return f"0f{bits:08X}"
-
-
-def _exp2_split_asm(pack: int, by_mufu: int) -> str:
-    """PTX for `exp2_split`: of each ``pack`` elements the first ``by_mufu`` by ``ex2.approx``
-    (as `gl.exp2`), the others by 2^round(y) · P(y - round(y)) with P `_EXP2_CUBIC`: y is
-    clamped below at -127 (2^y then 0; with ``max.NaN`` a NaN stays NaN), and round(y) + 127
-    read from the bits of y + (1.5·2^23 + 127), shifted into a float's exponent."""
-    c0, c1, c2, c3 = (_f32(c) for c in _EXP2_CUBIC)
-    magic = _f32(1.5 * 2**23 + 127)
-    lines = ["{", ".reg .f32 y, t, f, q;", ".reg .b32 e;"]
-    for i in range(pack):
-        out, arg = f"${i}", f"${pack + i}"
-        if i < by_mufu:
-            lines.append(f"ex2.approx.ftz.f32 {out}, {arg};")
-            continue
-        lines += [
-            f"max.NaN.f32 y, {arg}, {_f32(-127.0)};",
-            f"add.rn.f32 t, y, {magic};",
-            f"sub.rn.f32 f, t, {magic};",
-            "sub.rn.f32 f, y, f;",
-            f"fma.rn.f32 q, f, {c3}, {c2};",
-            f"fma.rn.f32 q, q, f, {c1};",
-            f"fma.rn.f32 q, q, f, {c0};",
-            "shl.b32 e, t, 23;",
-            f"mul.rn.f32 {out}, q, e;",
-        ]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-_EXP2_SPLIT_ASM = gl.constexpr(_exp2_split_asm(pack=2, by_mufu=1))
-
-
-@gluon.jit
-def exp2_split(y):
-    """2^y (float32) for a softmax bound by the MUFU unit: half the elements by its ``ex2``,
-    half by a polynomial on the FMA units (`_exp2_split_asm`), as FlashAttention-4 does. A
-    soft cap's scores take two MUFU ops each (tanh and exp2) against about six FMA-unit
-    instructions, so the MUFU unit, issuing a warp's op every 8 cycles, sets the softmax's
-    pace; the polynomial's 9 instructions take issue slots that would otherwise idle."""
-    return gl.inline_asm_elementwise(
-        _EXP2_SPLIT_ASM, "=r,=r,r,r", [y], dtype=gl.float32, is_pure=True, pack=2
     )
 
 

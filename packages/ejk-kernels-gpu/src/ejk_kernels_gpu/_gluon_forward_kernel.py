@@ -68,7 +68,6 @@ from ._gluon_common import (
     ALL_SIDES,
     RIGHT_SIDE,
     barriers,
-    exp2_split,
     operand_layout,
     pair_descriptors,
     ring_slot,
@@ -340,8 +339,8 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     if MASK:
         seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0, IDS)
         x = gl.where(seen, x, float("-inf"))
-    if F.FIXED_SHIFT and not FIRST:  # (tanh's MUFU op a score: half the exp2s by FMA units)
-        p = exp2_split(x * LOG2 - gl.expand_dims(m_i, 1))
+    if F.FIXED_SHIFT and not FIRST:
+        p = gl.exp2(x * LOG2 - gl.expand_dims(m_i, 1))
         l_new = l_i + gl.sum(p, axis=1)
         if F.EARLY_P16:
             p = p.to(DTYPE)

@@ -364,8 +364,9 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
 
 @gluon.jit
 def _as_carried(p):
-    """p unchanged, through an opaque move of each pair of its 16-bit values: ptxas then
-    lays p's registers out for the loop that follows rather than for the one before."""
+    """p (16-bit: a block table implies ``EARLY_P16``) unchanged, through an opaque move of
+    each pair of its values (not pure, so that it stays where it is): ptxas then lays p's
+    registers out for the loop that follows rather than for the one before."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p], dtype=p.dtype,
                                      is_pure=False, pack=2)  # fmt: skip
 

@@ -510,7 +510,9 @@ def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,
 # Tiles a multiprocessor up to which `rows_major` takes every group rows-major (documents).
 ROWS_MAJOR_WAVES = 24
 # Causal calls without a table: query blocks a group up to which `rows_major` takes the last
-# groups rows-major, and how many multiprocessors' worth of heaviest tiles those hold.
+# groups rows-major, and how many multiprocessors' worth of heaviest tiles those hold. (64
+# blocks of 128 rows: where T = S, the same calls as `SHORT_CAUSAL_KEYS`, which counts keys;
+# the two were measured on such calls only and part ways where T and S differ.)
 TAIL_BLOCKS = 64
 TAIL_WAVES = 4
 

@@ -132,6 +132,11 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon
     assert all(r["spill_stores"] == 0 for r in gluon if r["variant"] in ("softcap", "tail")), gluon
+    # With a block table p crosses from the masked loop into the unmasked one laid out for
+    # the latter (`_as_carried`): no swap of its 16-bit halves in every block (384 at head_dim
+    # 128 before, the unmasked loop 528 SASS instructions a block against 483).
+    swaps = {(r["variant"], r["head_dim"]): r["half_swaps"] for r in gluon}
+    assert all(swaps[v, h] == 0 for v in ("window", "documents") for h in (64, 128, 256)), swaps
 
 
 def test_the_gluon_backward_kernels_build_for_hopper():

@@ -149,7 +149,8 @@ def compile_kernel(
 ) -> dict[str, Any]:
     """Compile one kernel for sm_90 and report its resources.
 
-    ``spills``: also run ptxas on the PTX for its spill count (`spill_stores`).
+    ``spills``: also run ptxas on the PTX for its spill count (`spill_stores`), and count
+    the swaps of 16-bit halves in the SASS (`half_swaps`).
 
     Returns:
         dict with the kernel, config, shared memory bytes, scratch, threads, spills, seconds.
@@ -218,6 +219,7 @@ def compile_kernel(
         # Threads the PTX requires: 384 for a warp-specialised build (three warpgroups).
         threads=threads_required(compiled.asm["ptx"]),
         spill_stores=spill_stores(compiled.asm["ptx"]) if spills else None,
+        half_swaps=half_swaps(compiled.asm["cubin"]) if spills else None,
         # fp32 divisions in the PTX (each a MUFU reciprocal and more, where Triton lowers
         # one per element: the Gluon forward divides once a row, `_consume_tile`).
         divisions=len(
@@ -292,6 +294,25 @@ def spill_stores(ptx: str) -> int | None:
         cmd = [path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.o")]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+def half_swaps(cubin: bytes) -> int | None:
+    """How many ``PRMT r, x, 0x5432, x`` the SASS of ``cubin`` holds (a register's two
+    16-bit halves swapped: where ptxas lays a loop-carried 16-bit p out other than its
+    matmul reads it, one a register and key block; `_gluon_forward_kernel._as_carried`);
+    None if Triton's nvdisasm cannot be found."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm") if ptxas else ""
+    if not os.path.exists(nvdisasm):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True)
+    return len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass.stdout))
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}

@@ -135,8 +135,10 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     # With a block table p crosses from the masked loop into the unmasked one laid out for
     # the latter (`_as_carried`): no swap of its 16-bit halves in every block (384 at head_dim
     # 128 before, the unmasked loop 528 SASS instructions a block against 483).
-    swaps = {(r["variant"], r["head_dim"]): r["half_swaps"] for r in gluon}
-    assert all(swaps[v, h] == 0 for v in ("window", "documents") for h in (64, 128, 256)), swaps
+    tabled = [r for r in gluon if r["variant"] in ("window", "documents")]
+    assert len(tabled) >= 6 and all(r["half_swaps"] == 0 for r in tabled), [
+        (r["variant"], r["head_dim"], r["config"]["num_stages"], r["half_swaps"]) for r in tabled
+    ]
 
 
 def test_the_gluon_backward_kernels_build_for_hopper():

@@ -106,6 +106,12 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     # The epilogue divides once per row a thread holds (two, in each of two consumers), not
     # once per score (128): a division is a MUFU reciprocal, as costly as an exponential.
     assert all(r["divisions"] <= 4 for r in gluon), [r["divisions"] for r in gluon]
+    # Causal builds lay p out for the loops from the first block on (`_as_carried`): no swap
+    # of its 16-bit halves in every block (256 at head_dim 128 before, 2026-11-29).
+    causal = [r for r in gluon if r["variant"] == "causal"]
+    assert all(r["half_swaps"] == 0 for r in causal), [
+        (r["dtype"], r["config"]["num_stages"], r["half_swaps"]) for r in causal
+    ]
 
 
 def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():
@@ -135,8 +141,10 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     # With a block table p crosses from the masked loop into the unmasked one laid out for
     # the latter (`_as_carried`): no swap of its 16-bit halves in every block (384 at head_dim
     # 128 before, the unmasked loop 528 SASS instructions a block against 483).
-    tabled = [r for r in gluon if r["variant"] in ("window", "documents")]
-    assert len(tabled) >= 6 and all(r["half_swaps"] == 0 for r in tabled), [
+    # Packed sequences and context parallelism's global positions carry it so from the first
+    # block (384 swaps at head_dim 128 before, 2026-11-29).
+    tabled = [r for r in gluon if r["variant"] in ("window", "documents", "packed", "relative", "resume")]  # fmt: skip
+    assert len(tabled) >= 9 and all(r["half_swaps"] == 0 for r in tabled), [
         (r["variant"], r["head_dim"], r["config"]["num_stages"], r["half_swaps"]) for r in tabled
     ]
 

@@ -499,6 +499,12 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype,
                                           FIRST=True)  # fmt: skip
         state = (p, alpha, m_i, l_i, acc)
+        # p's registers as the loops keep them (no swap of its halves a block): from the
+        # first block in causal builds without a table and in packed ones; between the masked
+        # and the unmasked loop in the other builds with a table (below). Not with a soft
+        # cap: measured slower there (971-978 us against 958, 2026-11-29).
+        if ((F.CAUSAL and F.EARLY_P16 and not F.TABLE) or F.VARLEN) and F.SOFT_CAP == 0.0:
+            state = (_as_carried(state[0]), state[1], state[2], state[3], state[4])
         if F.MASKED and F.TABLE:  # (else no block precedes the fully visible ones)
             for j in range(j_lo + 1, jf_lo):
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True)

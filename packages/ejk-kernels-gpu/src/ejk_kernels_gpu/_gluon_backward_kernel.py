@@ -489,12 +489,54 @@ def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: g
 
 
 @gluon.jit
+def _dq_step(j, first, dq, ctx, F: gl.constexpr, MASK):
+    """dq += dS·k of key block j (the consumer's ``j - first``-th); ``MASK``: the call's
+    masks (every one the block may break: keys past the end among them, whose zero-filled
+    k would add to dq), a constant or decided per block."""
+    smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs = ctx
+    _, _, k_smem, v_smem = smem
+    _, ready, empty = bars
+    s_layout: gl.constexpr = wgmma_layout(F.BN)
+    a_layout: gl.constexpr = operand_layout(wgmma_layout(q_c.shape[1]))
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s, phase = ring_slot(j - first, F.STAGES)
+    mbarrier.wait(ready.index(s), phase)
+    k_s = k_smem.index(s)
+    s_tok = hopper.warpgroup_mma(q_c, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_tok = hopper.warpgroup_mma(
+        do_c, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
+    )
+    s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+    if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap); dS takes their slope 1 - tanh²
+        t = tanh(s_ij * F.CAP_IN)
+        p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
+    else:
+        p = gl.exp2(s_ij * F.QK - gl.expand_dims(lse, 1))
+    if MASK:
+        keys = j * F.BN + gl.arange(0, F.BN, layout=key_layout)
+        if F.TABLE:
+            key_info = token_info(keys, F.S, b, key_tabs, F, -2)
+            p = gl.where(visible(row_info, key_info, 0, F), p, 0.0)
+        else:
+            if F.CAUSAL:
+                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+            if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
+                p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
+    dp = hopper.warpgroup_mma_wait(0, deps=[dp_tok])
+    ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(q_c.dtype), a_layout)
+    dq_tok = hopper.warpgroup_mma(ds16, k_s, dq, is_async=True)
+    dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
+    mbarrier.arrive(empty.index(s), count=1)
+    return dq
+
+
+@gluon.jit
 def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: gl.constexpr,
                  C: gl.constexpr):  # fmt: skip
     """dq of rows ``pid_m·BM + C·BM/2 ..`` (consumer C of two); ``tabs``: the rows' and
     keys' mask tables and the block table."""
-    q_smem, do_smem, k_smem, v_smem = smem
-    row_ready, ready, empty = bars
+    q_smem, do_smem, _, _ = smem
+    row_ready, _, _ = bars
     lse_ptr, delta_ptr = stats
     row_tabs, key_tabs, ranges_ptr = tabs
     dq_desc, scale = dest
@@ -502,9 +544,7 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     H: gl.constexpr = q_smem.shape[2]
     s_layout: gl.constexpr = wgmma_layout(F.BN)
     o_layout: gl.constexpr = wgmma_layout(H)
-    a_layout: gl.constexpr = operand_layout(o_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     q_c = q_smem.index(C)
     do_c = do_smem.index(C)
@@ -520,36 +560,29 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
     first, full_lo, full_hi, end = _dq_key_blocks(b, pid_m, ranges_ptr, BM, F)
     mbarrier.wait(row_ready.index(C), 0)
-    for j in range(first, end):
-        s, phase = ring_slot(j - first, F.STAGES)
-        mbarrier.wait(ready.index(s), phase)
-        k_s = k_smem.index(s)
-        s_tok = hopper.warpgroup_mma(q_c, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_tok = hopper.warpgroup_mma(
-            do_c, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
-        if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap); dS takes their slope 1 - tanh²
-            t = tanh(s_ij * F.CAP_IN)
-            p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
-        else:
-            p = gl.exp2(s_ij * F.QK - gl.expand_dims(lse, 1))
-        keys = j * F.BN + gl.arange(0, F.BN, layout=key_layout)
+    ctx = (smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs)
+    # The blocks that hide no pair of these rows run without the masks: from the table
+    # (``TABLE``; the blocks before and after them with the masks), else causal ones up to
+    # the last wholly before the consumer's first row (the diagonal's after them).
+    if F.TABLE and H > 128:  # (three loops spill at head_dim 256: one, masked per block)
+        for j in range(first, end):
+            dq = _dq_step(j, first, dq, ctx, F, (j < full_lo) | (j >= full_hi))
+    else:
         if F.TABLE:
-            if (j < full_lo) | (j >= full_hi):  # a block some pair of which is hidden (keys
-                # past the end among them: zero-filled k would add to dq)
-                key_info = token_info(keys, F.S, b, key_tabs, F, -2)
-                p = gl.where(visible(row_info, key_info, 0, F), p, 0.0)
-        else:
-            if F.CAUSAL:
-                p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
-            if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
-                p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
-        dp = hopper.warpgroup_mma_wait(0, deps=[dp_tok])
-        ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
-        dq_tok = hopper.warpgroup_mma(ds16, k_s, dq, is_async=True)
-        dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
-        mbarrier.arrive(empty.index(s), count=1)
+            lo = gl.minimum(gl.maximum(full_lo, first), end)
+            hi = gl.minimum(gl.maximum(full_hi, lo), end)
+        elif F.CAUSAL:
+            lo = first
+            hi = gl.maximum(gl.minimum((row0 + 1) // F.BN, gl.minimum(end, F.S // F.BN)), first)
+        else:  # (every block, masked where keys run past the end)
+            lo = first
+            hi = first if F.S % F.BN != 0 else end
+        for j in range(first, lo):
+            dq = _dq_step(j, first, dq, ctx, F, True)
+        for j in range(lo, hi):
+            dq = _dq_step(j, first, dq, ctx, F, False)
+        for j in range(hi, end):
+            dq = _dq_step(j, first, dq, ctx, F, True)
     q_c.store((dq * scale).to(dtype))  # q's buffer is free now: dq leaves through it
     hopper.fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_c)

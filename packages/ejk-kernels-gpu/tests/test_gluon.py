@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
-from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, gluon_fits, ordinary_config
+from ejk_kernels_gpu._config import (
+    _GLUON_CONFIGS,
+    fwd_heuristic,
+    fwd_search_space,
+    gluon_fits,
+    ordinary_config,
+)
 from ejk_kernels_gpu._schedule import forward_order
 from ejk_kernels_gpu._triton import multiprocessors
 from ejk_sequtils import random_document_ids, reference_attention
@@ -59,7 +65,11 @@ def test_heuristic_and_space_offer_it_only_when_allowed():
     assert fwd_heuristic(128, 2, False, warp_specialize=True) == GLUON
     assert not fwd_heuristic(128, 2, False).gluon
     assert not fwd_heuristic(128, 4, False, warp_specialize=True).gluon  # float32
-    assert not fwd_heuristic(64, 2, False, gluon=True).gluon  # slower there: tuning only
+    # head_dim 64: the Gluon forward but under a sliding window (slower there, H200)
+    assert fwd_heuristic(64, 2, False, gluon=True) == _GLUON_CONFIGS[64][0]
+    assert fwd_heuristic(64, 2, True, gluon=True, short_loops=True) == _GLUON_CONFIGS[64][0]
+    assert not fwd_heuristic(64, 2, True, gluon=True, windowed=True).gluon
+    assert fwd_heuristic(128, 2, True, gluon=True, windowed=True).gluon
     assert {GLUON, GLUON2} <= set(fwd_search_space(64, 2, False, gluon=True))
     assert fwd_heuristic(256, 2, True, gluon=True) == GLUON256
     assert not fwd_heuristic(96, 2, False, gluon=True).gluon
@@ -545,7 +555,7 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
         v[:, :, 1] = np.abs(v[:, :, 1])
         v *= v_scale
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
-    # head_dim 64 takes it when asked for (the heuristic leaves it to tuning there).
+    # head_dim 64 asks for it (the heuristic leaves windowed calls there to the ordinary kernel).
     config = {"config": GLUON} if head_dim == 64 else {}
 
     def loss(fn, q, k, v):
@@ -760,6 +770,34 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
     assert gluon_obuf(GLUON, 64, persistent=True) and gluon_obuf(GLUON2, 128, persistent=True)
     assert not gluon_obuf(GLUON2, 128, persistent=False)
     assert not gluon_obuf(GLUON256, 256, persistent=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, gluon",
+    [
+        (dict(causal=True), True),
+        ({}, True),
+        (dict(causal=True, logits_soft_cap=50.0), True),
+        (dict(causal=True, documents=True), True),
+        (dict(causal=True, sliding_window=(256, 0)), False),
+        (dict(sliding_window=(100, 50), logits_soft_cap=50.0), False),
+    ],
+    ids=["causal", "unmasked", "soft cap", "documents", "window", "window and cap"],
+)
+def test_head_dim_64_calls_take_the_gluon_forward_but_under_a_window(on_hopper, kwargs, gluon):
+    """At head_dim 64 the forward heuristic takes the Gluon forward (three slots) for every
+    call it can run but those with a sliding window, where it measured slower than the
+    ordinary kernel (H200, `_config._GLUON_HEURISTIC_HEAD_DIMS`)."""
+    from ejk_kernels_gpu._options import call_options
+    from ejk_sequtils import validate_attention
+
+    kwargs = dict(kwargs)
+    q = jnp.zeros((2, 1024, 8, 64), jnp.bfloat16)
+    if kwargs.pop("documents", False):
+        kwargs["segment_ids"] = jnp.zeros((2, 1024), jnp.int32)
+    opts = call_options(validate_attention(q, q, q, **kwargs), None, None)
+    assert opts.fwd_cfg.gluon == gluon
+    assert opts.fwd_cfg == (_GLUON_CONFIGS[64][0] if gluon else fwd_heuristic(64, 2, True))
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,8 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             with 64 keys and two slots); every mask, soft cap and sinks run in it. Any other
             call runs the ordinary kernel with the same tiles (`ordinary_config`). The
             forward heuristic picks it wherever it can run at head_dim 128 and 256 (H100:
-            0.95x cuDNN unmasked at 128, docs/performance.md step 10); at 64 it is in the
-            tuning space only (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
+            0.95x cuDNN unmasked at 128, docs/performance.md step 10), and at 64 for calls
+            without a sliding window (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
             (head_dim <= 128) it runs persistent, one program per SM taking tiles from a
             counter (`_options.gluon_persistent`).
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
@@ -262,10 +262,15 @@ _GLUON_CONFIGS = {
     ),
     256: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),),
 }
-# Where the forward heuristic takes it: at head_dim 64 its 128x128 step has half the
-# matmul work for the same softmax, and it measured 0.70x the ordinary kernel's speed
-# (200 against 263 TFLOP/s, B8 T2048 N16 causal, H100, docs/performance.md): tuning only.
-_GLUON_HEURISTIC_HEAD_DIMS = (128, 256)
+# Where the forward heuristic takes it. At head_dim 64 (a 128x128 step has half the matmul
+# work for the same softmax) it measured 0.70x the ordinary kernel's speed before its
+# persistent grid (H100, 2026-11); on an H200 at cb14567 it is faster everywhere but under a
+# sliding window (docs/gpu-runs/2026-11-29-h200-head64-gluon-shapes.json, three slots
+# against the ordinary kernel: causal B8 T2048 N16 214 -> 197 us, unmasked 339 -> 313, GQA
+# causal B4 T4096 695 -> 639, soft cap 1413 -> 859, 8 documents as segment ids 250 -> 222;
+# window (1024, 0) 359 -> 393): windowed calls at 64 keep the ordinary kernel.
+_GLUON_HEURISTIC_HEAD_DIMS = (64, 128, 256)
+_GLUON_WINDOW_HEAD_DIMS = (128, 256)
 
 # The Gluon dk/dv kernel (`FlashConfig.gluon` as a backward config): 128 resident keys, 64
 # query rows a step; two and three q/dO ring slots measured within 2 % of each other (H100,
@@ -422,12 +427,14 @@ def fwd_heuristic(
     warp_specialize: bool = False,
     gluon: bool | None = None,
     short_loops: bool = False,
+    windowed: bool = False,
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
     ``gluon``: the call can take the Gluon forward on this GPU (`_options.offer_gluon`;
     None: whenever it can take the warp-specialised loop): at head_dim 128 and 256 it
-    runs it (64: tuning space only, see ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
+    runs it, at 64 unless ``windowed`` (the call has a sliding window; see
+    ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
     at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
     ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
@@ -437,7 +444,8 @@ def fwd_heuristic(
     own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
     """
     gluon = warp_specialize if gluon is None else gluon
-    if gluon and itemsize == 2 and head_dim in _GLUON_HEURISTIC_HEAD_DIMS:
+    gluon_dims = _GLUON_WINDOW_HEAD_DIMS if windowed else _GLUON_HEURISTIC_HEAD_DIMS
+    if gluon and itemsize == 2 and head_dim in gluon_dims:
         configs = _GLUON_CONFIGS[head_dim]
         return configs[1] if short_loops and head_dim == 128 else configs[0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:

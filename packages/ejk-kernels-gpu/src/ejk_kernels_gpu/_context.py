@@ -113,7 +113,10 @@ def block_options(
         # short-loop one (`fwd_heuristic`).
         long_rows = masks.window is None and not has_segments and k.shape[1] >= _LONG_ROWS
         short = not long_rows or opts.soft_cap > 0.0
-        fwd = fwd_heuristic(head_dim, itemsize, True, gluon=gluon, short_loops=short)
+        fwd = fwd_heuristic(
+            head_dim, itemsize, True, gluon=gluon, short_loops=short,
+            windowed=masks.window is not None,
+        )  # fmt: skip
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     if bwd_config is None:  # on Hopper the Gluon backward, walking the block tables
         group = q.shape[2] // k.shape[2]

@@ -323,7 +323,8 @@ def _emulate_gluon_dq(inputs, consts):
     """The Gluon dq kernel's algorithm in NumPy (float32): per program (``BM`` query rows of
     one (batch, head)), the key blocks it visits (with a window, packing or segment ids the
     dq table's range, masked outside its full range; else causal up to its last row's key,
-    causal on indices and keys past the end masked), P from the saved lse (soft-capped
+    causal on indices and keys past the end masked but in each consumer's blocks wholly
+    before its rows), P from the saved lse (soft-capped
     logits, their slope in dS); dq scaled at the end. With ``ORDERED`` programs take their
     tiles from the order input (`program_tile`), a permutation of the grid's tiles."""
     q, k, v, d_out, lse, delta = (np.asarray(x, np.float32) for x in inputs[:6])
@@ -369,9 +370,18 @@ def _emulate_gluon_dq(inputs, consts):
             if table and not full[0] <= j < full[1]:
                 p = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)), p, 0.0)
             elif not table:
+                # Each consumer (half the rows) runs unmasked the blocks wholly before its
+                # first row and within the keys (causal), or every block where the keys end
+                # on a block (else): the kernel's loop without masks.
+                first_row = pid_m * bm + (np.arange(bm) // (bm // 2)) * (bm // 2)
                 if c["CAUSAL"]:
-                    p = np.where(keys[None, :] <= rows[:, None], p, 0.0)
-                p = np.where((keys < kv_len)[None, :], p, 0.0)
+                    bare = j < np.minimum(np.minimum((first_row + 1) // bn, end), kv_len // bn)
+                else:
+                    bare = np.full(bm, kv_len % bn == 0)
+                seen = (keys < kv_len)[None, :]
+                if c["CAUSAL"]:
+                    seen = seen & (keys[None, :] <= rows[:, None])
+                p = np.where(bare[:, None] | seen, p, 0.0)
             acc += (p * slope * (do_blk @ v_blk.T - dlt[:, None])) @ k_blk
         dq[b, rows[valid], n] = acc[valid] * c["SCALE"]
     return dq

@@ -451,11 +451,12 @@ class DqOptions(NamedTuple):
 
 
 @gluon.jit
-def _dq_key_blocks(b, pid_m, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
+def _dq_key_blocks(b, pid_m, row0, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
     """(first, full_lo, full_hi, end) key blocks of a program of query rows ``pid_m·BM ..``:
-    it visits ``[first, end)`` and needs no mask in ``[full_lo, full_hi)``. From the dq
-    block table (``TABLE``), else causal ones stop at the block of its last row's key (and
-    the full range is unused)."""
+    it visits ``[first, end)`` and the rows from ``row0`` on (a consumer's) need no mask in
+    ``[full_lo, full_hi)``. From the dq block table (``TABLE``), else causal ones stop at
+    the block of its last row's key and need no mask on the blocks wholly before ``row0``
+    within the keys; without either every block needs none where the keys end on one."""
     if F.TABLE:
         n_m: gl.constexpr = (F.T + BM - 1) // BM
         table = ranges_ptr + ((b * n_m + pid_m) * 4 if F.HAS_SEG else pid_m * 4)
@@ -463,8 +464,11 @@ def _dq_key_blocks(b, pid_m, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
         end = gl.cdiv(gl.load(table + 3), F.BN)
         return first, gl.load(table + 1) // F.BN, gl.load(table + 2) // F.BN, end
     if F.CAUSAL:
-        return 0, 0, 0, gl.cdiv(gl.minimum((pid_m + 1) * BM, F.S), F.BN)
-    return 0, 0, 0, gl.cdiv(F.S, F.BN)
+        end = gl.cdiv(gl.minimum((pid_m + 1) * BM, F.S), F.BN)
+        full_hi = gl.maximum(gl.minimum((row0 + 1) // F.BN, gl.minimum(end, F.S // F.BN)), 0)
+        return 0, 0, full_hi, end
+    end = gl.cdiv(F.S, F.BN)
+    return 0, 0, 0 if F.S % F.BN != 0 else end, end
 
 
 @gluon.jit
@@ -479,7 +483,7 @@ def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: g
         row = pid_m * BM + c * HALF
         tma.async_copy_global_to_shared(q_desc, [row, 0], row_ready.index(c), q_smem.index(c))
         tma.async_copy_global_to_shared(do_desc, [row, 0], row_ready.index(c), do_smem.index(c))
-    first, _, _, end = _dq_key_blocks(b, pid_m, ranges_ptr, BM, F)
+    first, _, _, end = _dq_key_blocks(b, pid_m, pid_m * BM, ranges_ptr, BM, F)
     for j in range(first, end):
         s, phase = ring_slot(j - first, F.STAGES)
         mbarrier.wait(empty.index(s), phase ^ 1)  # a slot's first use waits for nothing
@@ -558,25 +562,19 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     delta = gl.load(delta_ptr + rows, mask=ok, other=0.0)
     dq = gl.zeros([HALF, H], gl.float32, o_layout)
     zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
-    first, full_lo, full_hi, end = _dq_key_blocks(b, pid_m, ranges_ptr, BM, F)
+    first, full_lo, full_hi, end = _dq_key_blocks(b, pid_m, row0, ranges_ptr, BM, F)
     mbarrier.wait(row_ready.index(C), 0)
     ctx = (smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs)
-    # The blocks that hide no pair of these rows run without the masks: from the table
-    # (``TABLE``; the blocks before and after them with the masks), else causal ones up to
-    # the last wholly before the consumer's first row (the diagonal's after them).
+    # The blocks that hide no pair of these rows (`_dq_key_blocks`' full range) run without
+    # the masks, the blocks before and after them with the masks.
     if F.TABLE and H > 128:  # (three loops spill at head_dim 256: one, masked per block)
         for j in range(first, end):
             dq = _dq_step(j, first, dq, ctx, F, (j < full_lo) | (j >= full_hi))
     else:
-        if F.TABLE:
+        lo, hi = full_lo, full_hi
+        if F.TABLE:  # (a table's full range may lie partly outside [first, end))
             lo = gl.minimum(gl.maximum(full_lo, first), end)
             hi = gl.minimum(gl.maximum(full_hi, lo), end)
-        elif F.CAUSAL:
-            lo = first
-            hi = gl.maximum(gl.minimum((row0 + 1) // F.BN, gl.minimum(end, F.S // F.BN)), first)
-        else:  # (every block, masked where keys run past the end)
-            lo = first
-            hi = first if F.S % F.BN != 0 else end
         for j in range(first, lo):
             dq = _dq_step(j, first, dq, ctx, F, True)
         for j in range(lo, hi):

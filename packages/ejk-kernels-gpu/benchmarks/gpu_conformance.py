@@ -353,7 +353,7 @@ CASES = [
     ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
     ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GG, dict(documents=True, causal=True, logits_soft_cap=30.0)),
     # The Gluon dk/dv kernel: keys off its 128-key tile (zero-filled, clipped stores) with
-    # sinks, head_dim 64 asked for (not the heuristic's there), three ring slots, fp16 T>S.
+    # sinks, head_dim 64 asked for (MHA: not the heuristic's there), three ring slots, fp16 T>S.
     ("gluon bwd keys off tile sinks", 2, 1024, 1000, 8, 2, 128, GG, dict(sinks=True)),
     ("gluon bwd causal h64", 2, 2048, 2048, 8, 2, 64, GG, dict(causal=True, gluon_bwd=2)),
     ("gluon bwd 3 slots mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, gluon_bwd=3)),
@@ -390,6 +390,13 @@ CASES = [
     # 32 (batch, head) groups of 64 query blocks: the persistent forward takes the last 9
     # rows-major, the first 23 in the grid's order (`_options.rows_major`)
     ("gluon causal last groups rows-major", 1, 8192, 8192, 32, 8, 128, GG, dict(causal=True)),
+    # head_dim 64 by the heuristics: the Gluon dk/dv kernel with groups or a soft cap, the
+    # ordinary dq kernel beside it (64x32 tiles, its own dq block table) without a cap
+    # (`_config.dq_beside`), the Gluon one with; windows keep the ordinary forward.
+    ("gluon bwd h64 gqa causal T>S sinks", 1, 1536, 1000, 16, 4, 64, GG, dict(causal=True, sinks=True)),
+    ("gluon bwd h64 gqa documents fp16", 2, 2048, 2048, 8, 2, 64, GG, dict(documents=True, causal=True, dtype=jnp.float16)),
+    ("gluon bwd h64 gqa window 2-sided", 1, 2048, 2048, 16, 4, 64, {"bwd": "gluon"}, dict(sliding_window=(300, 100))),
+    ("gluon bwd h64 mha softcap keys off tile", 2, 1024, 1000, 8, 8, 64, GG, dict(causal=True, logits_soft_cap=20.0)),
 ]  # fmt: skip
 
 

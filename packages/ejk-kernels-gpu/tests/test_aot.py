@@ -152,22 +152,33 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
 
 
 def test_the_gluon_backward_kernels_build_for_hopper():
-    """The Gluon dk/dv kernel (both ring depths; at head_dim 128 also computing dq) and the
-    Gluon dq kernel, unmasked and causal, head_dim 64 and 128, bf16 and fp16: three
-    warpgroups, within shared memory and scratch; the dq kernel spills nothing, the dk/dv
-    kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
+    """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
+    computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
+    64 and 128, bf16 and fp16: the Gluon one, but at head_dim 64 without a cap the ordinary
+    one with 64x32 tiles (`_config.dq_beside`). Three warpgroups, within shared memory and
+    scratch; the Gluon dq kernel spills nothing, the dk/dv kernel at most the bytes
+    `_aot.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
-        "--head-dims", "64,128", "--variants", "plain,causal", "--space", "heuristic",
+        "--head-dims", "64,128", "--variants", "plain,causal,softcap", "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",
     )  # fmt: skip
+    variants = ("plain", "causal", "softcap")
     gluon_dq = [r for r in rows if r["kernel"] == "gluon_dq_kernel"]
     assert {(r["variant"], r["head_dim"], r["dtype"]) for r in gluon_dq} == {
         (variant, head_dim, dtype)
-        for variant in ("plain", "causal")
+        for variant in variants
         for head_dim in (64, 128)
         for dtype in ("bfloat16", "float16")
+        if head_dim == 128 or variant == "softcap"
     }
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
+    beside_64 = {(64, 32, 4, 3)} <= {
+        (c["block_q"], c["block_k"], c["num_warps"], c["num_stages"])
+        for r in rows
+        if r["kernel"] == "dq_kernel" and r["head_dim"] == 64
+        for c in [r["config"]]
+    }
+    assert beside_64 and all(r["fits"] for r in rows if r["kernel"] == "dq_kernel")
     gluon = [r for r in rows if r["kernel"] == "gluon_dkdv_kernel"]
     built = {
         (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"], r["config"]["atomic_dq"])
@@ -175,21 +186,22 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     }  # fmt: skip
     assert built == {
         (variant, head_dim, dtype, stages, with_dq)
-        for variant in ("plain", "causal")
+        for variant in variants
         for head_dim in (64, 128)
         for dtype in ("bfloat16", "float16")
-        for stages in (2, 3)
-        for with_dq in ((False, True) if head_dim == 128 else (False,))
+        for stages in ((2,) if variant == "softcap" else (2, 3))
+        for with_dq in ((False, True) if head_dim == 128 and variant != "softcap" else (False,))
     }
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
 
 
 def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
-    """The Gluon dk/dv kernel (two and three slots) and the Gluon dq kernel with windows,
-    documents as segment ids, packed sequences and context parallelism's global positions
-    with documents (the block tables' paths) at head_dim 64 and 128: three warpgroups,
-    within shared memory; the dq kernel spills nothing, the dk/dv kernel at most its
-    allowance (`_aot.GLUON_SPILL_BYTES`)."""
+    """The Gluon dk/dv kernel (two and three slots) with windows, documents as segment ids,
+    packed sequences and context parallelism's global positions with documents (the block
+    tables' paths) at head_dim 64 and 128, and the Gluon dq kernel beside it at 128 (at 64
+    the ordinary one, `_config.dq_beside`): three warpgroups, within shared memory; the dq
+    kernel spills nothing, the dk/dv kernel at most its allowance
+    (`_aot.GLUON_SPILL_BYTES`)."""
     rows = _compile(
         "--head-dims", "64,128", "--variants", "window,documents,packed,relative",
         "--space", "heuristic",
@@ -203,6 +215,7 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
         for variant in variants
         for head_dim in (64, 128)
         for kernel, stages in (("gluon_dq_kernel", 2), ("gluon_dkdv_kernel", 2), ("gluon_dkdv_kernel", 3))
+        if head_dim == 128 or kernel != "gluon_dq_kernel"
     }  # fmt: skip
     assert not any(r["config"]["atomic_dq"] for r in gluon)  # not offered with these masks
     assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon

@@ -233,7 +233,7 @@ def test_relative_calls_compare_positions_without_sequence_ids(rng, make_inputs)
     assert opts.varlen and not opts.seq_ids
     assert not kernel_constexprs(opts, q, k, None, False)["SEQ_IDS"]
     assert not gluon_constexprs(opts, q, k, False, opts.fwd_cfg)["SEQ_IDS"]
-    tables = block_tables(opts, masks, 32, 32, 8, 0, None)
+    tables = block_tables(opts, masks, 32, 32, 8, 0, None, head_dim=16)
     assert tables.q_sid.shape == tables.k_sid.shape == (1,)  # stand-ins
     np.testing.assert_array_equal(tables.q_pos, 8 + np.arange(32))
 

@@ -24,6 +24,8 @@ import pytest
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import (
     _GLUON_CONFIGS,
+    GLUON_DQ_CONFIG,
+    dq_beside,
     fwd_heuristic,
     fwd_search_space,
     gluon_fits,
@@ -407,10 +409,12 @@ class _Launches(list):
 def gluon_launches_fixture(on_hopper):
     """Pretend to be on Hopper; record each forward launch, and answer the Gluon kernels'
     (forward, dk/dv, dq) with their NumPy emulations (`_emulate_gluon`,
-    `_emulate_gluon_dkdv`, `_emulate_gluon_dq`) and an empty scratch buffer."""
+    `_emulate_gluon_dkdv`, `_emulate_gluon_dq`) and an empty scratch buffer; the ordinary
+    dq kernel's launches run as usual, recorded in ``ordinary_dq``."""
     seen = _Launches()
     seen.dkdv = []
     seen.dq = []
+    seen.ordinary_dq = []
 
     logs = {
         "gluon_fwd_kernel": seen,
@@ -422,6 +426,8 @@ def gluon_launches_fixture(on_hopper):
     def record(name, grid, inputs, outs, consts, kwargs):
         if name == "fwd_kernel":
             seen.append((name, grid, dict(consts), None, kwargs))
+        if name == "dq_kernel":
+            seen.ordinary_dq.append((grid, dict(consts), kwargs))
         if name not in _EMULATIONS:
             return None
         entry = (grid, dict(consts), [(o.shape, o.dtype) for o in outs], kwargs)
@@ -811,6 +817,45 @@ def test_head_dim_64_calls_take_the_gluon_forward_but_under_a_window(on_hopper, 
 
 
 @pytest.mark.parametrize(
+    "kv_heads, kwargs, gluon",
+    [
+        (2, dict(causal=True), True),
+        (2, {}, True),
+        (8, dict(causal=True, logits_soft_cap=50.0), True),
+        (8, dict(causal=True), False),
+        (8, {}, False),
+        (8, dict(causal=True, documents=True), False),
+        (2, dict(causal=True, documents=True), True),
+        (8, dict(causal=True, sliding_window=(256, 0), logits_soft_cap=50.0), True),
+    ],
+    ids=["gqa causal", "gqa unmasked", "mha soft cap", "mha causal", "mha", "mha docs",
+         "gqa docs", "window cap"],
+)  # fmt: skip
+def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_cap(
+    on_hopper, kv_heads, kwargs, gluon
+):
+    """At head_dim 64 the backward heuristic takes the Gluon dk/dv kernel (two slots) with
+    groups or a soft cap, the ordinary dq kernel beside it without a cap and the Gluon one
+    with; MHA without a cap keeps the ordinary kernels (H200,
+    `_config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `_config.dq_beside`)."""
+    from ejk_kernels_gpu._options import call_options
+    from ejk_sequtils import validate_attention
+
+    kwargs = dict(kwargs)
+    q = jnp.zeros((2, 1024, 8, 64), jnp.bfloat16)
+    k = jnp.zeros((2, 1024, kv_heads, 64), jnp.bfloat16)
+    if kwargs.pop("documents", False):
+        kwargs["segment_ids"] = jnp.zeros((2, 1024), jnp.int32)
+    opts = call_options(validate_attention(q, k, k, **kwargs), None, None)
+    assert opts.bwd_cfg.gluon == gluon
+    if gluon:
+        assert opts.bwd_cfg == GLUON_DKDV
+        cap = "logits_soft_cap" in kwargs
+        dq = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+        assert dq_beside(opts.bwd_cfg, 64, cap) == (GLUON_DQ_CONFIG if cap else dq)
+
+
+@pytest.mark.parametrize(
     "cap, dtype, packed_segments, fixed",
     [
         (None, jnp.bfloat16, False, False),
@@ -854,7 +899,11 @@ def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_
     assert not any(c.atomic_dq and c.gluon for c in bwd_search_space(64, 2, False, gluon=True))
     assert not bwd_heuristic(128, 2, False, 4).gluon
     assert not bwd_heuristic(128, 4, False, 1, gluon=True).gluon  # float32
-    assert not bwd_heuristic(64, 2, False, 1, gluon=True).gluon  # slower at 64: tuning only
+    # At 64: with groups or a soft cap unless the masks go beyond causal (H200).
+    assert not bwd_heuristic(64, 2, False, 1, gluon=True).gluon
+    assert bwd_heuristic(64, 2, False, 4, gluon=True) == GLUON_DKDV
+    assert bwd_heuristic(64, 2, False, 1, soft_cap=True, gluon=True) == GLUON_DKDV
+    assert bwd_heuristic(64, 2, True, 4, gluon=True, tables=True) == GLUON_DKDV
     assert GLUON_DKDV in bwd_search_space(64, 2, False, gluon=True)
     assert GLUON_DKDV in bwd_search_space(128, 2, True, gluon=True)
     # With a soft cap only two slots (three spill in the loop, test_aot.py).
@@ -1020,6 +1069,50 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
         names = ("WINDOW_LEFT", "VARLEN", "SEQ_IDS", "HAS_SEG")
         assert {n: dq_consts[n] for n in names} == {n: consts[n] for n in names}
     kwargs.pop("bwd_config", None)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _loss_grads(reference_attention, *f32, **kwargs)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+        assert err < 2e-2, name
+
+
+HEAD_64_BACKWARDS = [
+    ("causal", dict(causal=True)),
+    ("documents", dict(causal=True, documents="plain")),
+    ("two-sided window", dict(sliding_window=(70, 150))),
+    ("packed", dict(causal=True, packed=True)),
+    ("soft cap", dict(causal=True, logits_soft_cap=5.0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HEAD_64_BACKWARDS, ids=[c[0] for c in HEAD_64_BACKWARDS])
+def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
+    gluon_launches, rng, case
+):
+    """At head_dim 64 with groups the Gluon dk/dv kernel runs by default, and beside it
+    the ordinary dq kernel with 64x32 tiles, walking a dq block table built for those
+    (`_config.dq_beside`); with a soft cap the Gluon dq kernel. The gradients, through the
+    dk/dv kernel's emulation and the interpreted dq kernel, match the reference."""
+    _, kwargs = case
+    kwargs = dict(kwargs)
+    q_len, heads, kv_heads = 384, 4, 2
+    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=150)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 64)), jnp.bfloat16)
+    k, v = (
+        jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 64)), jnp.bfloat16)
+        for _ in range(2)
+    )
+    grads = _loss_grads(flash_attention, q, k, v, **kwargs)
+    [(grid, consts, _, _)] = gluon_launches.dkdv
+    assert grid == (3, batch * kv_heads) and (consts["BM"], consts["BN"]) == (64, 128)
+    if "logits_soft_cap" in kwargs:
+        [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
+        assert gluon_launches.ordinary_dq == [] and dq_grid == (3, batch * heads)
+    else:
+        [(dq_grid, dq_consts, dq_kw)] = gluon_launches.ordinary_dq
+        assert gluon_launches.dq == [] and dq_grid == (6, batch * heads)
+        assert (dq_consts["BLOCK_M"], dq_consts["BLOCK_N"]) == (64, 32)
+        assert (dq_kw["num_warps"], dq_kw["num_stages"]) == (4, 3)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):

@@ -98,7 +98,8 @@ def _tables_with_ids(q_ids, kv_ids, packing=None, *, causal=False, sliding_windo
     )  # fmt: skip
     rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
     cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
-    *tables, _ = _masks.range_tables(opts, rows, cols, (jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    *tables, _ = _masks.range_tables(opts, rows, cols, ids, head_dim=64)
     return tables
 
 
@@ -342,8 +343,8 @@ def test_range_tables_fused_or_not_agree(window):
     rows = _masks.ranges(128, 128, True, window, None, of_queries=True)
     cols = _masks.ranges(128, 128, True, window, None, of_queries=False)
     ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    *fused, counter = _masks.range_tables(opts, rows, cols, ids, fused=True)
-    *plain, none = _masks.range_tables(opts, rows, cols, ids, fused=False)
+    *fused, counter = _masks.range_tables(opts, rows, cols, ids, head_dim=64, fused=True)
+    *plain, none = _masks.range_tables(opts, rows, cols, ids, head_dim=64, fused=False)
     for got, want in zip(fused, plain, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(counter), [0])

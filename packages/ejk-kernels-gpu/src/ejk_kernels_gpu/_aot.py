@@ -30,10 +30,10 @@ from ._config import (
     FlashConfig,
     bwd_heuristic,
     bwd_search_space,
+    dq_beside,
     fits_shared_memory,
     fwd_heuristic,
     fwd_search_space,
-    gluon_dq_beside,
     ordinary_config,
 )
 from ._jax_triton_fix import (
@@ -427,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (n for n in names if n in wanted):
                     builds = space
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
-                        # beside a Gluon dk/dv config runs the Gluon dq kernel
-                        # (`gluon_dq_beside`), or the ordinary one with its tiles
+                        # beside a Gluon dk/dv config runs the Gluon dq kernel or the
+                        # ordinary one with other tiles (`dq_beside`), or with its tiles
                         ordinary = tuple(c for c in space if not c.atomic_dq and not c.gluon)
                         beside = tuple(
                             ordinary_config(c, head_dim, itemsize, side, ("dq",))
                             for c in space
                             if c.gluon and not c.atomic_dq
                         )
-                        beside += tuple(filter(None, map(gluon_dq_beside, space)))
+                        beside += tuple(filter(None, (dq_beside(c, head_dim, cap) for c in space)))
                         builds = tuple(dict.fromkeys((*ordinary, *beside)))
                     for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, gluon_dq_beside, ordinary_config
+from ._config import FlashConfig, dq_beside, ordinary_config
 from ._forward_launch import check_kv_pair
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
@@ -190,7 +190,6 @@ def backward(
     stats = (jnp.pad(rows, pad), jnp.pad(delta, pad)) if ws else (rows, delta)
     # A config names the resident tile (block_q) and the streamed one (block_k): queries
     # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
-    dq_consts = dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k)
     dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
     bias_in = dummy(q.dtype) if bias is None else bias
     masking = tables.masking()
@@ -204,13 +203,15 @@ def backward(
                                         dkdv_consts, ws)  # fmt: skip
         if joint_dkdv:
             dk, dv = jnp.concatenate([dk, dv], axis=-1), None
-    beside = gluon_dq_beside(opts.bwd_cfg) if gluon else None
+    beside = dq_beside(opts.bwd_cfg, head_dim, opts.soft_cap > 0.0) if gluon else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
-    elif beside is not None:
+    elif beside is not None and beside.gluon:
         dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, beside, kv_pair)
-    else:
-        dq_grid = (-(-q_len // cfg.block_q), batch * heads)
+    else:  # the ordinary dq kernel: with the backward config's tiles, or those beside it
+        dq_cfg = beside or cfg
+        dq_consts = dict(consts, BLOCK_M=dq_cfg.block_q, BLOCK_N=dq_cfg.block_k)
+        dq_grid = (-(-q_len // dq_cfg.block_q), batch * heads)
         dq, _ = launch(
             kernels().dq_kernel,
             dq_grid,
@@ -220,8 +221,8 @@ def backward(
                 jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),
             ),
             dq_consts,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages,
         )
     dbias = None
     if bias is not None:

@@ -18,10 +18,10 @@ __all__ = [
     "FlashConfig",
     "bwd_heuristic",
     "bwd_search_space",
+    "dq_beside",
     "fits_shared_memory",
     "fwd_heuristic",
     "fwd_search_space",
-    "gluon_dq_beside",
     "gluon_fits",
     "gluon_forward_shared",
     "head_block",
@@ -72,12 +72,13 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in
-            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
+            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `dq_beside`, `ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
             positive scale, no bias or dropout, and query rows on whole 64-row steps
             (`_options.can_run_gluon_dkdv`); every mask (windows, packed sequences and
             segment ids through the dk/dv block table), soft cap and sinks run in it; any
             other call runs the ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
-            forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md).
+            forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md), 256,
+            and 64 with groups or a soft cap (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -314,22 +315,38 @@ GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
 GLUON_DQ_256: FlashConfig | None = FlashConfig(
     block_q=128, block_k=32, num_warps=4, num_stages=2, gluon=True
 )
+# At head_dim 64 without a soft cap the ordinary dq kernel, with the backward heuristic's
+# tiles there, runs beside the Gluon dk/dv kernel instead: the Gluon dq kernel measured
+# slower (H200, dq kernel us, Gluon -> ordinary: GQA B4 T4096 N32 K8 causal 906 -> 770,
+# unmasked 1544 -> 1395, 8 documents 601 -> 439, MHA B8 T2048 N16 causal 292 -> 225; 128
+# keys a step 861, 1443, 584, 280; docs/gpu-runs/2026-11-29-h200-head64-gluon-bwd.json).
+# With a soft cap the Gluon one is faster (1151 against 1597: its tanh overlaps the matmuls).
+_DQ_BESIDE_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
 
 
-def gluon_dq_beside(bwd: FlashConfig) -> FlashConfig | None:
-    """The config of the Gluon dq kernel that runs beside the Gluon dk/dv config ``bwd``
-    (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's 64 resident keys),
-    or None where dq comes from elsewhere: from the dk/dv kernel (``atomic_dq``), or from the
-    ordinary dq kernel with ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set
-    to None). The dq block table is built for the tiles of the kernel that runs
-    (`_masks.range_tables`)."""
+def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | None:
+    """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd``: the
+    Gluon dq kernel's (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's
+    64 resident keys), at head_dim 64 without a soft cap the ordinary one's
+    (`_DQ_BESIDE_64`); or None where dq comes from elsewhere: from the dk/dv kernel
+    (``atomic_dq``), or from the ordinary dq kernel with ``bwd``'s tiles (not a Gluon
+    config, or the Gluon dq config set to None). The dq block table is built for the tiles
+    of the kernel that runs (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:
         return None
-    return GLUON_DQ_256 if bwd.block_q == 64 else GLUON_DQ_CONFIG
+    if bwd.block_q == 64:
+        return GLUON_DQ_256
+    return _DQ_BESIDE_64 if head_dim == 64 and not soft_cap else GLUON_DQ_CONFIG
 
 
-# Where the backward heuristic takes it: at head_dim 64 forward+backward measured 0.91x the
-# ordinary backward's (229 against 252 TFLOP/s, B8 T2048 N16 causal, H100): tuning only.
+# Where the backward heuristic takes it. At head_dim 64 only with groups or a soft cap
+# (`bwd_heuristic`), two slots, the ordinary dq kernel beside it without a cap
+# (`dq_beside`), the Gluon one with (H200, forward+backward us, ordinary -> Gluon: GQA B4
+# T4096 N32 K8 causal 3077 -> 2844, unmasked 5557 -> 5120, soft cap 50 5011 -> 3639; GQA 8
+# documents as segment ids 1893 -> 1780; MHA B8 T2048 N16 soft cap 1436 -> 1157;
+# docs/gpu-runs/2026-11-29-h200-head64-gluon-bwd.json). MHA without a cap its dk/dv kernel
+# is slower causal (427 -> 477 us) and the ordinary backward keeps it (869 against 922;
+# 0.91x on an H100 long ago), level unmasked and with documents.
 # At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the
 # ordinary backward's causal, 1.46x unmasked (B2 T4096 N16 K8, H100, 4.95 -> 3.38 and
 # 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; docs/gpu-runs/2026-11-25-h100-gluon-bwd-256-da77bc2.json),
@@ -490,7 +507,8 @@ def bwd_heuristic(
     forward+backward; `docs/gpu-runs/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
     256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
     ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
-    at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
+    at head_dim 64 it does with groups or a soft cap (two slots, a dq kernel beside:
+    `dq_beside`; see ``_GLUON_BWD_HEURISTIC_HEAD_DIMS``); at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
     slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
     `GLUON_BWD_CONFIGS`); at head_dim 256 its column-split kernel (`_GLUON_BWD_256`,
     the Gluon dq kernel beside it, `GLUON_DQ_256`). ``tables``: the call's masks go beyond causal (a window, packing,
@@ -502,6 +520,8 @@ def bwd_heuristic(
     beside, three slots: 1.87 -> 1.60 and 1.76 -> 1.56; window (1024, 0) GQA level, 2.56
     -> 2.60, ...-tables-1ca09f3.json).
     """
+    if gluon and itemsize == 2 and head_dim == 64 and (group > 1 or soft_cap):
+        return _GLUON_BWD
     if gluon and itemsize == 2 and head_dim in _GLUON_BWD_HEURISTIC_HEAD_DIMS:
         if head_dim == 256:  # its one config: the Gluon dq kernel beside, two slots
             return _GLUON_BWD_256

@@ -174,9 +174,12 @@ def block_tables(
     k_offset: Offset,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None,
     dropout_key: UInt32[Array, 5] | None = None,
+    *,
+    head_dim: int,
 ) -> Tables:
     """The kernels' `Tables` of one block call (offsets used only when ``masks.relative``;
-    ``q_offset`` a tuple: the rows are equal chunks at those offsets)."""
+    ``q_offset`` a tuple: the rows are equal chunks at those offsets; ``head_dim``: the
+    call's, for the dq kernel's tiles, `_masks.range_tables`)."""
     chunks = _chunk_offsets(q_offset, q_len)
     if len(chunks) > 1 and masks.dropout_rate > 0.0:
         raise ValueError(
@@ -205,7 +208,9 @@ def block_tables(
         # Per batch row, from each block's document ids (`_masks.segment_block_table`:
         # blocks of other documents are skipped, as on one GPU).
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, _I32) for x in segment_ids)
-    fwd_table, dq_table, dkdv_table, counter = range_tables(opts, rows, cols, segment_ids)
+    fwd_table, dq_table, dkdv_table, counter = range_tables(
+        opts, rows, cols, segment_ids, head_dim=head_dim
+    )
     if (dropout_key is None) != (masks.dropout_rate == 0.0):
         raise ValueError(
             f"a dropout key comes with dropout_rate > 0 and only then, got "
@@ -265,8 +270,9 @@ def block_forward(
     k, v, kernel_k, kernel_v = _keys(q, k, v, kv)
     opts = block_options(masks, q, k, v, segment_ids is not None, config)
     tables = block_tables(
-        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
-    )
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key,
+        head_dim=q.shape[3],
+    )  # fmt: skip
     out, lse, _ = forward(
         opts, q, kernel_k, kernel_v, None, None, tables, resume=resume, kv_pair=kv is not None
     )
@@ -316,8 +322,9 @@ def block_backward(
     k, v, kernel_k, kernel_v = _keys(q, k, v, kv)
     opts = block_options(masks, q, k, v, segment_ids is not None, None, bwd_config)
     tables = block_tables(
-        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key
-    )
+        opts, masks, q.shape[1], k.shape[1], q_offset, k_offset, segment_ids, dropout_key,
+        head_dim=q.shape[3],
+    )  # fmt: skip
     dq, dk, dv, _, _ = backward(
         opts, q, kernel_k, kernel_v, None, None, tables, out, lse, d_out, d_lse,
         joint_dkdv=joint_dkdv, kv_pair=kv is not None,

@@ -27,7 +27,7 @@ consumers' ``dSᵀ`` go through shared memory, each multiplies ``dS`` by its hal
 columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
 `_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
 query rows a program, two consumer warpgroups, k and v streamed; 64 keys a step, 32 at
-head_dim 256 where 128 rows of q and dO take 128 KiB: `_config.gluon_dq_beside`), or the
+head_dim 256 where 128 rows of q and dO take 128 KiB: `_config.dq_beside`), or the
 ordinary dq kernel. Calls the
 dk/dv kernel takes (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a
 positive scale, no bias or dropout (every mask, the soft cap and sinks are fine: the sinks

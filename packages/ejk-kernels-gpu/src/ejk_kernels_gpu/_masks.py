@@ -25,7 +25,7 @@ from jax import Array
 from ejk_sequtils import AttentionRequest, dropout_key
 
 from . import _triton
-from ._config import gluon_dq_beside
+from ._config import dq_beside
 from ._options import CallOptions
 
 __all__ = [
@@ -420,6 +420,7 @@ def range_tables(
     cols: Ranges,
     segment_ids: tuple[Array, Array] | None,
     *,
+    head_dim: int,
     fused: bool | None = None,
 ) -> tuple[Array, Array, Array, Array | None]:
     """The forward, dq and dk/dv block tables of a call.
@@ -430,6 +431,7 @@ def range_tables(
             `PositionRanges`.
         cols: the queries that may see each key, likewise (``[S]``).
         segment_ids: int32 ``(q_ids [B, T], kv_ids [B, S])`` or None.
+        head_dim: the call's (which dq kernel runs beside a Gluon dk/dv config).
         fused: build each table with segment ids in one Triton kernel
             (`fused_segment_table`) or in jnp; None: the kernel where Triton compiles (on a
             GPU: one launch a table), jnp in Triton's interpreter (the same tables).
@@ -444,8 +446,8 @@ def range_tables(
     fwd_cfg, bwd_cfg = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
     # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
-    # beside a Gluon dk/dv config (`gluon_dq_beside`: other tiles at head_dim 256).
-    dq_cfg = gluon_dq_beside(bwd_cfg) or bwd_cfg
+    # beside a Gluon dk/dv config (`dq_beside`: other tiles at head_dim 64 and 256).
+    dq_cfg = dq_beside(bwd_cfg, head_dim, opts.soft_cap > 0.0) or bwd_cfg
     shapes = tuple((c.block_q, c.block_k) for c in (fwd_cfg, dq_cfg, bwd_cfg))
     ranges_of = (rows, rows, cols)
     if fused is None:
@@ -542,7 +544,9 @@ def kernel_tables(opts: CallOptions, request: AttentionRequest) -> Tables:
         segment_ids = None
     else:
         segment_ids = q_seg, k_seg = tuple(jnp.asarray(x, jnp.int32) for x in request.segment_ids)
-    fwd_table, dq_table, dkdv_table, counter = range_tables(opts, rows, cols, segment_ids)
+    fwd_table, dq_table, dkdv_table, counter = range_tables(
+        opts, rows, cols, segment_ids, head_dim=request.shape[5]
+    )
     if packing is None:
         q_sid = k_sid = q_pos = k_pos = dummy()
     else:

@@ -996,7 +996,8 @@ def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, c
     added into a float32 buffer that starts at zero, scaled after): no dq kernel runs, and
     the gradients match the reference through its emulation. At head_dim 64 (where its two
     consumers' halves of dq's columns would split a shared-memory swizzle row) the call
-    runs the ordinary kernels, correctly."""
+    runs the heuristic's backward instead, correctly: the ordinary kernels (MHA), with a
+    soft cap the Gluon dk/dv kernel and the Gluon dq kernel beside it."""
     cfg = msgspec.structs.replace(GLUON_DKDV, atomic_dq=True)
     for head_dim in (128, 64):
         gluon_launches.dkdv.clear()
@@ -1005,13 +1006,17 @@ def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, c
         )
         kwargs = dict(causal=causal, logits_soft_cap=cap)
         grads = _loss_grads(flash_attention, q, k, v, bwd_config=cfg, **kwargs)
-        assert gluon_launches.dq == []
         if head_dim == 128:
+            assert gluon_launches.dq == []
             [(grid, consts, outs, _)] = gluon_launches.dkdv
             assert grid == (2, 2 * 4) and consts["DQ"] is True
             assert outs[2] == (q.shape, jnp.float32)
+        elif cap:
+            [(_, consts, _, _)] = gluon_launches.dkdv
+            [_] = gluon_launches.dq
+            assert consts["DQ"] is False
         else:
-            assert gluon_launches.dkdv == []
+            assert gluon_launches.dkdv == gluon_launches.dq == []
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         ref = _loss_grads(reference_attention, *f32, **kwargs)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):

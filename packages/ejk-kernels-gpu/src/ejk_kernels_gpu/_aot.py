@@ -279,21 +279,34 @@ def compile_table(
     )
 
 
+def _run_tool(tool: str, data: bytes, name: str, *args: str) -> str | None:
+    """The output (stdout, then stderr) of Triton's ``tool`` (``ptxas``, or ``nvdisasm``
+    beside it) run with ``args`` on ``data`` written to a temporary folder as ``name`` (the
+    tool's own outputs land there too); None if the tool cannot be found."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    path = os.path.join(os.path.dirname(ptxas), tool) if ptxas else ""
+    if not os.path.exists(path):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(data)
+        done = subprocess.run(
+            [path, *args, name], cwd=tmp, capture_output=True, text=True, check=True
+        )
+    return done.stdout + done.stderr
+
+
 def spill_stores(ptx: str) -> int | None:
     """Bytes of register spill stores ptxas reports for ``ptx`` (sm_90a); None if Triton's
     ptxas cannot be found."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    path = get_ptxas(90).path
-    if not path:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        cmd = [path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "kernel.o")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+    log = _run_tool(
+        "ptxas", ptx.encode(), "kernel.ptx", "-v", "--gpu-name=sm_90a", "-o", "kernel.o"
+    )
+    return (
+        None if log is None else sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+    )
 
 
 def half_swaps(cubin: bytes) -> int | None:
@@ -301,18 +314,8 @@ def half_swaps(cubin: bytes) -> int | None:
     16-bit halves swapped: where ptxas lays a loop-carried 16-bit p out other than its
     matmul reads it, one a register and key block; `_gluon_forward_kernel._as_carried`);
     None if Triton's nvdisasm cannot be found."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path
-    nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm") if ptxas else ""
-    if not os.path.exists(nvdisasm):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True)
-    return len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass.stdout))
+    sass = _run_tool("nvdisasm", cubin, "kernel.cubin", "-c")
+    return None if sass is None else len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass))
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}

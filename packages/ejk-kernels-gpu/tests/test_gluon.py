@@ -1024,6 +1024,14 @@ def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, c
             assert err < 2e-2, (head_dim, name)
 
 
+def _tabled_inputs(rng, kwargs, heads, kv_heads, head_dim):
+    """``(batch, (q, k, v))``: bf16 inputs of 384 rows, the masks' arguments set in
+    ``kwargs`` (documents or packing, `_documents_or_packing`)."""
+    batch = _documents_or_packing(rng, kwargs, 2, 384, max_len=150)
+    shapes = ((batch, 384, heads, head_dim),) + ((batch, 384, kv_heads, head_dim),) * 2
+    return batch, tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+
+
 TABLED_BACKWARDS = [
     ("window", dict(causal=True, sliding_window=(100, 0))),
     ("two-sided window", dict(sliding_window=(70, 150))),
@@ -1051,13 +1059,7 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     if dq_inside:
         kwargs["bwd_config"] = msgspec.structs.replace(GLUON_DKDV, atomic_dq=True)
     heads, kv_heads = (4, 4) if dq_inside else heads
-    q_len = 384
-    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=150)
-    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 128)), jnp.bfloat16)
-    k, v = (
-        jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 128)), jnp.bfloat16)
-        for _ in range(2)
-    )
+    batch, (q, k, v) = _tabled_inputs(rng, kwargs, heads, kv_heads, 128)
     grads = _loss_grads(flash_attention, q, k, v, **kwargs)
     [(grid, consts, _, _)] = gluon_launches.dkdv
     assert grid == (3, batch * kv_heads)
@@ -1100,13 +1102,8 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     dk/dv kernel's emulation and the interpreted dq kernel, match the reference."""
     _, kwargs = case
     kwargs = dict(kwargs)
-    q_len, heads, kv_heads = 384, 4, 2
-    batch = _documents_or_packing(rng, kwargs, 2, q_len, max_len=150)
-    q = jnp.asarray(rng.standard_normal((batch, q_len, heads, 64)), jnp.bfloat16)
-    k, v = (
-        jnp.asarray(rng.standard_normal((batch, q_len, kv_heads, 64)), jnp.bfloat16)
-        for _ in range(2)
-    )
+    heads, kv_heads = 4, 2
+    batch, (q, k, v) = _tabled_inputs(rng, kwargs, heads, kv_heads, 64)
     grads = _loss_grads(flash_attention, q, k, v, **kwargs)
     [(grid, consts, _, _)] = gluon_launches.dkdv
     assert grid == (3, batch * kv_heads) and (consts["BM"], consts["BN"]) == (64, 128)

@@ -1152,17 +1152,23 @@ def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
         assert err < tol, name
 
 
-def test_context_blocks_with_offsets_take_the_gluon_backward(gluon_launches, rng):
+@pytest.mark.parametrize("kv_heads, head_dim", [(4, 128), (2, 64)], ids=["mha 128", "gqa 64"])
+def test_context_blocks_with_offsets_take_the_gluon_backward(
+    gluon_launches, rng, kv_heads, head_dim
+):
     """A context block call with masks on global positions (the packed path: offsets as
-    positions) takes the Gluon dk/dv and dq kernels on the block tables; the key block's
+    positions) takes the Gluon dk/dv kernel on the block tables, and beside it the Gluon
+    dq kernel (at head_dim 64 the ordinary one, on its own table); the key block's
     gradients from the global output and lse match the reference's share."""
     from ejk_kernels_gpu._context import BlockMasks, block_backward
 
-    q, k, v, w = (
-        jnp.asarray(rng.standard_normal((1, 256, 4, 128)), jnp.bfloat16) for _ in range(4)
+    q, w = (jnp.asarray(rng.standard_normal((1, 256, 4, head_dim)), jnp.bfloat16) for _ in range(2))
+    k, v = (
+        jnp.asarray(rng.standard_normal((1, 256, kv_heads, head_dim)), jnp.bfloat16)
+        for _ in range(2)
     )
     kwargs = dict(causal=True, sliding_window=(150, 0))
-    masks = BlockMasks(scale=128**-0.5, causal=True, window=(150, 0), relative=True)
+    masks = BlockMasks(scale=head_dim**-0.5, causal=True, window=(150, 0), relative=True)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     out, lse = reference_attention(*f32, return_lse=True, **kwargs)
     # Query rows [128, 256) against keys [0, 128): the window's and causal's edge blocks.
@@ -1172,7 +1178,8 @@ def test_context_blocks_with_offsets_take_the_gluon_backward(gluon_launches, rng
     )  # fmt: skip
     [(_, consts, _, _)] = gluon_launches.dkdv
     assert consts["VARLEN"] and consts["WINDOW_LEFT"] == 150
-    assert len(gluon_launches.dq) == 1
+    beside = gluon_launches.ordinary_dq if head_dim == 64 else gluon_launches.dq
+    assert len(beside) == 1 and len(gluon_launches.dq + gluon_launches.ordinary_dq) == 1
 
     def loss(q_rows, k_blk, v_blk):
         o = reference_attention(
@@ -1270,17 +1277,24 @@ def test_resumed_context_rows_continue_in_the_kernel(gluon_launches, rng):
     np.testing.assert_allclose(np.asarray(lse), want_lse[:, :, a:b], atol=1e-3)
 
 
-def test_keys_and_values_as_one_array_reach_every_gluon_kernel(gluon_launches, rng):
+@pytest.mark.parametrize("kv_heads, head_dim", [(4, 128), (2, 64)], ids=["mha 128", "gqa 64"])
+def test_keys_and_values_as_one_array_reach_every_gluon_kernel(
+    gluon_launches, rng, kv_heads, head_dim
+):
     """``kv`` (all-gather's keys and values gathered as one array): the Gluon forward,
-    dk/dv and dq kernels take it with ``KV_PAIR`` and give the results of k and v apart."""
+    dk/dv and dq kernels (at head_dim 64 the ordinary dq kernel beside) take it with
+    ``KV_PAIR`` and give the results of k and v apart."""
     from ejk_kernels_gpu._context import BlockMasks, block_backward, block_forward
 
     t = 256
-    q, k, v, d_out = (
-        jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(4)
+    q, d_out = (
+        jnp.asarray(rng.standard_normal((1, t, 4, head_dim)), jnp.bfloat16) for _ in range(2)
+    )
+    k, v = (
+        jnp.asarray(rng.standard_normal((1, t, kv_heads, head_dim)), jnp.bfloat16) for _ in range(2)
     )
     ids = jnp.asarray(np.repeat(np.arange(3), [100, 100, 56])[None], jnp.int32)
-    masks = BlockMasks(scale=128**-0.5, causal=True, relative=True)
+    masks = BlockMasks(scale=head_dim**-0.5, causal=True, relative=True)
     kw = dict(q_offset=0, segment_ids=(ids, ids))
     pair = jnp.concatenate([k, v], axis=-1)
     apart = block_forward(masks, q, k, v, **kw)
@@ -1291,6 +1305,8 @@ def test_keys_and_values_as_one_array_reach_every_gluon_kernel(gluon_launches, r
     assert [c["KV_PAIR"] for c in forwards] == [False, True]
     assert [c["KV_PAIR"] for _, c, _, _ in gluon_launches.dkdv] == [False, True]
     assert [c["KV_PAIR"] for _, c, _, _ in gluon_launches.dq] in ([], [False, True])
+    ordinary_dq = [c["KV_PAIR"] for _, c, _ in gluon_launches.ordinary_dq]
+    assert ordinary_dq == ([False, True] if head_dim == 64 else [])
     for x, y in zip((*apart, *grads), (*joint, *grads_pair), strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 

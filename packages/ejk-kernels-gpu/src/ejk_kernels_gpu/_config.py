@@ -72,7 +72,8 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             Backward: run the dk/dv kernel written in Gluon (`_gluon_backward_kernel`:
             128 resident keys, 64 per consumer warpgroup, ``block_k`` = 64 query rows a
             step, ``num_stages`` slots of the q/dO ring) and the dq kernel written in
-            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one, `dq_beside`, `ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
+            Gluon (`GLUON_DQ_CONFIG`; or the ordinary one: `dq_beside`,
+            `ordinary_config`). Taken by calls with 16-bit inputs, head_dim 64 or 128, a
             positive scale, no bias or dropout, and query rows on whole 64-row steps
             (`_options.can_run_gluon_dkdv`); every mask (windows, packed sequences and
             segment ids through the dk/dv block table), soft cap and sinks run in it; any
@@ -342,11 +343,12 @@ def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | 
 # Where the backward heuristic takes it. At head_dim 64 only with groups or a soft cap
 # (`bwd_heuristic`), two slots, the ordinary dq kernel beside it without a cap
 # (`dq_beside`), the Gluon one with (H200, forward+backward us, ordinary -> Gluon: GQA B4
-# T4096 N32 K8 causal 3077 -> 2844, unmasked 5557 -> 5120, soft cap 50 5011 -> 3639; GQA 8
-# documents as segment ids 1893 -> 1780; MHA B8 T2048 N16 soft cap 1436 -> 1157;
-# docs/gpu-runs/2026-11-29-h200-head64-gluon-bwd.json). MHA without a cap its dk/dv kernel
-# is slower causal (427 -> 477 us) and the ordinary backward keeps it (869 against 922;
-# 0.91x on an H100 long ago), level unmasked and with documents.
+# T4096 N32 K8 causal 3049 -> 2836, unmasked 5528 -> 5035, soft cap 50 5069 -> 3633, window
+# (1024, 0) 1593 -> 1584; GQA 8 documents as segment ids 1885 -> 1776; MHA B8 T2048 N16
+# soft cap 1442 -> 1167; docs/gpu-runs/2026-11-29-h200-head64-gluon-bwd.json, probe 4).
+# MHA without a cap its dk/dv kernel is slower causal (427 -> 477 us) and the ordinary
+# backward keeps it (869 against 922; 0.91x on an H100 long ago), level unmasked and with
+# documents.
 # At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the
 # ordinary backward's causal, 1.46x unmasked (B2 T4096 N16 K8, H100, 4.95 -> 3.38 and
 # 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; docs/gpu-runs/2026-11-25-h100-gluon-bwd-256-da77bc2.json),
@@ -508,8 +510,8 @@ def bwd_heuristic(
     256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
     ``gluon``: the call can take the Gluon dk/dv kernel (`_options.can_run_gluon_dkdv`);
     at head_dim 64 it does with groups or a soft cap (two slots, a dq kernel beside:
-    `dq_beside`; see ``_GLUON_BWD_HEURISTIC_HEAD_DIMS``); at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in it (three ring
-    slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
+    `dq_beside`); at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in
+    it (three ring slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
     `GLUON_BWD_CONFIGS`); at head_dim 256 its column-split kernel (`_GLUON_BWD_256`,
     the Gluon dq kernel beside it, `GLUON_DQ_256`). ``tables``: the call's masks go beyond causal (a window, packing,
     segment ids; `_options.CallOptions.tabled`): there dq beside it, three slots without a

@@ -322,22 +322,23 @@ GLUON_DQ_256: FlashConfig | None = FlashConfig(
 # unmasked 1544 -> 1395, 8 documents 601 -> 439, MHA B8 T2048 N16 causal 292 -> 225; 128
 # keys a step 861, 1443, 584, 280; docs/gpu-runs/2026-11-29-h200-head64-gluon-bwd.json).
 # With a soft cap the Gluon one is faster (1151 against 1597: its tanh overlaps the matmuls).
-_DQ_BESIDE_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+# Those tiles: the backward heuristic's ordinary config at head_dim <= 64.
+_ORDINARY_BWD_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
 
 
 def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | None:
     """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd``: the
     Gluon dq kernel's (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's
-    64 resident keys), at head_dim 64 without a soft cap the ordinary one's
-    (`_DQ_BESIDE_64`); or None where dq comes from elsewhere: from the dk/dv kernel
-    (``atomic_dq``), or from the ordinary dq kernel with ``bwd``'s tiles (not a Gluon
-    config, or the Gluon dq config set to None). The dq block table is built for the tiles
+    64 resident keys), at head_dim 64 without a soft cap the ordinary one's with the
+    heuristic's tiles (`_ORDINARY_BWD_64`); or None where dq comes from elsewhere: from the
+    dk/dv kernel (``atomic_dq``), or from the ordinary dq kernel with ``bwd``'s tiles (not
+    a Gluon config, or the Gluon dq config set to None). The dq block table is built for the tiles
     of the kernel that runs (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:
         return None
     if bwd.block_q == 64:
         return GLUON_DQ_256
-    return _DQ_BESIDE_64 if head_dim == 64 and not soft_cap else GLUON_DQ_CONFIG
+    return _ORDINARY_BWD_64 if head_dim == 64 and not soft_cap else GLUON_DQ_CONFIG
 
 
 # Where the backward heuristic takes it. At head_dim 64 only with groups or a soft cap
@@ -531,7 +532,7 @@ def bwd_heuristic(
             return _GLUON_BWD if soft_cap else _GLUON_BWD_3
         return _GLUON_BWD_DQ if group == 1 and not soft_cap else _GLUON_BWD
     if head_dim <= 64:
-        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+        return _ORDINARY_BWD_64
     if head_dim <= 128 and itemsize <= 2 and soft_cap:
         return FlashConfig(block_q=128, block_k=32, num_warps=8, num_stages=3, atomic_dq=True)
     if head_dim <= 128 and itemsize <= 2 and group == 1:

@@ -172,13 +172,14 @@ def test_the_gluon_backward_kernels_build_for_hopper():
         if head_dim == 128 or variant == "softcap"
     }
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
-    beside_64 = {(64, 32, 4, 3)} <= {
-        (c["block_q"], c["block_k"], c["num_warps"], c["num_stages"])
+    tiles = ("block_q", "block_k", "num_warps", "num_stages")
+    dq_64 = {
+        tuple(r["config"][t] for t in tiles)
         for r in rows
         if r["kernel"] == "dq_kernel" and r["head_dim"] == 64
-        for c in [r["config"]]
     }
-    assert beside_64 and all(r["fits"] for r in rows if r["kernel"] == "dq_kernel")
+    assert (64, 32, 4, 3) in dq_64
+    assert all(r["fits"] for r in rows if r["kernel"] == "dq_kernel")
     gluon = [r for r in rows if r["kernel"] == "gluon_dkdv_kernel"]
     built = {
         (r["variant"], r["head_dim"], r["dtype"], r["config"]["num_stages"], r["config"]["atomic_dq"])

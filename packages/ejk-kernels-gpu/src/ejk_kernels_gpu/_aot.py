@@ -304,9 +304,9 @@ def spill_stores(ptx: str) -> int | None:
     log = _run_tool(
         "ptxas", ptx.encode(), "kernel.ptx", "-v", "--gpu-name=sm_90a", "-o", "kernel.o"
     )
-    return (
-        None if log is None else sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
-    )
+    if log is None:
+        return None
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
 def half_swaps(cubin: bytes) -> int | None:
@@ -315,7 +315,9 @@ def half_swaps(cubin: bytes) -> int | None:
     matmul reads it, one a register and key block; `_gluon_forward_kernel._as_carried`);
     None if Triton's nvdisasm cannot be found."""
     sass = _run_tool("nvdisasm", cubin, "kernel.cubin", "-c")
-    return None if sass is None else len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass))
+    if sass is None:
+        return None
+    return len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass))
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}

@@ -332,8 +332,8 @@ def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | 
     64 resident keys), at head_dim 64 without a soft cap the ordinary one's with the
     heuristic's tiles (`_ORDINARY_BWD_64`); or None where dq comes from elsewhere: from the
     dk/dv kernel (``atomic_dq``), or from the ordinary dq kernel with ``bwd``'s tiles (not
-    a Gluon config, or the Gluon dq config set to None). The dq block table is built for the tiles
-    of the kernel that runs (`_masks.range_tables`)."""
+    a Gluon config, or the Gluon dq config set to None). The dq block table is built for
+    the tiles of the kernel that runs (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:
         return None
     if bwd.block_q == 64:

@@ -140,6 +140,12 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon
     assert all(r["spill_stores"] == 0 for r in gluon if r["variant"] in ("softcap", "tail")), gluon
+    # Masked blocks compare positions relative to the block (`_block_relative`): no 64-bit
+    # mask packed and unpacked (124 SHF.R.U64 with segment ids, 62 with a window, at head_dim
+    # 64 and 128 before, 2026-12-01).
+    assert all(r["mask_unpacks"] == 0 for r in gluon), [
+        (r["variant"], r["head_dim"], r["mask_unpacks"]) for r in gluon if r["mask_unpacks"]
+    ]
     # With a block table p crosses from the masked loop into the unmasked one laid out for
     # the latter (`_as_carried`): no swap of its 16-bit halves in every block (384 at head_dim
     # 128 before, the unmasked loop 528 SASS instructions a block against 483).

@@ -150,7 +150,8 @@ def compile_kernel(
     """Compile one kernel for sm_90 and report its resources.
 
     ``spills``: also run ptxas on the PTX for its spill count (`spill_stores`), and count
-    the swaps of 16-bit halves in the SASS (`half_swaps`).
+    in the SASS the swaps of 16-bit halves (`half_swaps`) and the 64-bit shifts that
+    unpack a packed mask (`mask_unpacks`).
 
     Returns:
         dict with the kernel, config, shared memory bytes, scratch, threads, spills, seconds.
@@ -219,7 +220,7 @@ def compile_kernel(
         # Threads the PTX requires: 384 for a warp-specialised build (three warpgroups).
         threads=threads_required(compiled.asm["ptx"]),
         spill_stores=spill_stores(compiled.asm["ptx"]) if spills else None,
-        half_swaps=half_swaps(compiled.asm["cubin"]) if spills else None,
+        **(sass_counts(compiled.asm["cubin"]) if spills else dict.fromkeys(_SASS_COUNTS)),
         # fp32 divisions in the PTX (each a MUFU reciprocal and more, where Triton lowers
         # one per element: the Gluon forward divides once a row, `_consume_tile`).
         divisions=len(
@@ -309,15 +310,26 @@ def spill_stores(ptx: str) -> int | None:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
-def half_swaps(cubin: bytes) -> int | None:
-    """How many ``PRMT r, x, 0x5432, x`` the SASS of ``cubin`` holds (a register's two
-    16-bit halves swapped: where ptxas lays a loop-carried 16-bit p out other than its
-    matmul reads it, one a register and key block; `_gluon_forward_kernel._as_carried`);
-    None if Triton's nvdisasm cannot be found."""
+_SASS_COUNTS = ("half_swaps", "mask_unpacks")
+
+
+def sass_counts(cubin: bytes) -> dict[str, int | None]:
+    """Two counts in the SASS of ``cubin`` (None each if Triton's nvdisasm cannot be found):
+
+    - ``half_swaps``: ``PRMT r, x, 0x5432, x``, a register's two 16-bit halves swapped,
+      where ptxas lays a loop-carried 16-bit p out other than its matmul reads it (one a
+      register and key block; `_gluon_forward_kernel._as_carried`);
+    - ``mask_unpacks``: ``SHF.R.U64``, 64-bit funnel shifts, which is how LLVM unpacks a
+      thread's 64 compares of a block's positions after packing them into a 64-bit mask
+      (which `_gluon_forward_kernel._block_relative` keeps it from doing).
+    """
     sass = _run_tool("nvdisasm", cubin, "kernel.cubin", "-c")
     if sass is None:
-        return None
-    return len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass))
+        return dict.fromkeys(_SASS_COUNTS)
+    return dict(
+        half_swaps=len(re.findall(r"PRMT R\d+, (R\d+), 0x5432, \1\b", sass)),
+        mask_unpacks=len(re.findall(r"\bSHF\.R\.U64\b", sass)),
+    )
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}

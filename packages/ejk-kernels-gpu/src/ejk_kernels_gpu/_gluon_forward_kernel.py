@@ -389,6 +389,24 @@ def _issue_pv(p, alpha, acc, v_smem, layouts: gl.constexpr, F: gl.constexpr):
 
 
 @gluon.jit
+def _block_relative(j, row_info, key_info, F: gl.constexpr):
+    """The rows' and key block j's `token_info` with positions relative to the block's
+    first key (for builds whose positions are the tokens' indices): the keys' are then the
+    column index and the rows' lose ``j·BN``, which leaves every causal and window bound
+    the same. In the builds with a table (windows, segment ids) LLVM otherwise packs a
+    thread's 64 position compares into a 64-bit mask and unpacks it (`_aot`'s
+    ``mask_unpacks``; the documents' diagonal block 850 SASS instructions against 623,
+    window 855 against 618). Measured in
+    docs/gpu-runs/2026-12-01-h200-relative-positions-ab-348d2d8.json; the causal build
+    (no table) packs nothing and spills at head_dim 256 with it, and the soft cap's build
+    measured no faster: both keep absolute positions."""
+    cols: gl.constexpr = gl.SliceLayout(0, wgmma_layout(F.BN))
+    keys = (key_info[0], key_info[1], gl.arange(0, F.BN, layout=cols), key_info[3])
+    rows = (row_info[0], row_info[1], row_info[2] - j * F.BN, row_info[3])
+    return rows, keys
+
+
+@gluon.jit
 def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.constexpr,
           MASK: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True):  # fmt: skip
     """Key block j (the program's ``j - base``-th): issue q·kⱼᵀ and p·v of block j-1,
@@ -402,11 +420,14 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
     s_tok = _issue_qk(q, k_smem.index(ks), zero_s)
     o_tok = _issue_pv(p, alpha, acc, v_smem.index(vs), layouts, F)
     key_info = 0
+    row_info = masks[0]
     if MASK:
         key_info = _key_info(j, masks, F, IDS)
+        if F.TABLE and not F.VARLEN and F.SOFT_CAP == 0.0:
+            row_info, key_info = _block_relative(j, row_info, key_info, F)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, MASK, k_smem.dtype, SIDE,
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, row_info, key_info, F, MASK, k_smem.dtype, SIDE,
                                   IDS)  # fmt: skip
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)

@@ -350,7 +350,8 @@ CASES = [
     ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GG, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
-    ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GW, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
+    # (GQA at head_dim 64: the heuristic's backward is the Gluon dk/dv kernel since ca1355f.)
+    ("gluon packed window h64", 1, 4096, 4096, 8, 2, 64, GG, dict(packed=True, causal=True, sliding_window=(200, 0), gluon=True)),
     ("gluon documents softcap h128", 2, 2048, 2048, 8, 2, 128, GG, dict(documents=True, causal=True, logits_soft_cap=30.0)),
     # The Gluon dk/dv kernel: keys off its 128-key tile (zero-filled, clipped stores) with
     # sinks, head_dim 64 asked for (MHA: not the heuristic's there), three ring slots, fp16 T>S.

@@ -6,9 +6,9 @@ One program owns ``BM`` = 128 query rows of one (batch, query head):
 
 - a producer warp copies k and v of every key block it visits into two rings of
   ``STAGES`` slots by TMA, each slot with a ``ready`` barrier (the copy landed) and an
-  ``empty`` one (both consumers are done with it), k and v apart, so k of block j is
+  ``empty`` one (every consumer is done with it), k and v apart, so k of block j is
   freed before v is;
-- two consumer warpgroups own 64 rows each. Per key block j they issue ``q·kⱼᵀ`` and
+- ``NC`` = BM / 64 consumer warpgroups (two: the only tile so far) own 64 rows each. Per key block j they issue ``q·kⱼᵀ`` and
   ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first, run block j's online softmax while the
   second runs, then wait for it (FlashAttention-3's intra-warpgroup pipeline). Nothing
   is in flight across a loop's back edge: ptxas spills and serialises wgmma
@@ -108,6 +108,7 @@ class GluonOptions(NamedTuple):
     H: int  # head_dim
     G: int  # query heads per kv head
     BM: int  # query rows per tile
+    NC: int  # consumer warpgroups, BM // 64: each takes 64 of a tile's rows
     PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
     ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
     ROWS_MAJOR: int  # the grid's order takes the last ROWS_MAJOR (batch, head) groups' tiles
@@ -238,10 +239,10 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
         _copy_kv(descs, smem, kv_bars, j, count + j - j_lo, (krow, kcol), F)
     mbarrier.wait(q_empty, qph ^ 1)  # the previous tile's q is done with (OBUF), or its
     # output has left (o through q's buffer)
-    for h in gl.static_range(2):
+    for h in gl.static_range(F.NC):
         mbarrier.expect(q_ready.index(h), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
-            q_desc, [qrow + pid_m * F.BM + h * (F.BM // 2), qcol],
+            q_desc, [qrow + pid_m * F.BM + h * (F.BM // F.NC), qcol],
             q_ready.index(h), q_smem.index(h),
         )  # fmt: skip
     for j in range(head, j_hi):
@@ -252,7 +253,7 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
 @gluon.jit
 def _publish_tile(tile, it, sched):
     """Tell the consumers the program's ``it``-th tile (slot ``it % 2`` of the schedule ring,
-    once both consumers read what it held before)."""
+    once every consumer read what it held before)."""
     tiles, tile_ready, tile_empty = sched
     slot, phase = ring_slot(it, 2)
     mbarrier.wait(tile_empty.index(slot), phase ^ 1)  # a slot's first use waits for nothing
@@ -444,7 +445,7 @@ def _resume(prev, rows, bn, row_c, F: gl.constexpr, o_layout: gl.constexpr):
     lse = gl.load(prev_lse + bn.to(gl.int64) * F.T + rows, mask=rows < F.T, other=float("-inf"))
     m_i = lse * _LOG2E
     l_i = gl.where(lse > float("-inf"), 1.0, 0.0)
-    o_rows = row_c + gl.arange(0, F.BM // 2, layout=gl.SliceLayout(1, o_layout))
+    o_rows = row_c + gl.arange(0, F.BM // F.NC, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, F.H, layout=gl.SliceLayout(0, o_layout))
     b = bn // F.N
     n = bn % F.N
@@ -457,7 +458,7 @@ def _resume(prev, rows, bn, row_c, F: gl.constexpr, o_layout: gl.constexpr):
 @gluon.jit
 def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n_m, tabs, nxt,
                   F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
-    """Rows ``C·BM/2 ..`` of one tile's query block (consumer C of two); ``count``: key
+    """Rows ``C·BM/NC ..`` of one tile's query block (consumer C of NC); ``count``: key
     blocks this program consumed before; ``qph``: the phase of q's barriers for this tile
     (`_tile_phase`); ``blocks``: its key range (`_key_blocks`); ``prev``: the previous
     call's (o, lse) pointers (``RESUME``). ``nxt``: for persistent programs, what
@@ -467,7 +468,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
     q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
     o_desc, lse_ptr = dest
-    HALF: gl.constexpr = F.BM // 2
+    HALF: gl.constexpr = F.BM // F.NC  # (a consumer's rows)
     s_layout: gl.constexpr = wgmma_layout(F.BN)
     o_layout: gl.constexpr = wgmma_layout(F.H)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -616,7 +617,7 @@ def _read_tile(it, sched):
 @gluon.jit
 def _consumer(smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total, n_m, tabs,
               F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
-    """Each tile's rows ``C·BM/2 ..`` (consumer C of two, `_consume_tile`); persistent
+    """Each tile's rows ``C·BM/NC ..`` (consumer C of NC, `_consume_tile`); persistent
     programs take the tiles the producer publishes (`_producer`) until ``total``."""
     if F.PERSISTENT:
         count = 0  # key blocks consumed by this program
@@ -670,10 +671,11 @@ def gluon_fwd_kernel(
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        B=B, N=N, H=H, G=G, BM=BM, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
+        B=B, N=N, H=H, G=G, BM=BM, NC=BM // 64, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
         ROWS_MAJOR=ROWS_MAJOR, FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
     )  # fmt: skip
-    HALF: gl.constexpr = BM // 2
+    NC: gl.constexpr = BM // 64
+    HALF: gl.constexpr = BM // NC  # a consumer's rows
     K: gl.constexpr = N // G
     n_m: gl.constexpr = (T + BM - 1) // BM
     total: gl.constexpr = B * N * n_m
@@ -713,22 +715,22 @@ def gluon_fwd_kernel(
         k_desc, v_desc = pair_descriptors(
             k_ptr, v_ptr, b, n // G, S, K, H, [BN, H], smem_layout, KV_PAIR
         )
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, HALF, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     if OBUF:
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], smem_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NC, HALF, H], smem_layout)
     else:  # o leaves through q's buffer
         o_smem = q_smem
-    # q: ready per half-tile (one arrival + bytes), empty once both consumers stored their
-    # output through it; k and v: ready per slot, empty once both consumers released it.
-    q_ready = barriers(2, 1)
-    q_empty = barriers(1, 2).index(0)
-    kv_bars = (barriers(STAGES, 1), barriers(STAGES, 2), barriers(STAGES, 1),
-               barriers(STAGES, 2))  # fmt: skip
+    # q: ready per consumer's rows (one arrival + bytes), empty once every consumer stored
+    # its output through it; k and v: ready per slot, empty once every consumer released it.
+    q_ready = barriers(NC, 1)
+    q_empty = barriers(1, NC).index(0)
+    kv_bars = (barriers(STAGES, 1), barriers(STAGES, NC), barriers(STAGES, 1),
+               barriers(STAGES, NC))  # fmt: skip
     # The schedule ring: tile ids from the producer to the consumers (persistent programs).
     tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    sched = (tiles, barriers(2, 1), barriers(2, 2))
+    sched = (tiles, barriers(2, 1), barriers(2, NC))
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
     smem = (q_smem, k_smem, v_smem, o_smem)
     bars = (q_ready, q_empty, kv_bars)

@@ -8,9 +8,10 @@ One program owns ``BM`` = 128 query rows of one (batch, query head):
   ``STAGES`` slots by TMA, each slot with a ``ready`` barrier (the copy landed) and an
   ``empty`` one (every consumer is done with it), k and v apart, so k of block j is
   freed before v is;
-- ``NC`` = BM / 64 consumer warpgroups (two: the only tile so far) own 64 rows each. Per key block j they issue ``q·kⱼᵀ`` and
-  ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first, run block j's online softmax while the
-  second runs, then wait for it (FlashAttention-3's intra-warpgroup pipeline). Nothing
+- ``NC`` = BM / 64 consumer warpgroups (two: the only tile so far) own 64 rows each.
+  Per key block j they issue ``q·kⱼᵀ`` and ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first,
+  run block j's online softmax while the second runs, then wait for it
+  (FlashAttention-3's intra-warpgroup pipeline). Nothing
   is in flight across a loop's back edge: ptxas spills and serialises wgmma
   accumulators that are (C7513).
 
@@ -468,7 +469,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
     q_ready, q_empty, kv_bars = bars
     k_ready, k_empty, v_ready, v_empty = kv_bars
     o_desc, lse_ptr = dest
-    HALF: gl.constexpr = F.BM // F.NC  # (a consumer's rows)
+    ROWS_C: gl.constexpr = F.BM // F.NC  # a consumer's rows
     s_layout: gl.constexpr = wgmma_layout(F.BN)
     o_layout: gl.constexpr = wgmma_layout(F.H)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -479,21 +480,21 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
     b, n, bn, pid_m = _tile(tile, n_m, F)
     j_lo, jf_lo, jf_hi, j_hi = blocks
     q = q_smem.index(C)
-    row_c = pid_m * F.BM + C * HALF
-    rows = row_c + gl.arange(0, HALF, layout=row_layout)
+    row_c = pid_m * F.BM + C * ROWS_C
+    rows = row_c + gl.arange(0, ROWS_C, layout=row_layout)
     masks = (token_info(rows, F.T, b, row_tabs, F, -1), b, key_tabs)
     if HAS_SINKS:  # the sink is a key of logit `sink` and no value (mass 1 at m = sink)
         sink = gl.load(sinks_ptr + n).to(gl.float32) * _LOG2E
-        m_i = gl.full([HALF], 0.0, gl.float32, row_layout) + sink
-        l_i = gl.full([HALF], 1.0, gl.float32, row_layout)
+        m_i = gl.full([ROWS_C], 0.0, gl.float32, row_layout) + sink
+        l_i = gl.full([ROWS_C], 1.0, gl.float32, row_layout)
     else:
-        m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
-        l_i = gl.full([HALF], 0.0, gl.float32, row_layout)
-    acc = gl.zeros([HALF, F.H], gl.float32, o_layout)
+        m_i = gl.full([ROWS_C], float("-inf"), gl.float32, row_layout)
+        l_i = gl.full([ROWS_C], 0.0, gl.float32, row_layout)
+    acc = gl.zeros([ROWS_C, F.H], gl.float32, o_layout)
     if F.RESUME:
         if j_hi > j_lo:
             m_i, l_i, acc = _resume(prev, rows, bn, row_c, F, o_layout)
-    zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
+    zero_s = gl.zeros([ROWS_C, F.BN], gl.float32, s_layout)
     base = j_lo - count  # key block j is the program's (j - base)-th
     mbarrier.wait(q_ready.index(C), qph)
     if j_hi > j_lo:
@@ -575,9 +576,9 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         # the key loop: ptxas spills otherwise).
         b, n, bn, pid_m = _tile(tile, n_m, F)
         origin = _origin(b, n, F)
-        row_c = pid_m * F.BM + C * HALF
+        row_c = pid_m * F.BM + C * ROWS_C
         tma.async_copy_shared_to_global(o_desc, [origin[0] + row_c, origin[1]], o_buf)
-        rows = row_c + gl.arange(0, HALF, layout=row_layout)
+        rows = row_c + gl.arange(0, ROWS_C, layout=row_layout)
         lse = gl.where(has_mass, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(lse_ptr + bn.to(gl.int64) * F.T + rows, lse, mask=rows < F.T)
         if not F.OBUF:
@@ -666,16 +667,16 @@ def gluon_fwd_kernel(
     ``PERSISTENT`` (T and S on whole tiles) fewer programs, each looping over the tiles it
     takes from the counter, so that a tile's first copies overlap the previous one's
     epilogue."""
+    NC: gl.constexpr = BM // 64
     F: gl.constexpr = GluonOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN, CAP_OUT=CAP_OUT,
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        B=B, N=N, H=H, G=G, BM=BM, NC=BM // 64, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
+        B=B, N=N, H=H, G=G, BM=BM, NC=NC, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
         ROWS_MAJOR=ROWS_MAJOR, FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
     )  # fmt: skip
-    NC: gl.constexpr = BM // 64
-    HALF: gl.constexpr = BM // NC  # a consumer's rows
+    ROWS_C: gl.constexpr = BM // NC  # a consumer's rows
     K: gl.constexpr = N // G
     n_m: gl.constexpr = (T + BM - 1) // BM
     total: gl.constexpr = B * N * n_m
@@ -685,10 +686,10 @@ def gluon_fwd_kernel(
     )
     if PERSISTENT:  # the whole tensors, rows of every (batch, token), columns of every head
         q_desc = tma.make_tensor_descriptor(
-            q_ptr, [B * T, N * H], [N * H, 1], [HALF, H], smem_layout
+            q_ptr, [B * T, N * H], [N * H, 1], [ROWS_C, H], smem_layout
         )
         o_desc = tma.make_tensor_descriptor(
-            o_ptr, [B * T, N * H], [N * H, 1], [HALF, H], smem_layout
+            o_ptr, [B * T, N * H], [N * H, 1], [ROWS_C, H], smem_layout
         )
         # (``KV_PAIR``: k's and v's columns alternate by H, so v's start H on and a tile of
         # either sits at the same coordinates)
@@ -707,19 +708,19 @@ def gluon_fwd_kernel(
         n = where[1]
         q_base = b * T * N * H + n * H
         q_desc = tma.make_tensor_descriptor(
-            q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
+            q_ptr + q_base, [T, H], [N * H, 1], [ROWS_C, H], smem_layout
         )
         o_desc = tma.make_tensor_descriptor(
-            o_ptr + q_base, [T, H], [N * H, 1], [HALF, H], smem_layout
+            o_ptr + q_base, [T, H], [N * H, 1], [ROWS_C, H], smem_layout
         )
         k_desc, v_desc = pair_descriptors(
             k_ptr, v_ptr, b, n // G, S, K, H, [BN, H], smem_layout, KV_PAIR
         )
-    q_smem = gl.allocate_shared_memory(dtype, [NC, HALF, H], smem_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, ROWS_C, H], smem_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], smem_layout)
     if OBUF:
-        o_smem = gl.allocate_shared_memory(dtype, [NC, HALF, H], smem_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NC, ROWS_C, H], smem_layout)
     else:  # o leaves through q's buffer
         o_smem = q_smem
     # q: ready per consumer's rows (one arrival + bytes), empty once every consumer stored

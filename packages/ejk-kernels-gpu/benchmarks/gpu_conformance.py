@@ -45,6 +45,9 @@ WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_sp
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
 ORDINARY = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
+# The Gluon forward's three consumers (192-row tiles): the heuristic's for soft cap calls at
+# head_dim 64 and 128 without a block table, asked for elsewhere.
+THREE = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
 ORDINARY_BWD = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
 
 
@@ -71,6 +74,9 @@ def _recording():
                     ),
                     "warps": kw.get("num_warps"),
                     "stages": kw.get("num_stages"),
+                    # the Gluon forward's tile and whether it ran persistent
+                    "rows": constexprs.get("BM"),
+                    "persistent": constexprs.get("PERSISTENT"),
                 }
             )
             return real(kernel, grid, inputs, out_shapes, constexprs, **kw)
@@ -87,18 +93,19 @@ def _recording():
 
 def _builds(launches: list[dict]) -> dict:
     """Which forward and backward builds the recorded launches were."""
-    fwd = bwd = None
+    fwd = bwd = fwd_tile = None
     atomic_dq = any(launch["atomic_dq"] for launch in launches)
     for launch in launches:
         if launch["kernel"] == "gluon_fwd_kernel":
             fwd = "gluon"
+            fwd_tile = {"rows": launch["rows"], "persistent": launch["persistent"]}
         elif launch["kernel"] == "fwd_kernel":
             fwd = "ws" if launch["ws"] else "ordinary"
         elif launch["kernel"] in ("gluon_dkdv_kernel", "gluon_dkdv_wide_kernel"):
             bwd = "gluon"
         elif launch["kernel"] == "dkdv_kernel":
             bwd = "ws" if launch["ws"] else ("atomic" if launch["atomic_dq"] else "ordinary")
-    return {"fwd": fwd, "bwd": bwd, "atomic_dq": atomic_dq}
+    return {"fwd": fwd, "bwd": bwd, "atomic_dq": atomic_dq, "gluon_fwd": fwd_tile}
 
 
 def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
@@ -113,7 +120,8 @@ def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
             return False
         if not special and got in ("gluon", "ws"):
             return False
-    return True
+    rows = expect.get("rows")  # the Gluon forward's tile, where the case is about it
+    return not (hopper and rows and (builds.get("gluon_fwd") or {}).get("rows") != rows)
 
 
 def _rel(x, ref):
@@ -172,6 +180,8 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         kw["config"] = GLUON2
     if kw.pop("gluon", False):  # asked for where the heuristic does not take it (head_dim 64)
         kw["config"] = GLUON
+    if kw.pop("three", False):
+        kw["config"] = THREE
     if kw.pop("ws_bwd", False):
         kw["bwd_config"] = WS_BWD
     slots = kw.pop("gluon_bwd", 0)
@@ -224,7 +234,7 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     err_txt = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
     print(
         f"{'PASS' if ok else 'FAIL'} {name:<24} {shape:<28} fwd={builds['fwd']} bwd={builds['bwd']}"
-        f"{'' if builds_ok else ' (BUILD NOT AS EXPECTED)'} det={det} dq_det={same['dq']} "
+        f"{'' if builds_ok else ' (BUILD NOT AS EXPECTED)'} tile={builds['gluon_fwd']} det={det} dq_det={same['dq']} "
         f"{'differ=' + ','.join(differ) + ' ' if differ else ''}"
         f"nan={nan} {err_txt} ({seconds:.1f}s)"
     )
@@ -295,6 +305,8 @@ def versions() -> dict:
 # ordinary backward (the warp-specialised dk/dv kernel has a race: asked for explicitly only).
 GW = {"fwd": "gluon"}
 GG = {"fwd": "gluon", "bwd": "gluon"}  # and the Gluon dk/dv kernel (head_dim 128, 16-bit)
+G3 = {**GG, "rows": 192}  # with three consumers (192-row tiles)
+G2 = {**GG, "rows": 128}
 WF = {"fwd": "ws"}  # the warp-specialised forward asked for, the heuristic's backward
 WG = {"fwd": "ws", "bwd": "gluon"}  # the same where the heuristic's backward is Gluon's
 WW = {"fwd": "ws", "bwd": "ws"}  # both asked for
@@ -346,7 +358,7 @@ CASES = [
     # (tanh.approx) and its head_dim 64 / 256 tiles.
     ("gluon window gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, sliding_window=(256, 0))),
     ("gluon window 2-sided T!=S h64", 1, 1000, 1500, 8, 8, 64, GW, dict(sliding_window=(100, 50), gluon=True)),
-    ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
+    ("gluon softcap causal sinks", 2, 2048, 2048, 16, 4, 128, G3, dict(causal=True, logits_soft_cap=30.0, sinks=True)),
     ("gluon h256 causal gqa", 2, 1024, 1024, 8, 2, 256, GG, dict(causal=True)),
     ("gluon h256 window cap fp16", 1, 1000, 1000, 8, 4, 256, GW, dict(causal=True, sliding_window=(300, 0), logits_soft_cap=20.0, dtype=jnp.float16)),
     ("gluon keys off tile h128", 2, 1000, 1000, 8, 2, 128, GW, dict(sinks=True)),
@@ -359,17 +371,17 @@ CASES = [
     ("gluon bwd causal h64", 2, 2048, 2048, 8, 2, 64, GG, dict(causal=True, gluon_bwd=2)),
     ("gluon bwd 3 slots mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, gluon_bwd=3)),
     ("gluon bwd fp16 causal T>S", 1, 1536, 1000, 8, 4, 128, GG, dict(causal=True, dtype=jnp.float16)),
-    ("gluon bwd softcap fp16 mha", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=20.0, dtype=jnp.float16)),
+    ("gluon bwd softcap fp16 mha", 2, 1024, 1024, 8, 8, 128, G3, dict(causal=True, logits_soft_cap=20.0, dtype=jnp.float16)),
     # dq in the Gluon dk/dv kernel (TMA reduces): the heuristic's for MHA (causal T>S with
     # sinks, fp16 keys off the tile), and asked for with groups, two slots and a soft cap.
     ("gluon dq inside causal T>S sinks", 1, 1536, 1000, 8, 8, 128, GG, dict(causal=True, sinks=True)),
     ("gluon dq inside fp16 keys off tile", 2, 1024, 1000, 8, 8, 128, GG, dict(dtype=jnp.float16)),
-    ("gluon dq inside gqa cap 2 slots", 2, 1024, 1024, 16, 4, 128, GG, dict(causal=True, logits_soft_cap=20.0, gluon_bwd=2, dq_inside=True)),
+    ("gluon dq inside gqa cap 2 slots", 2, 1024, 1024, 16, 4, 128, G3, dict(causal=True, logits_soft_cap=20.0, gluon_bwd=2, dq_inside=True)),
     # The Gluon forward's soft cap with a fixed shift (cap <= 54, no sinks) where logits
     # reach -cap (q against -k of its own position; causal rows with few keys), and above
     # that cap with the running max.
-    ("gluon softcap 50 logits at -cap", 2, 1024, 1024, 8, 8, 128, GG, dict(causal=True, logits_soft_cap=50.0, aligned=8.0)),
-    ("gluon softcap 60 gqa", 2, 1024, 1024, 16, 4, 128, GG, dict(logits_soft_cap=60.0)),
+    ("gluon softcap 50 logits at -cap", 2, 1024, 1024, 8, 8, 128, G3, dict(causal=True, logits_soft_cap=50.0, aligned=8.0)),
+    ("gluon softcap 60 gqa", 2, 1024, 1024, 16, 4, 128, G3, dict(logits_soft_cap=60.0)),
     # The Gluon dk/dv kernel on the dk/dv block table (windows, packing, segment ids):
     # with dq inside (MHA) and beside it (the ordinary dq kernel, GQA), keys off the tile.
     ("gluon bwd packed window mha", 1, 4096, 4096, 8, 8, 128, GG, dict(packed=True, causal=True, sliding_window=(300, 0))),
@@ -397,7 +409,19 @@ CASES = [
     ("gluon bwd h64 gqa causal T>S sinks", 1, 1536, 1000, 16, 4, 64, GG, dict(causal=True, sinks=True)),
     ("gluon bwd h64 gqa documents fp16", 2, 2048, 2048, 8, 2, 64, GG, dict(documents=True, causal=True, dtype=jnp.float16)),
     ("gluon bwd h64 gqa window 2-sided", 1, 2048, 2048, 16, 4, 64, {"bwd": "gluon"}, dict(sliding_window=(300, 100))),
-    ("gluon bwd h64 mha softcap keys off tile", 2, 1024, 1000, 8, 8, 64, GG, dict(causal=True, logits_soft_cap=20.0)),
+    ("gluon bwd h64 mha softcap keys off tile", 2, 1024, 1000, 8, 8, 64, G3, dict(causal=True, logits_soft_cap=20.0)),
+    # Three consumers (192-row tiles, 64 keys a step): the heuristic's with a soft cap, T off
+    # the tile on whole 64-row steps (persistent: the last tile's consumers past T compute
+    # nothing, `_release_tile`), T on no step (one program a tile), keys off the tile, fp16
+    # (no fixed shift) with sinks; asked for with documents, a window, no cap, head_dim 64.
+    ("gluon3 softcap causal gqa T%192=64", 2, 1024, 1024, 16, 4, 128, G3, dict(causal=True, logits_soft_cap=50.0)),
+    ("gluon3 softcap plain odd T", 2, 1000, 1024, 8, 8, 128, {**GW, "rows": 192}, dict(logits_soft_cap=30.0)),
+    ("gluon3 softcap fp16 sinks T>S", 1, 1536, 1000, 8, 2, 128, G3, dict(causal=True, logits_soft_cap=20.0, sinks=True, dtype=jnp.float16)),
+    ("gluon3 documents softcap", 2, 2048, 2048, 8, 2, 128, G3, dict(documents=True, causal=True, logits_soft_cap=30.0, three=True)),
+    ("gluon3 window gqa no cap", 2, 2048, 2048, 16, 4, 128, G3, dict(causal=True, sliding_window=(256, 0), three=True)),
+    ("gluon3 h64 softcap causal", 2, 2048, 2048, 8, 8, 64, G3, dict(causal=True, logits_soft_cap=20.0, three=True)),
+    # Two consumers with T off the tile on whole 64-row steps (persistent, one idle consumer).
+    ("gluon causal T%128=64", 2, 1088, 1152, 8, 2, 128, G2, dict(causal=True)),
 ]  # fmt: skip
 
 

@@ -116,6 +116,38 @@ def test_the_gluon_forward_builds_for_hopper_without_spills():
     ]
 
 
+def _threads(row: dict) -> int:
+    """A Gluon forward build's threads: a warpgroup per 64 rows of its tile, and the producer's."""
+    return 128 * (row["config"]["block_q"] // 64 + 1)
+
+
+def test_the_three_consumer_gluon_forward_builds_for_hopper():
+    """The soft cap's three-consumer tile (192 rows, 64 keys a step; `_config.THREE_CONSUMERS`)
+    at head_dim 64 and 128, bf16 and fp16, causal (the heuristic's) and with segment ids
+    (the tuning space's): four warpgroups, 160 registers a consumer thread and no spill
+    without a table (one value reloaded with one: `_aot.GLUON_SPILL_BYTES`). The build
+    for 4096 rows, off its tile, runs persistent (its last tile's third consumer idle,
+    `_release_tile`): its output has a buffer of its own."""
+    rows = _compile_16_bit(
+        "--head-dims", "64,128", "--variants", "softcap,capped_documents", "--space",
+        "heuristic", "--kernels", "fwd_kernel",
+    )  # fmt: skip
+    three = [r for r in rows if r["config"]["gluon"] and r["config"]["block_q"] == 192]
+    built = {(r["variant"], r["head_dim"], r["dtype"]) for r in three}
+    assert built == {
+        (variant, head_dim, dtype)
+        for variant in ("softcap", "capped_documents")
+        for head_dim in (64, 128)
+        for dtype in ("bfloat16", "float16")
+    }
+    assert all(r["threads"] == 512 and r["fits"] for r in three), three
+    assert all(r["spill_stores"] == 0 for r in three if r["variant"] == "softcap"), three
+    allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
+    assert all(r["spill_stores"] <= allowed for r in three), three
+    # q, its output's buffer and two slots of 64 keys: 160 KiB at head_dim 128
+    assert all(r["shared"] > 160 * 1024 for r in three if r["head_dim"] == 128), three
+
+
 def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowance():
     """The Gluon forward's masked builds (window, soft cap, documents as segment ids, keys
     off the tile; packed sequences and context parallelism's global positions with
@@ -136,7 +168,7 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     gluon = [r for r in rows if r["config"]["gluon"]]
     built = {(r["variant"], r["head_dim"]) for r in gluon}
     assert built == {(v, h) for v in ("window", "softcap", "documents", "tail") for h in (64, 128, 256)} | {("packed", 128), ("relative", 128), ("resume", 128)}  # fmt: skip
-    assert all(r["threads"] == 384 and r["fits"] for r in gluon), gluon
+    assert all(r["threads"] == _threads(r) and r["fits"] for r in gluon), gluon
     allowed = GLUON_SPILL_BYTES["gluon_fwd_kernel", False]
     assert all(r["spill_stores"] <= allowed for r in gluon), gluon
     assert all(r["spill_stores"] == 0 for r in gluon if r["variant"] in ("softcap", "tail")), gluon

@@ -53,7 +53,9 @@ def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
     conf = importlib.import_module("gpu_conformance")
     rng = np.random.default_rng(0)
     row = conf._case(rng, "tiny", 1, 16, 16, 2, 1, 16, conf.ORD, False, dtype=jnp.float32, causal=True)  # fmt: skip
-    assert row["builds"] == {"fwd": "ordinary", "bwd": "ordinary", "atomic_dq": False}
+    assert row["builds"] == {
+        "fwd": "ordinary", "bwd": "ordinary", "atomic_dq": False, "gluon_fwd": None
+    }  # fmt: skip
     assert row["passed"] and row["deterministic"] and row["builds_ok"]
     # On Hopper a case about the Gluon / warp-specialised builds fails when another ran,
     # and a case about the ordinary kernels fails when a special build ran.
@@ -64,6 +66,10 @@ def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
     assert not conf._builds_ok({"fwd": "ws", "bwd": "ordinary"}, conf.WW, hopper=True)
     assert not conf._builds_ok({"fwd": "ws", "bwd": "ordinary"}, conf.ORD, hopper=True)
     assert conf._builds_ok({"fwd": "ordinary", "bwd": "atomic"}, conf.ORD, hopper=True)
+    # A case about the Gluon forward's tile fails when another tile ran.
+    three = {"fwd": "gluon", "bwd": "gluon", "gluon_fwd": {"rows": 192, "persistent": True}}
+    assert conf._builds_ok(three, conf.G3, hopper=True)
+    assert not conf._builds_ok(three, conf.G2, hopper=True)
     # Off Hopper every case expects the ordinary kernels.
     assert conf._builds_ok({"fwd": "ordinary", "bwd": "ordinary"}, conf.WW, hopper=False)
 

@@ -25,6 +25,7 @@ from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import (
     _GLUON_CONFIGS,
     GLUON_DQ_CONFIG,
+    THREE_CONSUMERS,
     dq_beside,
     fwd_heuristic,
     fwd_search_space,
@@ -49,6 +50,9 @@ GLUON256 = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon
         (dict(gluon=True, block_k=16), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_warps=8), ValueError, "128-row query tiles"),
         (dict(gluon=True, num_stages=4), ValueError, "num_stages 2 or 3"),
+        (dict(gluon=True, block_q=256), ValueError, "128-row query tiles"),
+        (dict(block_q=192), ValueError, "power of two"),  # 192: a Gluon config's only
+        (dict(gluon=True, block_q=192, block_k=96), ValueError, "128-row query tiles"),
     ],
 )  # fmt: skip
 def test_config_rejects_what_the_gluon_build_cannot_run(kwargs, error, match):
@@ -61,6 +65,65 @@ def test_the_gluon_build_is_no_backward_config():
     q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"bwd_config\.gluon"):
         flash_attention(q, q, q, bwd_config=GLUON)
+
+
+def test_the_three_consumer_tile_is_no_backward_config():
+    q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"bwd_config\.block_q=192"):
+        flash_attention(q, q, q, bwd_config=THREE_CONSUMERS)
+
+
+def test_soft_cap_calls_take_three_consumers_at_head_dim_128():
+    """The heuristic's pick for soft caps without a block table at head_dim 64 and 128; the tuning
+    space offers the tile to soft cap calls at 64 and 128, never without a cap."""
+    capped = dict(gluon=True, short_loops=True, soft_cap=True)
+    assert fwd_heuristic(128, 2, True, **capped) == THREE_CONSUMERS
+    assert fwd_heuristic(128, 2, True, gluon=True, short_loops=True) == GLUON2
+    assert fwd_heuristic(64, 2, True, **capped) == THREE_CONSUMERS
+    assert fwd_heuristic(256, 2, True, **capped) == GLUON256
+    assert not fwd_heuristic(128, 4, True, **capped).gluon  # float32
+    assert fwd_heuristic(128, 2, True, **capped, windowed=True) == THREE_CONSUMERS
+    for head_dim in (64, 128):
+        assert THREE_CONSUMERS in fwd_search_space(head_dim, 2, True, gluon=True, soft_cap=True)
+        assert THREE_CONSUMERS not in fwd_search_space(head_dim, 2, True, gluon=True)
+    assert THREE_CONSUMERS not in fwd_search_space(256, 2, True, gluon=True, soft_cap=True)
+    assert THREE_CONSUMERS not in fwd_search_space(128, 2, True, soft_cap=True)  # no Gluon
+
+
+@pytest.mark.parametrize(
+    "kwargs, three",
+    [
+        (dict(causal=True, logits_soft_cap=50.0), True),
+        (dict(logits_soft_cap=30.0), True),
+        (dict(causal=True, logits_soft_cap=30.0, dtype=jnp.float16), True),
+        (dict(causal=True), False),
+        (dict(causal=True, logits_soft_cap=50.0, sliding_window=(256, 0)), False),  # a table
+        (dict(causal=True, logits_soft_cap=50.0, segments=True), False),
+        (dict(causal=True, logits_soft_cap=50.0, head_dim=64), True),
+        (dict(causal=True, logits_soft_cap=50.0, head_dim=256), False),
+    ],
+)  # fmt: skip
+def test_calls_with_a_soft_cap_and_no_table_run_three_consumers(on_hopper, kwargs, three):
+    from ejk_kernels_gpu._options import call_options, gluon_constexprs
+    from ejk_sequtils import validate_attention
+
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", jnp.bfloat16)
+    head_dim = kwargs.pop("head_dim", 128)
+    q = jnp.zeros((2, 1088, 8, head_dim), dtype)
+    k = jnp.zeros((2, 1152, 8, head_dim), dtype)
+    if kwargs.pop("segments", False):
+        kwargs["segment_ids"] = (
+            jnp.zeros(q.shape[:2], jnp.int32),
+            jnp.zeros(k.shape[:2], jnp.int32),
+        )
+    opts = call_options(validate_attention(q, k, k, **kwargs), None, None)
+    assert (opts.fwd_cfg == THREE_CONSUMERS) == three
+    consts = gluon_constexprs(opts, q, k, False, opts.fwd_cfg)
+    # 1088 rows: off either tile, on whole 64-row consumers' rows (and 1152 keys on either
+    # key tile): persistent all the same
+    assert consts["PERSISTENT"] == (head_dim <= 128)  # (256: one program a tile)
+    assert consts["BM"] == (192 if three else 128)
 
 
 def test_heuristic_and_space_offer_it_only_when_allowed():
@@ -94,12 +157,19 @@ def test_gluon_fits_the_tiles_to_the_head_dim():
     # 32 keys a step: the head_dim 256 dq kernel's tiles, no forward tiles
     assert not gluon_fits(FlashConfig(block_q=128, block_k=32, num_warps=4, num_stages=2,
                                       gluon=True), 128)  # fmt: skip
+    # three consumers: 64 keys a step at head_dim 64 and 128 (128 keys spill at 128)
+    assert gluon_fits(THREE_CONSUMERS, 128) and gluon_fits(THREE_CONSUMERS, 64)
+    assert not gluon_fits(THREE_CONSUMERS, 256)
+    assert not gluon_fits(msgspec.structs.replace(THREE_CONSUMERS, block_k=128), 128)
 
 
 def test_ordinary_config_keeps_the_tiles():
     twin = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
     assert ordinary_config(GLUON, 128, 2, side_inputs=False) == twin
     assert ordinary_config(GLUON2, 128, 2, side_inputs=False) == twin
+    # but 128 rows for the three consumers' 192 (the ordinary kernel's tiles: powers of two)
+    three = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    assert ordinary_config(THREE_CONSUMERS, 128, 2, side_inputs=False) == three
 
 
 def _visible(c, b, rows, keys, tabs, lengths, ids=True):
@@ -511,6 +581,13 @@ MASKED_CALLS = [
     ("soft cap 50 bf16 fixed shift", 128, 384, 384, dict(causal=True, logits_soft_cap=50.0, dtype=jnp.bfloat16, saturate=True)),
     ("soft cap 20 bf16 window sinks", 128, 384, 384, dict(sliding_window=(150, 20), logits_soft_cap=20.0, dtype=jnp.bfloat16, sinks=True)),
     ("decode row", 128, 1, 300, dict(causal=True)),
+    # Three consumers (192-row tiles): the heuristic's with a soft cap and no table, rows off
+    # the tile on whole 64-row steps (the last tile's third consumer idle) or off them; asked
+    # for with documents and a window.
+    ("soft cap three consumers", 128, 320, 320, dict(causal=True, logits_soft_cap=30.0, dtype=jnp.bfloat16)),
+    ("soft cap three consumers T!=S", 128, 250, 300, dict(logits_soft_cap=20.0, sinks=True)),
+    ("documents soft cap three consumers", 128, 384, 384, dict(causal=True, documents=True, logits_soft_cap=20.0, three=True)),
+    ("window three consumers", 128, 448, 448, dict(causal=True, sliding_window=(100, 0), three=True)),
 ]  # fmt: skip
 
 
@@ -573,6 +650,11 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     # head_dim 64 asks for it (the heuristic leaves windowed calls there to the ordinary kernel).
     config = {"config": GLUON} if head_dim == 64 else {}
+    if kwargs.pop("three", False):
+        config = {"config": THREE_CONSUMERS}
+    tabled = any(n in kwargs for n in ("sliding_window", "segment_ids", "cu_seqlens_q"))
+    capped = "logits_soft_cap" in kwargs and not tabled and head_dim in (64, 128) and not config
+    rows = 192 if capped or config.get("config") == THREE_CONSUMERS else 128
 
     def loss(fn, q, k, v):
         extra = config if fn is flash_attention else {}
@@ -586,7 +668,8 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     [(name, _, consts, _, _)] = [launch for launch in gluon_launches if launch[3] is not None]
     assert name == "gluon_fwd_kernel" and consts["H"] == head_dim
     assert consts["FIXED_SHIFT"] == (dtype == jnp.bfloat16)
-    assert consts["BN"] == (64 if head_dim == 256 else 128)
+    assert consts["BM"] == rows
+    assert consts["BN"] == (64 if head_dim == 256 or rows == 192 else 128)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref_grads, (ref_out, ref_lse) = jax.grad(
         lambda *a: loss(reference_attention, *a), (0, 1, 2), has_aux=True
@@ -689,7 +772,8 @@ def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch, scratch_ptx)
         ((1, 16384, 16, 128), True, None, False, True),
         ((1, 16384, 16, 128), True, (1024, 0), False, True),
         ((1, 16384, 16, 128), True, None, True, True),  # documents of any lengths too
-        ((2, 1000, 8, 128), False, None, False, False),  # rows off the tile
+        ((2, 1000, 8, 128), False, None, False, False),  # rows off the 64-row steps
+        ((2, 1088, 8, 128), True, None, False, False),  # keys (here T) off the key tile
         ((2, 1024, 8, 256), False, None, False, False),  # head_dim 256 would spill
     ],
 )
@@ -813,7 +897,10 @@ def test_head_dim_64_calls_take_the_gluon_forward_but_under_a_window(on_hopper, 
         kwargs["segment_ids"] = jnp.zeros((2, 1024), jnp.int32)
     opts = call_options(validate_attention(q, q, q, **kwargs), None, None)
     assert opts.fwd_cfg.gluon == gluon
-    assert opts.fwd_cfg == (_GLUON_CONFIGS[64][0] if gluon else fwd_heuristic(64, 2, True))
+    # (soft caps without a table: its three-consumer tile, `THREE_CONSUMERS`)
+    three = "logits_soft_cap" in kwargs and gluon and "segment_ids" not in kwargs
+    expected = THREE_CONSUMERS if three else _GLUON_CONFIGS[64][0]
+    assert opts.fwd_cfg == (expected if gluon else fwd_heuristic(64, 2, True))
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,8 @@ VARIANTS = {
         causal=True, window=(64, 0), soft_cap=30.0, has_seg=True, varlen=True, sinks=True
     ),
     "softcap": dict(causal=True, soft_cap=30.0),
+    # a soft cap with a block table (the three-consumer tile in the tuning space)
+    "capped_documents": dict(causal=True, has_seg=True, soft_cap=30.0),
     "window": dict(causal=True, window=(1024, 0)),
     "documents": dict(causal=True, has_seg=True),
     "packed": dict(causal=True, window=(64, 0), varlen=True),
@@ -409,27 +411,28 @@ def main(argv: list[str] | None = None) -> int:
             side = variant in ("all", "masks")  # variants with segments and packing
             ws = variant in ("plain", "causal")  # masks the warp-specialised loop can do
             gluon = variant != "all"  # the Gluon forward takes no bias or dropout
+            cap = "soft_cap" in VARIANTS[variant]
+            tables = any(VARIANTS[variant].get(f) for f in ("window", "has_seg", "varlen"))
             for group, names in KERNELS.items():
                 if args.space == "full" and group == "fwd":
                     space = fwd_search_space(
-                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon, soft_cap=cap
                     )
                 elif args.space == "full":
                     space = bwd_search_space(head_dim, itemsize, side)
                 elif group == "fwd":  # the heuristic and every Hopper build the call can take
                     full = fwd_search_space(
-                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon, soft_cap=cap
                     )
                     special = (c for c in full if c.warp_specialize or c.gluon)
                     heuristic = fwd_heuristic(
-                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon
-                    )
+                        head_dim, itemsize, side, warp_specialize=ws, gluon=gluon,
+                        soft_cap=cap and not tables,
+                    )  # fmt: skip
                     space = tuple(dict.fromkeys((heuristic, *special)))
                 else:  # the heuristic and its twin (both ways of computing dq) where that
                     # fits, and the warp-specialised one where the call could take it
-                    cap = "soft_cap" in VARIANTS[variant]
                     cfg = bwd_heuristic(head_dim, itemsize, side, soft_cap=cap)
-                    tables = any(VARIANTS[variant].get(f) for f in ("window", "has_seg", "varlen"))
                     twin = msgspec.structs.replace(cfg, atomic_dq=not cfg.atomic_dq)
                     fits = fits_shared_memory("dkdv", twin, head_dim, itemsize, side)
                     space = (cfg, twin) if fits else (cfg,)

@@ -105,15 +105,15 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"warp_specialize, got {self!r}"
             )
         if self.gluon and (
-            self.block_q not in (64, 128)
+            self.block_q not in (64, 128, 192)
             or self.num_warps != 4
             or self.block_k not in (32, 64, 128)
         ):
             raise ValueError(
-                "FlashConfig.gluon runs 128-row query tiles (64 resident keys: the head_dim "
-                "256 backward) with 4 warps per warpgroup and 32 (the head_dim 256 dq "
-                "kernel), 64 or 128 keys a step: block_q 64 or 128, num_warps=4, block_k 32, "
-                f"64 or 128, got {self!r}"
+                "FlashConfig.gluon runs 128-row query tiles (192: the forward's three "
+                "consumers; 64 resident keys: the head_dim 256 backward) with 4 warps per "
+                "warpgroup and 32 (the head_dim 256 dq kernel), 64 or 128 keys a step: "
+                f"block_q 64, 128 or 192, num_warps=4, block_k 32, 64 or 128, got {self!r}"
             )
         if self.gluon and self.num_stages not in (2, 3):
             raise ValueError(
@@ -132,8 +132,11 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 raise ValueError(f"FlashConfig.{name} must be positive, got {name}={value}")
         for name in ("block_q", "block_k", "num_warps"):
             value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"FlashConfig.{name} must be a power of two, got {name}={value}")
+            if value & (value - 1) and not (name == "block_q" and self.gluon and value == 192):
+                raise ValueError(
+                    f"FlashConfig.{name} must be a power of two (block_q 192: a Gluon "
+                    f"config), got {name}={value}"
+                )
         for name in ("block_q", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(
@@ -151,6 +154,8 @@ def gluon_fits(cfg: FlashConfig, head_dim: int) -> bool:
         return False
     if cfg.block_k == 32:  # the head_dim 256 dq kernel's keys a step
         return False
+    if cfg.block_q == 192:  # three consumers: 160 registers a thread (`THREE_CONSUMERS`)
+        return head_dim <= 128 and cfg.block_k == 64
     if cfg.block_q != 128:  # 64 is the head_dim 256 backward's resident keys
         return False
     return gluon_forward_shared(cfg, head_dim, own_output=False) <= SHARED_MEMORY_LIMIT
@@ -264,6 +269,14 @@ _GLUON_CONFIGS = {
     ),
     256: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),),
 }
+# The Gluon forward's three-consumer tile for soft caps (`THREE_CONSUMERS`): 192 query rows,
+# 64 per consumer warpgroup, 64 keys a step, two ring slots. A soft cap's forward is bound by
+# MUFU (a tanh and an exp2 a score, docs/performance.md): a third consumer's softmax runs
+# while the other two wait on their matmuls. H200, B4 N32 K8 H128 causal, cap 50, kernel
+# spans: T6144 2185/2216 -> 1908/1909 us (docs/gpu-runs/2026-12-02-h200-softcap-three-
+# consumers-draft.json); without a cap 3 % slower, so soft cap calls only. 128 keys a step
+# spill at head_dim 128 (608 bytes), three slots measured slower.
+THREE_CONSUMERS = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
 # Where the forward heuristic takes it. At head_dim 64 (a 128x128 step has half the matmul
 # work for the same softmax) it measured 0.70x the ordinary kernel's speed before its
 # persistent grid (H100, 2026-11); on an H200 at cb14567 it is faster everywhere but under a
@@ -272,6 +285,8 @@ _GLUON_CONFIGS = {
 # causal B4 T4096 695 -> 639, soft cap 1413 -> 859, 8 documents as segment ids 250 -> 222;
 # window (1024, 0) 359 -> 393): windowed calls at 64 keep the ordinary kernel.
 _GLUON_HEURISTIC_HEAD_DIMS = (64, 128, 256)
+# Where it takes `THREE_CONSUMERS` for soft cap calls without a block table.
+_THREE_CONSUMER_HEAD_DIMS = (64, 128)
 _GLUON_WINDOW_HEAD_DIMS = (128, 256)
 
 # The Gluon dk/dv kernel (`FlashConfig.gluon` as a backward config): 128 resident keys, 64
@@ -377,7 +392,8 @@ def ordinary_config(
     """The ordinary-kernel config a warp-specialised or Gluon one stands for where it
     cannot run.
 
-    Same tiles; its two consumer warpgroups become ``2 * num_warps`` warps, and the
+    Same tiles (but 128 query rows for the Gluon forward's 192: the ordinary kernel's tiles
+    are powers of two); its two consumer warpgroups become ``2 * num_warps`` warps, and the
     producer's buffering one more pipeline stage where shared memory allows for every
     kernel of ``kinds`` (forward 128x128 tiles: (128, 128, 8, 3), the best ordinary
     forward config measured; backward 128x64: (128, 64, 8, 3)).
@@ -385,8 +401,9 @@ def ordinary_config(
     if not (cfg.warp_specialize or cfg.gluon):
         return cfg
     base = msgspec.structs.replace(
-        cfg, num_warps=2 * cfg.num_warps, warp_specialize=False, gluon=False
-    )
+        cfg, num_warps=2 * cfg.num_warps, warp_specialize=False, gluon=False,
+        block_q=min(cfg.block_q, 128),  # (192: the Gluon forward's three consumers)
+    )  # fmt: skip
     deeper = msgspec.structs.replace(base, num_stages=min(base.num_stages + 1, 3))
     fits = all(fits_shared_memory(k, deeper, head_dim, itemsize, side_inputs) for k in kinds)
     return deeper if fits else base
@@ -398,12 +415,15 @@ def fwd_search_space(
     side_inputs: bool = True,
     warp_specialize: bool = False,
     gluon: bool | None = None,
+    soft_cap: bool = False,
 ) -> tuple[FlashConfig, ...]:
     """Every forward config worth timing for ``head_dim``, pruned by `fits_shared_memory`.
 
     ``warp_specialize``: the call can take the warp-specialised loop (see `FlashConfig`)
     on this GPU; its configs join the space. ``gluon``: the call can take the Gluon
     forward (`_options.offer_gluon`); None: whenever it can take the warp-specialised loop.
+    ``soft_cap``: the call has one: at head_dim 64 and 128 the Gluon forward's three-consumer
+    tile joins too (`THREE_CONSUMERS`).
     """
     gluon = warp_specialize if gluon is None else gluon
     space = _space(("fwd",), _FWD_AXES, head_dim, itemsize, side_inputs)
@@ -411,6 +431,8 @@ def fwd_search_space(
         space += _WS_CONFIGS.get(head_dim, ())
     if gluon and itemsize == 2:
         space += _GLUON_CONFIGS.get(head_dim, ())
+        if soft_cap and gluon_fits(THREE_CONSUMERS, head_dim):
+            space += (THREE_CONSUMERS,)
     return space
 
 
@@ -448,6 +470,7 @@ def fwd_heuristic(
     gluon: bool | None = None,
     short_loops: bool = False,
     windowed: bool = False,
+    soft_cap: bool = False,
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
@@ -461,11 +484,15 @@ def fwd_heuristic(
     packing, segment ids), it has a soft cap, or it is causal over few keys
     (`_options.short_causal`): its programs run few key blocks a tile, or heavy ones, and
     at head_dim 128 the Gluon forward's two-slot config gives its output a buffer of its
-    own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked).
+    own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked). ``soft_cap``:
+    the call has a soft cap and no block table (causal or unmasked): at head_dim 64 and 128
+    the Gluon forward's three consumers (`THREE_CONSUMERS`).
     """
     gluon = warp_specialize if gluon is None else gluon
     gluon_dims = _GLUON_WINDOW_HEAD_DIMS if windowed else _GLUON_HEURISTIC_HEAD_DIMS
     if gluon and itemsize == 2 and head_dim in gluon_dims:
+        if soft_cap and head_dim in _THREE_CONSUMER_HEAD_DIMS:
+            return THREE_CONSUMERS
         configs = _GLUON_CONFIGS[head_dim]
         return configs[1] if short_loops and head_dim == 128 else configs[0]
     if warp_specialize and itemsize == 2 and head_dim in _WS_CONFIGS:

@@ -72,7 +72,8 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
     """`flash_attention` with its forward config chosen by the executor."""
 
     name = "ejk_kernels_gpu.flash_attention_fwd"
-    version = "3"  # 2: the Gluon forward joined the space; 3: masked calls and head_dim 64/256 too
+    version = "4"  # 2: the Gluon forward joined the space; 3: masked calls and head_dim 64/256 too;
+    # 4: its three-consumer tile for soft caps
     config_type = FlashConfig
 
     def run(self, *args: Any, cfg: FlashConfig, **kwargs: Any) -> Any:
@@ -83,8 +84,9 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
 
     def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
         return fwd_search_space(
-            *_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3), gluon=_gluon(inv)
-        )
+            *_shape_info(inv, 3), warp_specialize=_warp_specialize(inv, 3), gluon=_gluon(inv),
+            soft_cap=inv.kwargs.get("logits_soft_cap") is not None,
+        )  # fmt: skip
 
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):

@@ -110,7 +110,10 @@ class GluonOptions(NamedTuple):
     G: int  # query heads per kv head
     BM: int  # query rows per tile
     NC: int  # consumer warpgroups, BM // 64: each takes 64 of a tile's rows
-    PERSISTENT: bool  # one program per SM loops over the tiles (T, S on whole tiles)
+    PERSISTENT: bool  # one program per SM loops over the tiles (S on whole key tiles, T on
+    # whole consumers' rows)
+    PARTIAL: bool  # persistent, T off the tile: in a (batch, head)'s last tile the consumers
+    # whose rows lie past T compute nothing (`_release_tile`)
     ORDERED: bool  # tiles in the launch's order (`_schedule.launch_order`), else the grid's
     ROWS_MAJOR: int  # the grid's order takes the last ROWS_MAJOR (batch, head) groups' tiles
     # one query block of each at a time (`_rows_major`); 0: none
@@ -588,6 +591,30 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
 
 
 @gluon.jit
+def _release_tile(count, qph, blocks, bars, n_m, nxt, F: gl.constexpr, C: gl.constexpr):
+    """What consumer C does with a tile whose rows it would take all lie past T (``PARTIAL``:
+    the last query block of a (batch, head), T off the tile): nothing is computed or stored
+    (in the descriptors' rows they are the next batch row's); it only releases q and each
+    key block's k and v once they landed, as `_consume_tile` would, so that the barriers'
+    arrivals and phases stay the same. Returns what `_consume_tile` returns."""
+    q_ready, q_empty, kv_bars = bars
+    k_ready, k_empty, v_ready, v_empty = kv_bars
+    j_lo = blocks[0]
+    j_hi = blocks[3]
+    base = j_lo - count
+    mbarrier.wait(q_ready.index(C), qph)
+    for j in range(j_lo, j_hi):
+        s, phase = ring_slot(j - base, F.STAGES)
+        mbarrier.wait(k_ready.index(s), phase)
+        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.wait(v_ready.index(s), phase)
+        mbarrier.arrive(v_empty.index(s), count=1)
+    following = _next_tile(nxt, n_m, F)
+    mbarrier.arrive(q_empty, count=1)
+    return count + gl.maximum(j_hi - j_lo, 0), following
+
+
+@gluon.jit
 def _next_tile(nxt, n_m, F: gl.constexpr):
     """For persistent programs (``nxt``: the program's tiles taken so far, the schedule
     ring, the block table and the tile count) the next tile and its key range (past the
@@ -616,19 +643,24 @@ def _read_tile(it, sched):
 
 
 @gluon.jit
-def _consumer(smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total, n_m, tabs,
-              F: gl.constexpr, HAS_SINKS: gl.constexpr, C: gl.constexpr):  # fmt: skip
+def _consumer(shared, total, n_m, tabs, F: gl.constexpr, HAS_SINKS: gl.constexpr,
+              C: gl.constexpr):  # fmt: skip
     """Each tile's rows ``C·BM/NC ..`` (consumer C of NC, `_consume_tile`); persistent
-    programs take the tiles the producer publishes (`_producer`) until ``total``."""
+    programs take the tiles the producer publishes (`_producer`) until ``total``.
+    ``shared``: what every consumer takes (`gluon_fwd_kernel`)."""
+    smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched = shared
     if F.PERSISTENT:
         count = 0  # key blocks consumed by this program
         it = 0  # tiles taken by this program
         tile, blocks = _next_tile((it, sched, ranges_ptr, total), n_m, F)
         while tile < total:
-            count, following = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
-                                             sinks_ptr, prev, n_m, tabs,
-                                             (it + 1, sched, ranges_ptr, total),
-                                             F, HAS_SINKS, C)  # fmt: skip
+            nxt = (it + 1, sched, ranges_ptr, total)
+            if F.PARTIAL and _tile(tile, n_m, F)[3] * F.BM + C * (F.BM // F.NC) >= F.T:
+                count, following = _release_tile(count, it & 1, blocks, bars, n_m, nxt, F, C)
+            else:
+                count, following = _consume_tile(tile, count, it & 1, blocks, smem, bars, dest,
+                                                 sinks_ptr, prev, n_m, tabs, nxt, F,
+                                                 HAS_SINKS, C)  # fmt: skip
             tile, blocks = following
             it += 1
     else:  # the one tile's key range, read before the partitions split the registers
@@ -673,7 +705,8 @@ def gluon_fwd_kernel(
         CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, VARLEN=VARLEN,
         SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, MASKED=MASKED, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
         EARLY_P16=PERSISTENT or WINDOW_LEFT >= 0 or VARLEN or HAS_SEG or S % BN != 0,
-        B=B, N=N, H=H, G=G, BM=BM, NC=NC, PERSISTENT=PERSISTENT, OBUF=OBUF, ORDERED=ORDERED,
+        B=B, N=N, H=H, G=G, BM=BM, NC=NC, PERSISTENT=PERSISTENT,
+        PARTIAL=PERSISTENT and T % BM != 0, OBUF=OBUF, ORDERED=ORDERED,
         ROWS_MAJOR=ROWS_MAJOR, FIXED_SHIFT=FIXED_SHIFT, RESUME=RESUME, KV_PAIR=KV_PAIR,
     )  # fmt: skip
     ROWS_C: gl.constexpr = BM // NC  # a consumer's rows
@@ -743,19 +776,29 @@ def gluon_fwd_kernel(
     else:  # the one tile and its key range
         first = (tile0, _key_blocks(ranges_ptr, where[0], where[3], n_m, F))
     tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr))  # rows', keys' tables
-    # Consumers get 240 registers a thread (the default partition gets what is left: 240),
-    # the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
-    # fmt: off
-    gl.warp_specialize(
-        [
-            (_consumer, (smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total,
-                         n_m, tabs, F, HAS_SINKS, 0)),
-            (_consumer, (smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched, total,
-                         n_m, tabs, F, HAS_SINKS, 1)),
-            (_producer, (descs, smem, bars, ranges_ptr, first, sched, (order_ptr, counter_ptr),
-                         total, n_m, F)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
-    # fmt: on
+    consumer = (smem, bars, dest, sinks_ptr, prev, ranges_ptr, first, sched)
+    sched_ptrs = (order_ptr, counter_ptr)
+    if NC == 3:
+        # Three consumers (192-row tiles) get 160 registers a thread (the default partition
+        # what is left, 168), the producer's warpgroup 24: 128 · (168 + 160 + 160 + 24)
+        # <= 64 Ki.
+        gl.warp_specialize(
+            [(_consumer, (consumer, total, n_m, tabs, F, HAS_SINKS, 0)),
+             (_consumer, (consumer, total, n_m, tabs, F, HAS_SINKS, 1)),
+             (_consumer, (consumer, total, n_m, tabs, F, HAS_SINKS, 2)),
+             (_producer, (descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_m,
+                          F))],
+            [4, 4, 1],
+            [160, 160, 24],
+        )  # fmt: skip
+    else:
+        # Two consumers get 240 registers a thread (the default partition gets what is
+        # left: 240), the producer 24: 128 · (240 + 240 + 24) <= 64 Ki. ptxas spills at 232.
+        gl.warp_specialize(
+            [(_consumer, (consumer, total, n_m, tabs, F, HAS_SINKS, 0)),
+             (_consumer, (consumer, total, n_m, tabs, F, HAS_SINKS, 1)),
+             (_producer, (descs, smem, bars, ranges_ptr, first, sched, sched_ptrs, total, n_m,
+                          F))],
+            [4, 1],
+            [240, 24],
+        )  # fmt: skip

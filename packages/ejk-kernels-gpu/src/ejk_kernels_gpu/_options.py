@@ -136,6 +136,11 @@ def call_options(
     request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
 ) -> CallOptions:
     """The `CallOptions` of a validated request; a config left None is the heuristic's."""
+    if bwd_config is not None and bwd_config.block_q == 192:
+        raise ValueError(
+            "bwd_config.block_q=192 is the Gluon forward's three-consumer tile; the backward "
+            f"kernels own 64 or 128 rows (block_q a power of two), got {bwd_config!r}"
+        )
     _, _, kv_len, heads, kv_heads, head_dim = request.shape
     itemsize = request.q.dtype.itemsize
     opts = CallOptions(
@@ -158,7 +163,7 @@ def call_options(
         fwd = fwd_heuristic(
             head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon,
             short_loops=opts.tabled() or opts.soft_cap > 0.0 or short_causal(opts, kv_len),
-            windowed=opts.window is not None,
+            windowed=opts.window is not None, soft_cap=opts.soft_cap > 0.0 and not opts.tabled(),
         )  # fmt: skip
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     gluon_bwd = can_run_gluon_dkdv(
@@ -468,12 +473,20 @@ def gluon_persistent(
     2026-11-25-h100-tile-counter-draft.json).
 
     Its descriptors span every (batch, head), so rows past T or S would be another one's:
-    whole tiles only; and head_dim 128 at most (256 keeps one program a tile). Programs
-    take tiles from a counter (`_gluon_forward_kernel._producer`), so tiles of unequal work
-    (causal, windows, documents of any lengths) balance.
+    whole key tiles only, and query rows on whole consumers' rows (`GLUON_CONSUMER_ROWS`:
+    where T is off the tile, the consumers whose rows of a last tile lie past T compute
+    nothing, `_gluon_forward_kernel._release_tile`); and head_dim 128 at most (256 keeps
+    one program a tile). Programs take tiles from a counter (`_gluon_forward_kernel.
+    _producer`), so tiles of unequal work (causal, windows, documents of any lengths)
+    balance.
     """
     _, q_len, _, head_dim = q_shape
-    return q_len % cfg.block_q == 0 and kv_len % cfg.block_k == 0 and head_dim <= 128
+    whole_rows = q_len % GLUON_CONSUMER_ROWS == 0
+    return whole_rows and kv_len % cfg.block_k == 0 and head_dim <= 128
+
+
+# A Gluon forward consumer warpgroup's query rows (a tile holds block_q / 64 consumers).
+GLUON_CONSUMER_ROWS = 64
 
 
 def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,

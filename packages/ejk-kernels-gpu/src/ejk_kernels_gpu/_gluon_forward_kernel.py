@@ -8,7 +8,9 @@ One program owns ``BM`` = 128 query rows of one (batch, query head):
   ``STAGES`` slots by TMA, each slot with a ``ready`` barrier (the copy landed) and an
   ``empty`` one (every consumer is done with it), k and v apart, so k of block j is
   freed before v is;
-- ``NC`` = BM / 64 consumer warpgroups (two: the only tile so far) own 64 rows each.
+- ``NC`` = BM / 64 consumer warpgroups own 64 rows each: two, or three for soft caps
+  (`_config.THREE_CONSUMERS`, 192-row tiles: a third softmax on the MUFU while the other
+  two wait on their matmuls).
   Per key block j they issue ``q·kⱼᵀ`` and ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first,
   run block j's online softmax while the second runs, then wait for it
   (FlashAttention-3's intra-warpgroup pipeline). Nothing
@@ -35,8 +37,9 @@ heads' query blocks at a time, the heaviest first), or with ``ROWS_MAJOR`` (pers
 causal programs, `_options.rows_major`) the last ``ROWS_MAJOR`` (batch, head) groups'
 one query block of each at a time, the last first (`_rows_major`): all of them in short
 calls with documents, the last few in short causal ones, so the last tiles are light.
-Where T and S fill whole tiles
-(`_options.gluon_persistent`), one program per SM loops over the tiles it takes from an
+Where S fills whole key tiles and T whole 64-row steps
+(`_options.gluon_persistent`; a last tile's consumers past T only release its buffers,
+`_release_tile`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
 tile's epilogue, and the ring's slots and phases run on across tiles (``count``); the

@@ -83,6 +83,7 @@ def test_soft_cap_calls_take_three_consumers_at_head_dim_128():
     assert fwd_heuristic(256, 2, True, **capped) == GLUON256
     assert not fwd_heuristic(128, 4, True, **capped).gluon  # float32
     assert fwd_heuristic(128, 2, True, **capped, windowed=True) == THREE_CONSUMERS
+    assert fwd_heuristic(128, 2, True, **capped, tabled=True) == GLUON2
     for head_dim in (64, 128):
         assert THREE_CONSUMERS in fwd_search_space(head_dim, 2, True, gluon=True, soft_cap=True)
         assert THREE_CONSUMERS not in fwd_search_space(head_dim, 2, True, gluon=True)

@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                     special = (c for c in full if c.warp_specialize or c.gluon)
                     heuristic = fwd_heuristic(
                         head_dim, itemsize, side, warp_specialize=ws, gluon=gluon,
-                        soft_cap=cap and not tables,
+                        soft_cap=cap, tabled=tables,
                     )  # fmt: skip
                     space = tuple(dict.fromkeys((heuristic, *special)))
                 else:  # the heuristic and its twin (both ways of computing dq) where that

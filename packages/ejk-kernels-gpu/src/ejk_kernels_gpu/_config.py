@@ -471,6 +471,7 @@ def fwd_heuristic(
     short_loops: bool = False,
     windowed: bool = False,
     soft_cap: bool = False,
+    tabled: bool = False,
 ) -> FlashConfig:
     """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
 
@@ -485,13 +486,14 @@ def fwd_heuristic(
     (`_options.short_causal`): its programs run few key blocks a tile, or heavy ones, and
     at head_dim 128 the Gluon forward's two-slot config gives its output a buffer of its
     own (`_options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked). ``soft_cap``:
-    the call has a soft cap and no block table (causal or unmasked): at head_dim 64 and 128
-    the Gluon forward's three consumers (`THREE_CONSUMERS`).
+    the call has a soft cap; without ``tabled`` (masks beyond causal: a window, packing,
+    segment ids) at head_dim 64 and 128 it runs the Gluon forward's three consumers
+    (`THREE_CONSUMERS`).
     """
     gluon = warp_specialize if gluon is None else gluon
     gluon_dims = _GLUON_WINDOW_HEAD_DIMS if windowed else _GLUON_HEURISTIC_HEAD_DIMS
     if gluon and itemsize == 2 and head_dim in gluon_dims:
-        if soft_cap and head_dim in _THREE_CONSUMER_HEAD_DIMS:
+        if soft_cap and not tabled and head_dim in _THREE_CONSUMER_HEAD_DIMS:
             return THREE_CONSUMERS
         configs = _GLUON_CONFIGS[head_dim]
         return configs[1] if short_loops and head_dim == 128 else configs[0]

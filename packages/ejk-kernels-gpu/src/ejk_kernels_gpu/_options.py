@@ -163,7 +163,7 @@ def call_options(
         fwd = fwd_heuristic(
             head_dim, itemsize, side_inputs, warp_specialize=ws, gluon=gluon,
             short_loops=opts.tabled() or opts.soft_cap > 0.0 or short_causal(opts, kv_len),
-            windowed=opts.window is not None, soft_cap=opts.soft_cap > 0.0 and not opts.tabled(),
+            windowed=opts.window is not None, soft_cap=opts.soft_cap > 0.0, tabled=opts.tabled(),
         )  # fmt: skip
         opts = dataclasses.replace(opts, fwd_cfg=fwd)
     gluon_bwd = can_run_gluon_dkdv(

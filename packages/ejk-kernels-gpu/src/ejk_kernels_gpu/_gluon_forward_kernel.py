@@ -317,7 +317,7 @@ def _key_info(j, masks, F: gl.constexpr, IDS: gl.constexpr = True):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
+def _softmax(s, m_i, l_i, alpha_in, row_info, key_info, F: gl.constexpr, MASK: gl.constexpr,
              DTYPE: gl.constexpr, SIDE: gl.constexpr = ALL_SIDES, IDS: gl.constexpr = True,
              FIRST: gl.constexpr = False):  # fmt: skip
     """Online-softmax update for an S tile: (p, alpha, m, l), in log2 units.
@@ -331,6 +331,9 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     CAP_OUT <= `_options.FIXED_SHIFT_CAP_OUT`; bf16): the tile's ``FIRST`` block sets each
     row's shift m = max(its running max, CAP_OUT - _SHIFT_ROOM) and later blocks keep it,
     with neither a max per score nor a rescaling of o (alpha 1: `_issue_pv` skips it).
+    Its l is then each thread's own sums of its columns (`_own_sums`, no shuffle a block;
+    reduced after the tile's last block) and alpha's slot carries the row's mass before the
+    first block (the sink's, scaled to the shift).
     Every p is then at most 2^_SHIFT_ROOM = 2^76 (bf16 has float32's range), so l and o
     overflow float32 only past 2^52 summed over the row's keys (of 1, or of |v|). A p
     flushes to 0 only 2^126 below p = 1: where m is the row's own max (or its sink) such a
@@ -347,27 +350,39 @@ def _softmax(s, m_i, l_i, row_info, key_info, F: gl.constexpr, MASK: gl.constexp
     if MASK:
         seen = visible(row_info, key_info, 0, F, SIDE, F.S % F.BN == 0, IDS)
         x = gl.where(seen, x, float("-inf"))
-    if F.FIXED_SHIFT and not FIRST:
+    if F.FIXED_SHIFT and not FIRST:  # the shift stays, p's sums are each thread's own
         p = gl.exp2(x * LOG2 - gl.expand_dims(m_i, 1))
-        l_new = l_i + gl.sum(p, axis=1)
-        if F.EARLY_P16:
-            p = p.to(DTYPE)
-        return p, l_i, m_i, l_new  # (alpha unused: `_issue_pv`)
-    m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
-    if F.FIXED_SHIFT:
-        m_new = gl.maximum(m_new, F.CAP_OUT - _SHIFT_ROOM)
-    m_use = m_new
-    if MASK:
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
-    alpha = gl.exp2(m_i - m_use)
+        alpha = alpha_in  # (the mass before the tile's first block; no rescaling: `_issue_pv`)
+        m_new = m_i
+        l_new = l_i + _own_sums(p, F)
+    else:
+        m_new = gl.maximum(m_i, gl.max(x, axis=1) * LOG2)
+        if F.FIXED_SHIFT:
+            m_new = gl.maximum(m_new, F.CAP_OUT - _SHIFT_ROOM)
+        m_use = m_new
+        if MASK:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(x * LOG2 - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        if F.FIXED_SHIFT:  # alpha's slot carries the mass before this block, l each thread's sums
+            l_new = _own_sums(p, F)
+            alpha = l_i * alpha
+        else:
+            l_new = l_i * alpha + gl.sum(p, axis=1)
     # With masks beyond causal or the persistent tile loop (EARLY_P16) p leaves in the inputs'
     # 16-bit type: it waits for its p·v matmul across the next block's q·kᵀ, and 16-bit
     # halves the registers it holds.
-    l_new = l_i * alpha + gl.sum(p, axis=1)
     if F.EARLY_P16:
         p = p.to(DTYPE)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _own_sums(p, F: gl.constexpr):
+    """p's sums over each thread's own columns, [rows, 4]: a wgmma accumulator's thread
+    holds columns 8·i + 2·t + (0, 1) of its rows (t its lane mod 4)."""
+    x = gl.reshape(p, [p.shape[0], F.BN // 8, 4, 2])
+    return gl.sum(gl.sum(x, axis=3), axis=1)
 
 
 @gluon.jit
@@ -435,8 +450,8 @@ def _step(j, base, state, q, zero_s, bufs, masks, F: gl.constexpr, layouts: gl.c
             row_info, key_info = _block_relative(j, row_info, key_info, F)
     s = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     mbarrier.arrive(k_empty.index(ks), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, row_info, key_info, F, MASK, k_smem.dtype, SIDE,
-                                  IDS)  # fmt: skip
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, alpha, row_info, key_info, F, MASK, k_smem.dtype,
+                                  SIDE, IDS)  # fmt: skip
     acc = hopper.warpgroup_mma_wait(0, deps=[o_tok])
     mbarrier.arrive(v_empty.index(vs), count=1)
     return p, alpha, m_i, l_i, acc
@@ -519,20 +534,22 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         whole = jf_lo < jf_hi
         if F.MASKED:
             if whole and j_lo == jf_lo:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype,
-                                              FIRST=True)  # fmt: skip
+                p, alpha, m_i, l_run = _softmax(s, m_i, l_i, l_i, masks[0], key_info, F, False,
+                                                q.dtype, FIRST=True)  # fmt: skip
             else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, True, q.dtype,
-                                              FIRST=True)  # fmt: skip
+                p, alpha, m_i, l_run = _softmax(s, m_i, l_i, l_i, masks[0], key_info, F, True,
+                                                q.dtype, FIRST=True)  # fmt: skip
         else:
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, masks[0], key_info, F, False, q.dtype,
-                                          FIRST=True)  # fmt: skip
-        state = (p, alpha, m_i, l_i, acc)
+            p, alpha, m_i, l_run = _softmax(s, m_i, l_i, l_i, masks[0], key_info, F, False,
+                                            q.dtype, FIRST=True)  # fmt: skip
+        state = (p, alpha, m_i, l_run, acc)
         # p's registers as the loops keep them (no swap of its halves a block): from the
         # first block in causal builds without a table and in packed ones; between the masked
         # and the unmasked loop in the other builds with a table (below). Not with a soft
-        # cap: measured slower there (971-978 us against 958, 2026-11-29).
-        if ((F.CAUSAL and F.EARLY_P16 and not F.TABLE) or F.VARLEN) and F.SOFT_CAP == 0.0:
+        # cap on two consumers: measured slower there (971-978 us against 958, 2026-11-29);
+        # on three, 1.7 % faster (docs/gpu-runs/2026-12-02-h200-softcap-own-sums-ab-*.json).
+        capped_two = F.SOFT_CAP > 0.0 and F.NC == 2
+        if ((F.CAUSAL and F.EARLY_P16 and not F.TABLE) or F.VARLEN) and not capped_two:
             state = (_as_carried(state[0]), state[1], state[2], state[3], state[4])
         if F.MASKED and F.TABLE:  # (else no block precedes the fully visible ones)
             for j in range(j_lo + 1, jf_lo):
@@ -549,6 +566,8 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
                 state = _step(j, base, state, q, zero_s, ring, masks, F, layouts, True,
                               RIGHT_SIDE, not F.CAUSAL)  # fmt: skip
         p, alpha, m_i, l_i, acc = state
+        if F.FIXED_SHIFT:  # the mass before the first block and each thread's sums after
+            l_i = alpha + gl.convert_layout(gl.sum(l_i, axis=1), row_layout)
         if F.OBUF:  # every q·kᵀ of the tile is done: the next tile's q may come in
             mbarrier.arrive(q_empty, count=1)
         last, lph = ring_slot(j_hi - 1 - base, F.STAGES)

@@ -307,3 +307,23 @@ def test_keys_and_values_as_one_array_give_the_same_results(rng, make_inputs):
         block_forward(masks, q, k, None, kv=pair, **kw)
     with pytest.raises(ValueError, match="kv takes the place of k and v"):
         block_forward(masks, q, None, None, kv=k, **kw)
+
+
+@pytest.mark.parametrize(
+    "bwd, match",
+    [
+        (dict(block_q=128, block_k=128, gluon=True), r"bwd_config\.gluon"),
+        (dict(block_q=192, block_k=64, gluon=True), r"bwd_config\.block_q=192"),
+    ],
+)
+def test_block_calls_refuse_backward_configs_no_kernel_runs(rng, make_inputs, bwd, match):
+    """Context parallelism's block calls check a backward config as `flash_attention` does
+    (`_options.check_bwd_config`), not only its own entry point."""
+    from ejk_kernels_gpu import FlashConfig
+    from ejk_kernels_gpu._context import block_options
+
+    q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
+    masks = BlockMasks(scale=0.25, causal=True)
+    cfg = FlashConfig(num_warps=4, num_stages=2, **bwd)
+    with pytest.raises(ValueError, match=match):
+        block_options(masks, q, k, v, has_segments=False, bwd_config=cfg)

@@ -18,7 +18,7 @@ from ._config import FlashConfig
 from ._decode_route import decode_route
 from ._forward_launch import forward
 from ._masks import Tables, kernel_tables
-from ._options import CallOptions, call_options
+from ._options import CallOptions, call_options, check_bwd_config
 
 __all__ = ["attention", "flash_attention", "unsupported_reason"]
 
@@ -98,11 +98,7 @@ def attention(
         raise TypeError(f"config must be a FlashConfig or None, got {config!r}")
     if bwd_config is not None and not isinstance(bwd_config, FlashConfig):
         raise TypeError(f"bwd_config must be a FlashConfig or None, got {bwd_config!r}")
-    if bwd_config is not None and bwd_config.gluon and bwd_config.block_k != 64:
-        raise ValueError(
-            "bwd_config.gluon: the Gluon dk/dv kernel steps over 64 query rows "
-            f"(block_k=64), got {bwd_config!r}"
-        )
+    check_bwd_config(bwd_config)
     routed = decode_route(request, config, bwd_config)  # decoding: the split-KV kernel
     if routed is not None:
         return routed

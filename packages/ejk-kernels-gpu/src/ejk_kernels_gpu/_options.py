@@ -132,15 +132,28 @@ def short_causal(opts: CallOptions, kv_len: int) -> bool:
     return opts.causal and kv_len <= SHORT_CAUSAL_KEYS
 
 
-def call_options(
-    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
-) -> CallOptions:
-    """The `CallOptions` of a validated request; a config left None is the heuristic's."""
-    if bwd_config is not None and bwd_config.block_q == 192:
+def check_bwd_config(bwd_config: FlashConfig | None) -> None:
+    """Refuse a backward config no backward kernel runs (ValueError naming it): Gluon
+    configs other than 64 query rows a step, and the forward's three-consumer tile."""
+    if bwd_config is None:
+        return
+    if bwd_config.gluon and bwd_config.block_k != 64:
+        raise ValueError(
+            "bwd_config.gluon: the Gluon dk/dv kernel steps over 64 query rows "
+            f"(block_k=64), got {bwd_config!r}"
+        )
+    if bwd_config.block_q == 192:
         raise ValueError(
             "bwd_config.block_q=192 is the Gluon forward's three-consumer tile; the backward "
             f"kernels own 64 or 128 rows (block_q a power of two), got {bwd_config!r}"
         )
+
+
+def call_options(
+    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
+) -> CallOptions:
+    """The `CallOptions` of a validated request; a config left None is the heuristic's."""
+    check_bwd_config(bwd_config)
     _, _, kv_len, heads, kv_heads, head_dim = request.shape
     itemsize = request.q.dtype.itemsize
     opts = CallOptions(

@@ -193,8 +193,8 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
     64 and 128, bf16 and fp16: the Gluon one, but at head_dim 64 without a cap the ordinary
-    one with 64x32 tiles (`_config.dq_beside`). Three warpgroups, within shared memory and
-    scratch; the Gluon dq kernel spills nothing, the dk/dv kernel at most the bytes
+    one with 64x32 tiles (`_config.dq_beside`); the Gluon one pipelined (three slots) at 128,
+    not at 64 (two). Three warpgroups, within shared memory and scratch; the Gluon dq kernel spills nothing, the dk/dv kernel at most the bytes
     `_aot.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
         "--head-dims", "64,128", "--variants", "plain,causal,softcap", "--space", "heuristic",
@@ -210,6 +210,7 @@ def test_the_gluon_backward_kernels_build_for_hopper():
         if head_dim == 128 or variant == "softcap"
     }
     assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
+    assert {(r["head_dim"], r["config"]["num_stages"]) for r in gluon_dq} == {(64, 2), (128, 3)}
     tiles = ("block_q", "block_k", "num_warps", "num_stages")
     dq_64 = {
         tuple(r["config"][t] for t in tiles)
@@ -237,10 +238,10 @@ def test_the_gluon_backward_kernels_build_for_hopper():
 def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     """The Gluon dk/dv kernel (two and three slots) with windows, documents as segment ids,
     packed sequences and context parallelism's global positions with documents (the block
-    tables' paths) at head_dim 64 and 128, and the Gluon dq kernel beside it at 128 (at 64
-    the ordinary one, `_config.dq_beside`): three warpgroups, within shared memory; the dq
-    kernel spills nothing, the dk/dv kernel at most its allowance
-    (`_aot.GLUON_SPILL_BYTES`)."""
+    tables' paths) at head_dim 64 and 128, and the Gluon dq kernel beside it at 128
+    (pipelined, three slots; at 64 the ordinary one, `_config.dq_beside`): three
+    warpgroups, within shared memory; the dq kernel spills nothing, the dk/dv kernel at
+    most its allowance (`_aot.GLUON_SPILL_BYTES`)."""
     rows = _compile(
         "--head-dims", "64,128", "--variants", "window,documents,packed,relative",
         "--space", "heuristic",
@@ -253,7 +254,7 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
         (kernel, variant, head_dim, stages)
         for variant in variants
         for head_dim in (64, 128)
-        for kernel, stages in (("gluon_dq_kernel", 2), ("gluon_dkdv_kernel", 2), ("gluon_dkdv_kernel", 3))
+        for kernel, stages in (("gluon_dq_kernel", 3), ("gluon_dkdv_kernel", 2), ("gluon_dkdv_kernel", 3))
         if head_dim == 128 or kernel != "gluon_dq_kernel"
     }  # fmt: skip
     assert not any(r["config"]["atomic_dq"] for r in gluon)  # not offered with these masks

@@ -24,7 +24,7 @@ import pytest
 from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
 from ejk_kernels_gpu._config import (
     _GLUON_CONFIGS,
-    GLUON_DQ_CONFIG,
+    GLUON_DQ_64,
     THREE_CONSUMERS,
     dq_beside,
     fwd_heuristic,
@@ -940,7 +940,7 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
         assert opts.bwd_cfg == GLUON_DKDV
         cap = "logits_soft_cap" in kwargs
         dq = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
-        assert dq_beside(opts.bwd_cfg, 64, cap) == (GLUON_DQ_CONFIG if cap else dq)
+        assert dq_beside(opts.bwd_cfg, 64, cap) == (GLUON_DQ_64 if cap else dq)
 
 
 @pytest.mark.parametrize(
@@ -1046,7 +1046,8 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         else:
             [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq
             assert dq_grid == (-(-q_len // 128), 2 * heads)
-            assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 2)
+            # three slots: its pipelined schedule (`_config.GLUON_DQ_CONFIG`)
+            assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 3)
             assert dq_outs[0] == (q.shape, q.dtype)
             assert dq_consts["ORDERED"] == causal  # blocks of heads, the heaviest first
         [(grid, consts, outs, kw)] = gluon_launches.dkdv

@@ -12,6 +12,7 @@ import itertools
 import msgspec
 
 __all__ = [
+    "GLUON_DQ_64",
     "GLUON_DQ_256",
     "GLUON_DQ_CONFIG",
     "SHARED_MEMORY_LIMIT",
@@ -316,18 +317,27 @@ GLUON_BWD_CONFIGS = {
     256: (_GLUON_BWD_256,),
 }
 # The Gluon dq kernel that runs beside the Gluon dk/dv kernel (`_gluon_backward_kernel.
-# gluon_dq_kernel`): 128 resident query rows, 64 keys a step, two k/v ring slots; or None
-# for the ordinary dq kernel with the dk/dv config's tiles. H100, forward+backward: soft cap
-# 277 -> 355 TFLOP/s (its tanh per score overlaps the matmuls), without a cap +1-2 %; 64
-# and 128 keys a step level (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json).
+# gluon_dq_kernel`): 128 resident query rows, 64 keys a step; or None for the ordinary dq
+# kernel with the dk/dv config's tiles. H100, forward+backward: soft cap 277 -> 355 TFLOP/s
+# (its tanh per score overlaps the matmuls), without a cap +1-2 %; 64 and 128 keys a step
+# level (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json). Three k/v ring slots: with
+# three the kernel issues each block's dS·k after the next block's q·kᵀ and dO·vᵀ (its
+# pipelined schedule; two slots run unpipelined). H200, dq kernel us, B4 T4096 N32 K8 H128
+# causal, two slots unpipelined -> three pipelined: soft cap 50 1487 -> 1418, no cap
+# 1257 -> 1222, window (1024, 0) 750 -> 711; three slots unpipelined 1491-1529 on the cap
+# (docs/gpu-runs/2026-12-03-h200-gluon-dq-pipelined-ab.json).
 # Its tiles are the Gluon dk/dv configs' (128, 64): the dq block table built for those
 # serves it with a window, packing or segment ids.
 GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
-    block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True
+    block_q=128, block_k=64, num_warps=4, num_stages=3, gluon=True
 )
+# At head_dim 64 (soft cap calls, below) two slots, unpipelined: the pipelined schedule
+# measured slower there (B8 T2048 N16 H64 causal, soft cap 50: 356 -> 382 us, the same JSON).
+GLUON_DQ_64: FlashConfig | None = msgspec.structs.replace(GLUON_DQ_CONFIG, num_stages=2)
 # At head_dim 256 its rows (128 of q and of dO, 256 columns: 128 KiB) leave room for a ring
-# of 32-key k/v blocks only (two slots: 192 KiB in all); its float32 dq is 128 registers a
-# consumer, as the forward's accumulator at this head_dim.
+# of 32-key k/v blocks only (two slots: 192 KiB in all; three fit, 224 KiB, and pipelined
+# measured level: 673 -> 672 us, B2 T4096 N16 K8 causal, the same JSON); its float32 dq is
+# 128 registers a consumer, as the forward's accumulator at this head_dim.
 GLUON_DQ_256: FlashConfig | None = FlashConfig(
     block_q=128, block_k=32, num_warps=4, num_stages=2, gluon=True
 )
@@ -344,16 +354,18 @@ _ORDINARY_BWD_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3
 def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | None:
     """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd``: the
     Gluon dq kernel's (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's
-    64 resident keys), at head_dim 64 without a soft cap the ordinary one's with the
-    heuristic's tiles (`_ORDINARY_BWD_64`); or None where dq comes from elsewhere: from the
-    dk/dv kernel (``atomic_dq``), or from the ordinary dq kernel with ``bwd``'s tiles (not
-    a Gluon config, or the Gluon dq config set to None). The dq block table is built for
-    the tiles of the kernel that runs (`_masks.range_tables`)."""
+    64 resident keys; `GLUON_DQ_64` at head_dim 64, there without a soft cap the ordinary
+    one's with the heuristic's tiles, `_ORDINARY_BWD_64`); or None where dq comes from
+    elsewhere: from the dk/dv kernel (``atomic_dq``), or from the ordinary dq kernel with
+    ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set to None). The dq block
+    table is built for the tiles of the kernel that runs (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:
         return None
     if bwd.block_q == 64:
         return GLUON_DQ_256
-    return _ORDINARY_BWD_64 if head_dim == 64 and not soft_cap else GLUON_DQ_CONFIG
+    if head_dim == 64:
+        return GLUON_DQ_64 if soft_cap else _ORDINARY_BWD_64
+    return GLUON_DQ_CONFIG
 
 
 # Where the backward heuristic takes it. At head_dim 64 only with groups or a soft cap

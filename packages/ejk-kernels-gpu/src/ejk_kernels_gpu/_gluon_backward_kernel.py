@@ -493,10 +493,13 @@ def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: g
 
 
 @gluon.jit
-def _dq_step(j, first, dq, ctx, F: gl.constexpr, MASK):
-    """dq += dS·k of key block j (the consumer's ``j - first``-th); ``MASK``: the call's
-    masks (every one the block may break: keys past the end among them, whose zero-filled
-    k would add to dq), a constant or decided per block."""
+def _dq_step(j, first, dq, ds_prev, ctx, F: gl.constexpr, MASK, PREV: gl.constexpr):
+    """dS of key block j (the consumer's ``j - first``-th), 16-bit, laid out as the
+    matmul's first operand: ``(dq, ds)``. With ``PREV`` it issues ``dq += dS·k`` of block
+    j - 1 (``ds_prev``) after S and dP of block j, so that the tensor cores run it while
+    this block's softmax runs, and frees block j - 1's slot when it is done. ``MASK``: the
+    call's masks (every one the block may break: keys past the end among them, whose
+    zero-filled k would add to dq), a constant or decided per block."""
     smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs = ctx
     _, _, k_smem, v_smem = smem
     _, ready, empty = bars
@@ -505,12 +508,17 @@ def _dq_step(j, first, dq, ctx, F: gl.constexpr, MASK):
     key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     s, phase = ring_slot(j - first, F.STAGES)
     mbarrier.wait(ready.index(s), phase)
-    k_s = k_smem.index(s)
-    s_tok = hopper.warpgroup_mma(q_c, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = hopper.warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False,
+                                 is_async=True)  # fmt: skip
     dp_tok = hopper.warpgroup_mma(
         do_c, v_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True
     )
-    s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
+    if PREV:
+        prev, _ = ring_slot(j - 1 - first, F.STAGES)
+        dq_tok = hopper.warpgroup_mma(ds_prev, k_smem.index(prev), dq, is_async=True)
+        s_ij = hopper.warpgroup_mma_wait(2, deps=[s_tok])
+    else:
+        s_ij = hopper.warpgroup_mma_wait(1, deps=[s_tok])
     if F.SOFT_CAP > 0.0:  # logits cap·tanh(x / cap); dS takes their slope 1 - tanh²
         t = tanh(s_ij * F.CAP_IN)
         p = gl.exp2(t * F.CAP_OUT - gl.expand_dims(lse, 1)) * (1.0 - t * t)
@@ -526,12 +534,35 @@ def _dq_step(j, first, dq, ctx, F: gl.constexpr, MASK):
                 p = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(rows, 1), p, 0.0)
             if F.S % F.BN != 0:  # keys past the end (zero-filled k) would add to dq
                 p = gl.where(gl.expand_dims(keys < F.S, 0), p, 0.0)
-    dp = hopper.warpgroup_mma_wait(0, deps=[dp_tok])
-    ds16 = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(q_c.dtype), a_layout)
-    dq_tok = hopper.warpgroup_mma(ds16, k_s, dq, is_async=True)
-    dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
-    mbarrier.arrive(empty.index(s), count=1)
+    dp = hopper.warpgroup_mma_wait(1 if PREV else 0, deps=[dp_tok])
+    ds = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(q_c.dtype), a_layout)
+    if PREV:
+        dq, _ = hopper.warpgroup_mma_wait(0, deps=[dq_tok, ds_prev])
+        mbarrier.arrive(empty.index(prev), count=1)
+    return dq, ds
+
+
+@gluon.jit
+def _dq_add(j, first, dq, ds, ctx, F: gl.constexpr):
+    """dq += dS·k of key block j (the consumer's ``j - first``-th), and free its slot."""
+    smem, bars = ctx[0], ctx[1]
+    s, _ = ring_slot(j - first, F.STAGES)
+    dq_tok = hopper.warpgroup_mma(ds, smem[2].index(s), dq, is_async=True)
+    dq, _ = hopper.warpgroup_mma_wait(0, deps=[dq_tok, ds])
+    mbarrier.arrive(bars[2].index(s), count=1)
     return dq
+
+
+@gluon.jit
+def _dq_block(j, first, dq, ds, ctx, F: gl.constexpr, MASK):
+    """Key block j: pipelined (three slots or more), its dS and block j - 1's product
+    (`_dq_step`); else its dS and its own product."""
+    if F.STAGES >= 3:
+        dq, ds = _dq_step(j, first, dq, ds, ctx, F, MASK, True)
+    else:
+        dq, ds = _dq_step(j, first, dq, ds, ctx, F, MASK, False)
+        dq = _dq_add(j, first, dq, ds, ctx, F)
+    return dq, ds
 
 
 @gluon.jit
@@ -566,21 +597,35 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     mbarrier.wait(row_ready.index(C), 0)
     ctx = (smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs)
     # The blocks that hide no pair of these rows (`_dq_key_blocks`' full range) run without
-    # the masks, the blocks before and after them with the masks.
+    # the masks, the blocks before and after them with the masks. Pipelined (three slots:
+    # block j - 1's keys stay while block j's land), each step issues the previous block's
+    # product (`_dq_step`): the first block's step comes before the loops and issues none,
+    # the last block's product comes after them.
+    PIPELINED: gl.constexpr = F.STAGES >= 3
+    ds = gl.zeros([HALF, F.BN], dtype, operand_layout(o_layout))  # the previous block's dS
+    start = first
+    if PIPELINED:
+        if end > first:
+            masked = (first < full_lo) | (first >= full_hi)
+            dq, ds = _dq_step(first, first, dq, ds, ctx, F, masked, False)
+        start = first + 1
     if F.TABLE and H > 128:  # (three loops spill at head_dim 256: one, masked per block)
-        for j in range(first, end):
-            dq = _dq_step(j, first, dq, ctx, F, (j < full_lo) | (j >= full_hi))
+        for j in range(start, end):
+            dq, ds = _dq_block(j, first, dq, ds, ctx, F, (j < full_lo) | (j >= full_hi))
     else:
         lo, hi = full_lo, full_hi
         if F.TABLE:  # (a table's full range may lie partly outside [first, end))
             lo = gl.minimum(gl.maximum(full_lo, first), end)
             hi = gl.minimum(gl.maximum(full_hi, lo), end)
-        for j in range(first, lo):
-            dq = _dq_step(j, first, dq, ctx, F, True)
-        for j in range(lo, hi):
-            dq = _dq_step(j, first, dq, ctx, F, False)
-        for j in range(hi, end):
-            dq = _dq_step(j, first, dq, ctx, F, True)
+        for j in range(start, lo):
+            dq, ds = _dq_block(j, first, dq, ds, ctx, F, True)
+        for j in range(gl.maximum(lo, start), hi):
+            dq, ds = _dq_block(j, first, dq, ds, ctx, F, False)
+        for j in range(gl.maximum(hi, start), end):
+            dq, ds = _dq_block(j, first, dq, ds, ctx, F, True)
+    if PIPELINED:
+        if end > first:
+            dq = _dq_add(end - 1, first, dq, ds, ctx, F)
     q_c.store((dq * scale).to(dtype))  # q's buffer is free now: dq leaves through it
     hopper.fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [row0, 0], q_c)

@@ -323,9 +323,9 @@ GLUON_BWD_CONFIGS = {
 # level (docs/gpu-runs/2026-11-25-h100-gluon-dq-timings.json). Three k/v ring slots: with
 # three the kernel issues each block's dS·k after the next block's q·kᵀ and dO·vᵀ (its
 # pipelined schedule; two slots run unpipelined). H200, dq kernel us, B4 T4096 N32 K8 H128
-# causal, two slots unpipelined -> three pipelined: soft cap 50 1487 -> 1418, no cap
-# 1257 -> 1222, window (1024, 0) 750 -> 711; three slots unpipelined 1491-1529 on the cap
-# (docs/gpu-runs/2026-12-03-h200-gluon-dq-pipelined-ab.json).
+# causal, two slots unpipelined -> three pipelined: soft cap 50 1491 -> 1400, no cap
+# 1244 -> 1209, window (1024, 0) 760 -> 721; three slots unpipelined 1491-1529 on the cap,
+# two pipelined 1821-1838 (docs/gpu-runs/2026-12-03-h200-gluon-dq-pipelined-ab.json).
 # Its tiles are the Gluon dk/dv configs' (128, 64): the dq block table built for those
 # serves it with a window, packing or segment ids.
 GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(

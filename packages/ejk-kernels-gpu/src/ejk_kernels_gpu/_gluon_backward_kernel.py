@@ -26,8 +26,9 @@ With ``DQ`` (a config with ``atomic_dq``, head_dim 128) the kernel computes dq t
 consumers' ``dSᵀ`` go through shared memory, each multiplies ``dS`` by its half of k's
 columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
 `_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
-query rows a program, two consumer warpgroups, k and v streamed; 64 keys a step, 32 at
-head_dim 256 where 128 rows of q and dO take 128 KiB: `_config.dq_beside`), or the
+query rows a program, two consumer warpgroups, k and v streamed, pipelined with three
+slots at head_dim 128; 64 keys a step, 32 at head_dim 256 where 128 rows of q and dO take
+128 KiB: `_config.dq_beside`), or the
 ordinary dq kernel. Calls the
 dk/dv kernel takes (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a
 positive scale, no bias or dropout (every mask, the soft cap and sinks are fine: the sinks
@@ -652,8 +653,10 @@ def gluon_dq_kernel(
     grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr`` with
     ``ORDERED`` (`program_tile`), else causal ones heaviest first. Two consumer
     warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
-    STAGES slots (the forward's schedule, `_gluon_forward_kernel`, without its pipelining
-    across steps); rows and keys past the ends are zero-filled on load, clipped on store."""
+    STAGES slots (the forward's schedule, `_gluon_forward_kernel`; with three slots or
+    more pipelined as the forward is: each block's dS·k issued after the next block's
+    q·kᵀ and dO·vᵀ, `_dq_step`); rows and keys past the ends are zero-filled on load,
+    clipped on store."""
     F: gl.constexpr = DqOptions(
         T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN,
         CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,

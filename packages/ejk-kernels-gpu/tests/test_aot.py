@@ -194,8 +194,8 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
     64 and 128, bf16 and fp16: the Gluon one, but at head_dim 64 without a cap the ordinary
     one with 64x32 tiles (`_config.dq_beside`); the Gluon one pipelined (three slots) at 128,
-    not at 64 (two). Three warpgroups, within shared memory and scratch; the Gluon dq kernel spills nothing, the dk/dv kernel at most the bytes
-    `_aot.GLUON_SPILL_BYTES` allows."""
+    not at 64 (two). Three warpgroups, within shared memory and scratch; the Gluon dq kernel
+    spills nothing, the dk/dv kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
         "--head-dims", "64,128", "--variants", "plain,causal,softcap", "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",

@@ -28,10 +28,9 @@ columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
 `_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
 query rows a program, two consumer warpgroups, k and v streamed, pipelined with three
 slots at head_dim 128; 64 keys a step, 32 at head_dim 256 where 128 rows of q and dO take
-128 KiB: `_config.dq_beside`), or the
-ordinary dq kernel. Calls the
-dk/dv kernel takes (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a
-positive scale, no bias or dropout (every mask, the soft cap and sinks are fine: the sinks
+128 KiB: `_config.dq_beside`), or the ordinary dq kernel. Calls the dk/dv kernel takes
+(`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias or
+dropout (every mask, the soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole
 64-row tiles (q and dO are read through one descriptor over every (batch, head)); the
 Gluon dq kernel takes the same masks (through the dq block table). Keys past the end are zero-filled on load
@@ -438,6 +437,7 @@ class DqOptions(NamedTuple):
     S: int  # key rows
     BN: int  # keys per step
     STAGES: int  # slots of the k/v ring
+    PIPELINED: bool  # three slots or more: each block's dS·k issued in the next one's step
     QK: float  # scale · log2(e)
     SOFT_CAP: float  # 0.0: none
     CAP_IN: float  # scale / soft cap
@@ -552,7 +552,7 @@ def _dq_add(j, first, dq, ds, ctx, F: gl.constexpr):
     # (The wait follows at once, so ds needs no keeping: the unpipelined builds without it
     # are the SASS of before the pipelining, the head_dim 64 soft cap's 2680 instructions
     # against 2808 with it; the pipelined ones keep it, as measured.)
-    if F.STAGES >= 3:
+    if F.PIPELINED:
         dq, _ = hopper.warpgroup_mma_wait(0, deps=[dq_tok, ds])
     else:
         dq = hopper.warpgroup_mma_wait(0, deps=[dq_tok])
@@ -562,9 +562,9 @@ def _dq_add(j, first, dq, ds, ctx, F: gl.constexpr):
 
 @gluon.jit
 def _dq_block(j, first, dq, ds, ctx, F: gl.constexpr, MASK):
-    """Key block j: pipelined (three slots or more), its dS and block j - 1's product
-    (`_dq_step`); else its dS and its own product."""
-    if F.STAGES >= 3:
+    """Key block j: pipelined, its dS and block j - 1's product (`_dq_step`); else its dS
+    and its own product."""
+    if F.PIPELINED:
         dq, ds = _dq_step(j, first, dq, ds, ctx, F, MASK, True)
     else:
         dq, ds = _dq_step(j, first, dq, ds, ctx, F, MASK, False)
@@ -608,10 +608,9 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     # block j - 1's keys stay while block j's land), each step issues the previous block's
     # product (`_dq_step`): the first block's step comes before the loops and issues none,
     # the last block's product comes after them.
-    PIPELINED: gl.constexpr = F.STAGES >= 3
     ds = gl.zeros([HALF, F.BN], dtype, operand_layout(o_layout))  # the previous block's dS
     start = first
-    if PIPELINED:
+    if F.PIPELINED:
         if end > first:
             masked = (first < full_lo) | (first >= full_hi)
             dq, ds = _dq_step(first, first, dq, ds, ctx, F, masked, False)
@@ -628,11 +627,11 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
             dq, ds = _dq_block(j, first, dq, ds, ctx, F, True)
         # (pipelined, the first block ran before the loops; unpipelined, lo and hi are not
         # before start, and the builds keep their SASS of before the pipelining)
-        for j in range(gl.maximum(lo, start) if PIPELINED else lo, hi):
+        for j in range(gl.maximum(lo, start) if F.PIPELINED else lo, hi):
             dq, ds = _dq_block(j, first, dq, ds, ctx, F, False)
-        for j in range(gl.maximum(hi, start) if PIPELINED else hi, end):
+        for j in range(gl.maximum(hi, start) if F.PIPELINED else hi, end):
             dq, ds = _dq_block(j, first, dq, ds, ctx, F, True)
-    if PIPELINED:
+    if F.PIPELINED:
         if end > first:
             dq = _dq_add(end - 1, first, dq, ds, ctx, F)
     q_c.store((dq * scale).to(dtype))  # q's buffer is free now: dq leaves through it
@@ -666,8 +665,8 @@ def gluon_dq_kernel(
     q·kᵀ and dO·vᵀ, `_dq_step`); rows and keys past the ends are zero-filled on load,
     clipped on store."""
     F: gl.constexpr = DqOptions(
-        T=T, S=S, BN=BN, STAGES=STAGES, QK=QK, SOFT_CAP=SOFT_CAP, CAP_IN=CAP_IN,
-        CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
+        T=T, S=S, BN=BN, STAGES=STAGES, PIPELINED=STAGES >= 3, QK=QK, SOFT_CAP=SOFT_CAP,
+        CAP_IN=CAP_IN, CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
         VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
     )  # fmt: skip
     HALF: gl.constexpr = BM // 2

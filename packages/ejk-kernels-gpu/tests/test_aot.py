@@ -192,10 +192,10 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
 def test_the_gluon_backward_kernels_build_for_hopper():
     """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
-    64 and 128, bf16 and fp16: the Gluon one, but at head_dim 64 without a cap the ordinary
-    one with 64x32 tiles (`_config.dq_beside`); the Gluon one pipelined (three slots) at 128,
-    not at 64 (two). Three warpgroups, within shared memory and scratch; the Gluon dq kernel
-    spills nothing, the dk/dv kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
+    64 and 128, bf16 and fp16: the Gluon one with three consumers, but at head_dim 64
+    without a cap the ordinary one with 64x32 tiles (`_config.dq_beside`). Three warpgroups
+    (four in the dq kernel), within shared memory and scratch; the Gluon dq kernel spills
+    nothing, the dk/dv kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
         "--head-dims", "64,128", "--variants", "plain,causal,softcap", "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",
@@ -209,8 +209,11 @@ def test_the_gluon_backward_kernels_build_for_hopper():
         for dtype in ("bfloat16", "float16")
         if head_dim == 128 or variant == "softcap"
     }
-    assert all(r["threads"] == 384 and r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
-    assert {(r["head_dim"], r["config"]["num_stages"]) for r in gluon_dq} == {(64, 2), (128, 3)}
+    assert all(r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
+    # Without a block table its three consumers (`_config.GLUON_DQ_THREE`: 192 rows, two
+    # slots, four warpgroups)
+    tiles = {(r["config"]["block_q"], r["config"]["num_stages"], r["threads"]) for r in gluon_dq}
+    assert tiles == {(192, 2, 512)}
     tiles = ("block_q", "block_k", "num_warps", "num_stages")
     dq_64 = {
         tuple(r["config"][t] for t in tiles)

@@ -434,19 +434,23 @@ def _emulate_gluon_dq(inputs, consts):
             v_blk = np.where((keys < kv_len)[:, None], v[b, kk, n // c["G"]], 0.0)
             s = q_blk @ k_blk.T
             slope = 1.0
-            if c["SOFT_CAP"] > 0:
-                t = np.tanh(s * c["CAP_IN"])
-                p = np.exp2(t * c["CAP_OUT"] - lse2[:, None])
-                slope = 1.0 - t * t
-            else:
-                p = np.exp2(s * c["QK"] - lse2[:, None])
+            # A hidden pair's p may overflow to inf (a row whose visible logits sit at -cap
+            # against a hidden +cap: 2^144), as in the kernel; the masks below zero it.
+            with np.errstate(over="ignore"):
+                if c["SOFT_CAP"] > 0:
+                    t = np.tanh(s * c["CAP_IN"])
+                    p = np.exp2(t * c["CAP_OUT"] - lse2[:, None])
+                    slope = 1.0 - t * t
+                else:
+                    p = np.exp2(s * c["QK"] - lse2[:, None])
             if table and not full[0] <= j < full[1]:
                 p = np.where(_visible(c, b, rows, keys, tabs, (q_len, kv_len)), p, 0.0)
             elif not table:
-                # Each consumer (half the rows) runs unmasked the blocks wholly before its
-                # first row and within the keys (causal), or every block where the keys end
-                # on a block (else): the kernel's loop without masks.
-                first_row = pid_m * bm + (np.arange(bm) // (bm // 2)) * (bm // 2)
+                # Each consumer (64 rows: two a program, three at 192 rows) runs unmasked
+                # the blocks wholly before its first row and within the keys (causal), or
+                # every block where the keys end on a block (else): the kernel's loop
+                # without masks.
+                first_row = pid_m * bm + (np.arange(bm) // 64) * 64
                 if c["CAUSAL"]:
                     bare = j < np.minimum(np.minimum((first_row + 1) // bn, end), kv_len // bn)
                 else:
@@ -924,7 +928,7 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
 ):
     """At head_dim 64 the backward heuristic takes the Gluon dk/dv kernel (two slots) with
     groups or a soft cap, the ordinary dq kernel beside it without a cap and the Gluon one
-    with; MHA without a cap keeps the ordinary kernels (H200,
+    with (three consumers without a block table); MHA without a cap keeps the ordinary kernels (H200,
     `_config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `_config.dq_beside`)."""
     from ejk_kernels_gpu._options import call_options
     from ejk_sequtils import validate_attention
@@ -940,7 +944,10 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
         assert opts.bwd_cfg == GLUON_DKDV
         cap = "logits_soft_cap" in kwargs
         dq = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
-        assert dq_beside(opts.bwd_cfg, 64, cap) == (GLUON_DQ_64 if cap else dq)
+        assert dq_beside(opts.bwd_cfg, 64, cap, tabled=True) == (GLUON_DQ_64 if cap else dq)
+        # without a table and with a cap its three consumers (`_config.GLUON_DQ_THREE`)
+        three = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
+        assert dq_beside(opts.bwd_cfg, 64, cap, tabled=False) == (three if cap else dq)
 
 
 @pytest.mark.parametrize(
@@ -1045,9 +1052,10 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
             assert gluon_launches.dq == []
         else:
             [(dq_grid, dq_consts, dq_outs, _)] = gluon_launches.dq
-            assert dq_grid == (-(-q_len // 128), 2 * heads)
-            # three slots: its pipelined schedule (`_config.GLUON_DQ_CONFIG`)
-            assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == (128, 64, 3)
+            # without a table three consumers of 64 rows, two slots (`GLUON_DQ_THREE`)
+            tiles = (192, 64, 2)
+            assert dq_grid == (-(-q_len // tiles[0]), 2 * heads)
+            assert (dq_consts["BM"], dq_consts["BN"], dq_consts["STAGES"]) == tiles
             assert dq_outs[0] == (q.shape, q.dtype)
             assert dq_consts["ORDERED"] == causal  # blocks of heads, the heaviest first
         [(grid, consts, outs, kw)] = gluon_launches.dkdv
@@ -1198,7 +1206,9 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     assert grid == (3, batch * kv_heads) and (consts["BM"], consts["BN"]) == (64, 128)
     if "logits_soft_cap" in kwargs:
         [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
-        assert gluon_launches.ordinary_dq == [] and dq_grid == (3, batch * heads)
+        # (384 rows: two programs of 192, its three consumers, `_config.GLUON_DQ_THREE`)
+        assert gluon_launches.ordinary_dq == [] and dq_grid == (2, batch * heads)
+        assert dq_consts["BM"] == 192
     else:
         [(dq_grid, dq_consts, dq_kw)] = gluon_launches.ordinary_dq
         assert gluon_launches.dq == [] and dq_grid == (6, batch * heads)

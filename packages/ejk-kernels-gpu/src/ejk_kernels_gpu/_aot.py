@@ -455,7 +455,11 @@ def main(argv: list[str] | None = None) -> int:
                             for c in space
                             if c.gluon and not c.atomic_dq
                         )
-                        beside += tuple(filter(None, (dq_beside(c, head_dim, cap) for c in space)))
+                        beside += tuple(
+                            filter(
+                                None, (dq_beside(c, head_dim, cap, tabled=tables) for c in space)
+                            )
+                        )
                         builds = tuple(dict.fromkeys((*ordinary, *beside)))
                     for cfg in builds:
                         failed += _report(name, cfg, head_dim, args.dtype, variant)

@@ -203,7 +203,8 @@ def backward(
                                         dkdv_consts, ws)  # fmt: skip
         if joint_dkdv:
             dk, dv = jnp.concatenate([dk, dv], axis=-1), None
-    beside = dq_beside(opts.bwd_cfg, head_dim, opts.soft_cap > 0.0) if gluon else None
+    cap = opts.soft_cap > 0.0
+    beside = dq_beside(opts.bwd_cfg, head_dim, cap, tabled=opts.tabled()) if gluon else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     elif beside is not None and beside.gluon:

@@ -15,6 +15,7 @@ __all__ = [
     "GLUON_DQ_64",
     "GLUON_DQ_256",
     "GLUON_DQ_CONFIG",
+    "GLUON_DQ_THREE",
     "SHARED_MEMORY_LIMIT",
     "FlashConfig",
     "bwd_heuristic",
@@ -351,18 +352,41 @@ GLUON_DQ_256: FlashConfig | None = FlashConfig(
 _ORDINARY_BWD_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
 
 
-def dq_beside(bwd: FlashConfig, head_dim: int, soft_cap: bool) -> FlashConfig | None:
+# Calls without a block table (no window, packing or segment ids): the Gluon dq kernel's
+# three consumers (192 query rows a program, 64 a consumer, as the forward's
+# `THREE_CONSUMERS`), two slots, unpipelined (pipelined, ptxas spills at 160 registers a
+# thread; 32 keys a step pipelined spills nothing and is slower). Keyed by (head_dim, soft
+# cap); H200, dq kernel us, causal, against the two-consumer configs above, dq bitwise
+# equal (docs/gpu-runs/2026-12-03-h200-gluon-dq-three-consumers-ab.json): B4 T4096 N32 K8
+# H128 soft cap 50 1407 -> 1279, no cap 1197 -> 1152; B8 T2048 N16 H128 soft cap 438 ->
+# 395; B8 T2048 N16 H64 soft cap 353 -> 322. With a table its builds spill (324-488 bytes
+# at 128), and at head_dim 64 without a cap the ordinary dq kernel runs (`dq_beside`).
+_GLUON_DQ_192 = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
+GLUON_DQ_THREE: dict[tuple[int, bool], FlashConfig] = {
+    (128, False): _GLUON_DQ_192,
+    (128, True): _GLUON_DQ_192,
+    (64, True): _GLUON_DQ_192,
+}
+
+
+def dq_beside(
+    bwd: FlashConfig, head_dim: int, soft_cap: bool, *, tabled: bool = False
+) -> FlashConfig | None:
     """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd``: the
-    Gluon dq kernel's (`GLUON_DQ_CONFIG`; `GLUON_DQ_256` beside the head_dim 256 kernel's
-    64 resident keys; `GLUON_DQ_64` at head_dim 64, there without a soft cap the ordinary
-    one's with the heuristic's tiles, `_ORDINARY_BWD_64`); or None where dq comes from
-    elsewhere: from the dk/dv kernel (``atomic_dq``), or from the ordinary dq kernel with
-    ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set to None). The dq block
-    table is built for the tiles of the kernel that runs (`_masks.range_tables`)."""
+    Gluon dq kernel's (`GLUON_DQ_CONFIG`; its three consumers, `GLUON_DQ_THREE`, without
+    a block table, ``tabled``: a window, packing or segment ids; `GLUON_DQ_256` beside the head_dim
+    256 kernel's 64 resident keys; `GLUON_DQ_64` at head_dim 64, there without a soft cap
+    the ordinary one's with the heuristic's tiles, `_ORDINARY_BWD_64`); or None where dq
+    comes from elsewhere: from the dk/dv kernel (``atomic_dq``), or from the ordinary dq
+    kernel with ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set to None).
+    The dq block table is built for the tiles of the kernel that runs
+    (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:
         return None
     if bwd.block_q == 64:
         return GLUON_DQ_256
+    if not tabled and (head_dim, soft_cap) in GLUON_DQ_THREE:
+        return GLUON_DQ_THREE[head_dim, soft_cap]
     if head_dim == 64:
         return GLUON_DQ_64 if soft_cap else _ORDINARY_BWD_64
     return GLUON_DQ_CONFIG

@@ -436,6 +436,7 @@ class DqOptions(NamedTuple):
     T: int  # query rows
     S: int  # key rows
     BN: int  # keys per step
+    NC: int  # consumer warpgroups of 64 rows: BM // 64 (two, or three for soft caps)
     STAGES: int  # slots of the k/v ring
     PIPELINED: bool  # three slots or more: each block's dS·k issued in the next one's step
     QK: float  # scale · log2(e)
@@ -473,17 +474,28 @@ def _dq_key_blocks(b, pid_m, row0, ranges_ptr, BM: gl.constexpr, F: gl.constexpr
 
 
 @gluon.jit
+def _dq_rows_copy(descs, smem, row_ready, row, c):
+    """Copy consumer c's rows of q and dO from ``row`` on."""
+    q_desc, do_desc = descs[0], descs[1]
+    mbarrier.expect(row_ready.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, 0], row_ready.index(c), smem[0].index(c))
+    tma.async_copy_global_to_shared(do_desc, [row, 0], row_ready.index(c), smem[1].index(c))
+
+
+@gluon.jit
 def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
-    """Copy the program's q and dO (one half per consumer), then k and v of each key block."""
-    q_desc, do_desc, k_desc, v_desc = descs
-    q_smem, do_smem, k_smem, v_smem = smem
+    """Copy the program's q and dO (64 rows per consumer), then k and v of each key block."""
+    k_desc, v_desc = descs[2], descs[3]
+    k_smem, v_smem = smem[2], smem[3]
     row_ready, ready, empty = bars
-    HALF: gl.constexpr = BM // 2
-    for c in gl.static_range(2):
-        mbarrier.expect(row_ready.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        row = pid_m * BM + c * HALF
-        tma.async_copy_global_to_shared(q_desc, [row, 0], row_ready.index(c), q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], row_ready.index(c), do_smem.index(c))
+    ROWS: gl.constexpr = BM // F.NC
+    for c in gl.static_range(F.NC):
+        row = pid_m * BM + c * ROWS
+        if F.T % BM != 0:  # no copy for a consumer without rows (`_dq_idle`): none is
+            if row < F.T:  # left in flight when the program ends
+                _dq_rows_copy(descs, smem, row_ready, row, c)
+        else:
+            _dq_rows_copy(descs, smem, row_ready, row, c)
     first, _, _, end = _dq_key_blocks(b, pid_m, pid_m * BM, ranges_ptr, BM, F)
     for j in range(first, end):
         s, phase = ring_slot(j - first, F.STAGES)
@@ -573,16 +585,45 @@ def _dq_block(j, first, dq, ds, ctx, F: gl.constexpr, MASK):
 
 
 @gluon.jit
+def _dq_idle(bars, b, pid_m, row0, ranges_ptr, BM: gl.constexpr, F: gl.constexpr):
+    """A consumer whose rows all lie past T (the last tile of a T that is not a multiple of
+    BM): it passes each key block's slot on once the block has landed, so the ring's
+    ``empty`` barriers still count every consumer, and computes nothing."""
+    _, ready, empty = bars
+    first, _, _, end = _dq_key_blocks(b, pid_m, row0, ranges_ptr, BM, F)
+    for j in range(first, end):
+        s, phase = ring_slot(j - first, F.STAGES)
+        mbarrier.wait(ready.index(s), phase)
+        mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
 def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: gl.constexpr,
                  C: gl.constexpr):  # fmt: skip
-    """dq of rows ``pid_m·BM + C·BM/2 ..`` (consumer C of two); ``tabs``: the rows' and
-    keys' mask tables and the block table."""
+    """dq of rows ``pid_m·BM + C·BM/NC ..`` (consumer C of NC); ``tabs``: the rows' and
+    keys' mask tables and the block table. With a partial last tile (T not a multiple of
+    BM) a consumer without rows idles (`_dq_idle`)."""
+    ROWS: gl.constexpr = BM // F.NC
+    row0 = pid_m * BM + C * ROWS
+    if F.T % BM != 0:
+        if row0 < F.T:
+            _dq_rows(smem, bars, stats, tabs, dest, b, pid_m, row0, BM, F, C)
+        else:
+            _dq_idle(bars, b, pid_m, row0, tabs[2], BM, F)
+    else:
+        _dq_rows(smem, bars, stats, tabs, dest, b, pid_m, row0, BM, F, C)
+
+
+@gluon.jit
+def _dq_rows(smem, bars, stats, tabs, dest, b, pid_m, row0, BM: gl.constexpr, F: gl.constexpr,
+             C: gl.constexpr):  # fmt: skip
+    """dq of consumer C's rows ``row0 ..`` (`_dq_consumer`)."""
     q_smem, do_smem, _, _ = smem
     row_ready, _, _ = bars
     lse_ptr, delta_ptr = stats
     row_tabs, key_tabs, ranges_ptr = tabs
     dq_desc, scale = dest
-    HALF: gl.constexpr = BM // 2
+    ROWS: gl.constexpr = BM // F.NC
     H: gl.constexpr = q_smem.shape[2]
     s_layout: gl.constexpr = wgmma_layout(F.BN)
     o_layout: gl.constexpr = wgmma_layout(H)
@@ -590,16 +631,15 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     dtype: gl.constexpr = q_smem.dtype
     q_c = q_smem.index(C)
     do_c = do_smem.index(C)
-    row0 = pid_m * BM + C * HALF
-    rows = row0 + gl.arange(0, HALF, layout=row_layout)
+    rows = row0 + gl.arange(0, ROWS, layout=row_layout)
     row_info = token_info(rows, F.T, b, row_tabs, F, -1)  # what the masks read per row
     ok = rows < F.T
     # Rows past the end or without mass have P = 0: +inf keeps exp2 at 0.
     lse = gl.load(lse_ptr + rows, mask=ok, other=float("inf")) * _LOG2E
     lse = gl.where(lse == float("-inf"), float("inf"), lse)
     delta = gl.load(delta_ptr + rows, mask=ok, other=0.0)
-    dq = gl.zeros([HALF, H], gl.float32, o_layout)
-    zero_s = gl.zeros([HALF, F.BN], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, H], gl.float32, o_layout)
+    zero_s = gl.zeros([ROWS, F.BN], gl.float32, s_layout)
     first, full_lo, full_hi, end = _dq_key_blocks(b, pid_m, row0, ranges_ptr, BM, F)
     mbarrier.wait(row_ready.index(C), 0)
     ctx = (smem, bars, q_c, do_c, rows, row_info, lse, delta, zero_s, b, key_tabs)
@@ -608,7 +648,7 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     # block j - 1's keys stay while block j's land), each step issues the previous block's
     # product (`_dq_step`): the first block's step comes before the loops and issues none,
     # the last block's product comes after them.
-    ds = gl.zeros([HALF, F.BN], dtype, operand_layout(o_layout))  # the previous block's dS
+    ds = gl.zeros([ROWS, F.BN], dtype, operand_layout(o_layout))  # the previous block's dS
     start = first
     if F.PIPELINED:
         if end > first:
@@ -658,18 +698,19 @@ def gluon_dq_kernel(
     the mask tables and ``ranges_ptr``, the dq block table (``[query blocks, 4]``,
     ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
     grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr`` with
-    ``ORDERED`` (`program_tile`), else causal ones heaviest first. Two consumer
-    warpgroups of BM / 2 rows, a producer warp streaming k and v by TMA through a ring of
+    ``ORDERED`` (`program_tile`), else causal ones heaviest first. BM / 64 consumer
+    warpgroups of 64 rows (two; three, BM = 192, for soft caps), a producer warp streaming k and v by TMA through a ring of
     STAGES slots (the forward's schedule, `_gluon_forward_kernel`; with three slots or
     more pipelined as the forward is: each block's dS·k issued after the next block's
     q·kᵀ and dO·vᵀ, `_dq_step`); rows and keys past the ends are zero-filled on load,
     clipped on store."""
+    NC: gl.constexpr = BM // 64
     F: gl.constexpr = DqOptions(
-        T=T, S=S, BN=BN, STAGES=STAGES, PIPELINED=STAGES >= 3, QK=QK, SOFT_CAP=SOFT_CAP,
+        T=T, S=S, BN=BN, NC=NC, STAGES=STAGES, PIPELINED=STAGES >= 3, QK=QK, SOFT_CAP=SOFT_CAP,
         CAP_IN=CAP_IN, CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
         VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
     )  # fmt: skip
-    HALF: gl.constexpr = BM // 2
+    ROWS: gl.constexpr = BM // NC  # a consumer's
     K: gl.constexpr = N // G
     n_m: gl.constexpr = (T + BM - 1) // BM
     pid, bn = program_tile(order_ptr, n_m, ORDERED)
@@ -679,31 +720,45 @@ def gluon_dq_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_base = b * T * N * H + n * H
-    q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
-    do_desc = tma.make_tensor_descriptor(do_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
-    dq_desc = tma.make_tensor_descriptor(dq_ptr + q_base, [T, H], [N * H, 1], [HALF, H], layout)
+    q_desc = tma.make_tensor_descriptor(q_ptr + q_base, [T, H], [N * H, 1], [ROWS, H], layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr + q_base, [T, H], [N * H, 1], [ROWS, H], layout)
+    dq_desc = tma.make_tensor_descriptor(dq_ptr + q_base, [T, H], [N * H, 1], [ROWS, H], layout)
     k_desc, v_desc = pair_descriptors(k_ptr, v_ptr, b, n // G, S, K, H, [BN, H], layout, KV_PAIR)
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, HALF, H], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, ROWS, H], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NC, ROWS, H], layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, H], layout)
-    row_ready = barriers(2, 1)
+    row_ready = barriers(NC, 1)
     ready = barriers(STAGES, 1)
-    empty = barriers(STAGES, 2)
+    empty = barriers(STAGES, NC)
     hopper.fence_async_shared()  # the barriers' initialisation before TMA signals them
     smem = (q_smem, do_smem, k_smem, v_smem)
     bars = (row_ready, ready, empty)
     stats = (lse_ptr + bn.to(gl.int64) * T, delta_ptr + bn.to(gl.int64) * T)
     tabs = ((qsid_ptr, qpos_ptr, qseg_ptr), (ksid_ptr, kpos_ptr, kseg_ptr), ranges_ptr)
+    dest = (dq_desc, SCALE)
+    descs = (q_desc, do_desc, k_desc, v_desc)
     # fmt: off
-    gl.warp_specialize(
-        [
-            (_dq_consumer, (smem, bars, stats, tabs, (dq_desc, SCALE), b, pid_m, BM, F, 0)),
-            (_dq_consumer, (smem, bars, stats, tabs, (dq_desc, SCALE), b, pid_m, BM, F, 1)),
-            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc), smem, bars, b, pid_m,
-                            ranges_ptr, BM, F)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
+    if NC == 3:  # 160 registers a consumer thread (the default partition 168), as the
+        # forward's three consumers: 128 · (168 + 160 + 160 + 24) <= 64 Ki
+        gl.warp_specialize(
+            [
+                (_dq_consumer, (smem, bars, stats, tabs, dest, b, pid_m, BM, F, 0)),
+                (_dq_consumer, (smem, bars, stats, tabs, dest, b, pid_m, BM, F, 1)),
+                (_dq_consumer, (smem, bars, stats, tabs, dest, b, pid_m, BM, F, 2)),
+                (_dq_producer, (descs, smem, bars, b, pid_m, ranges_ptr, BM, F)),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_dq_consumer, (smem, bars, stats, tabs, dest, b, pid_m, BM, F, 0)),
+                (_dq_consumer, (smem, bars, stats, tabs, dest, b, pid_m, BM, F, 1)),
+                (_dq_producer, (descs, smem, bars, b, pid_m, ranges_ptr, BM, F)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
     # fmt: on

@@ -447,7 +447,7 @@ def range_tables(
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
     # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
     # beside a Gluon dk/dv config (`dq_beside`: other tiles at head_dim 64 and 256).
-    dq_cfg = dq_beside(bwd_cfg, head_dim, opts.soft_cap > 0.0) or bwd_cfg
+    dq_cfg = dq_beside(bwd_cfg, head_dim, opts.soft_cap > 0.0, tabled=opts.tabled()) or bwd_cfg
     shapes = tuple((c.block_q, c.block_k) for c in (fwd_cfg, dq_cfg, bwd_cfg))
     ranges_of = (rows, rows, cols)
     if fused is None:

@@ -25,10 +25,11 @@ first.
 With ``DQ`` (a config with ``atomic_dq``, head_dim 128) the kernel computes dq too: both
 consumers' ``dSᵀ`` go through shared memory, each multiplies ``dS`` by its half of k's
 columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
-`_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule: 128
-query rows a program, two consumer warpgroups, k and v streamed, pipelined with three
-slots at head_dim 128; 64 keys a step, 32 at head_dim 256 where 128 rows of q and dO take
-128 KiB: `_config.dq_beside`), or the ordinary dq kernel. Calls the dk/dv kernel takes
+`_store_dq`). Otherwise dq comes from `gluon_dq_kernel` below (the forward's schedule:
+consumer warpgroups of 64 query rows, k and v streamed; three consumers, 192 rows a
+program, without a block table; two, 128 rows, pipelined with three slots, with one at
+head_dim 128; 64 keys a step, 32 at head_dim 256 where 128 rows of q and dO take 128 KiB:
+`_config.dq_beside`), or the ordinary dq kernel. Calls the dk/dv kernel takes
 (`_options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias or
 dropout (every mask, the soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole

@@ -440,6 +440,7 @@ class DqOptions(NamedTuple):
     NC: int  # consumer warpgroups of 64 rows: BM // 64 (two, or three for soft caps)
     STAGES: int  # slots of the k/v ring
     PIPELINED: bool  # three slots or more: each block's dS·k issued in the next one's step
+    PARTIAL: bool  # T not a multiple of BM: the last tile's consumers past T idle
     QK: float  # scale · log2(e)
     SOFT_CAP: float  # 0.0: none
     CAP_IN: float  # scale / soft cap
@@ -492,7 +493,7 @@ def _dq_producer(descs, smem, bars, b, pid_m, ranges_ptr, BM: gl.constexpr, F: g
     ROWS: gl.constexpr = BM // F.NC
     for c in gl.static_range(F.NC):
         row = pid_m * BM + c * ROWS
-        if F.T % BM != 0:  # no copy for a consumer without rows (`_dq_idle`): none is
+        if F.PARTIAL:  # no copy for a consumer without rows (`_dq_idle`): none is
             if row < F.T:  # left in flight when the program ends
                 _dq_rows_copy(descs, smem, row_ready, row, c)
         else:
@@ -606,7 +607,7 @@ def _dq_consumer(smem, bars, stats, tabs, dest, b, pid_m, BM: gl.constexpr, F: g
     BM) a consumer without rows idles (`_dq_idle`)."""
     ROWS: gl.constexpr = BM // F.NC
     row0 = pid_m * BM + C * ROWS
-    if F.T % BM != 0:
+    if F.PARTIAL:
         if row0 < F.T:
             _dq_rows(smem, bars, stats, tabs, dest, b, pid_m, row0, BM, F, C)
         else:
@@ -707,7 +708,8 @@ def gluon_dq_kernel(
     clipped on store."""
     NC: gl.constexpr = BM // 64
     F: gl.constexpr = DqOptions(
-        T=T, S=S, BN=BN, NC=NC, STAGES=STAGES, PIPELINED=STAGES >= 3, QK=QK, SOFT_CAP=SOFT_CAP,
+        T=T, S=S, BN=BN, NC=NC, STAGES=STAGES, PIPELINED=STAGES >= 3, PARTIAL=T % BM != 0,
+        QK=QK, SOFT_CAP=SOFT_CAP,
         CAP_IN=CAP_IN, CAP_OUT=CAP_OUT, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT,
         VARLEN=VARLEN, SEQ_IDS=SEQ_IDS, HAS_SEG=HAS_SEG, TABLE=WINDOW_LEFT >= 0 or VARLEN or HAS_SEG,
     )  # fmt: skip

@@ -928,8 +928,8 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
 ):
     """At head_dim 64 the backward heuristic takes the Gluon dk/dv kernel (two slots) with
     groups or a soft cap, the ordinary dq kernel beside it without a cap and the Gluon one
-    with (three consumers without a block table); MHA without a cap keeps the ordinary kernels (H200,
-    `_config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `_config.dq_beside`)."""
+    with (three consumers without a block table); MHA without a cap keeps the ordinary
+    kernels (H200, `_config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `_config.dq_beside`)."""
     from ejk_kernels_gpu._options import call_options
     from ejk_sequtils import validate_attention
 

@@ -378,7 +378,8 @@ def dq_beside(
     256 kernel's 64 resident keys; `GLUON_DQ_64` at head_dim 64, there without a soft cap
     the ordinary one's with the heuristic's tiles, `_ORDINARY_BWD_64`); or None where dq
     comes from elsewhere: from the dk/dv kernel (``atomic_dq``), or from the ordinary dq
-    kernel with ``bwd``'s tiles (not a Gluon config, or the Gluon dq config set to None).
+    kernel with ``bwd``'s tiles (not a Gluon config, or, for a call the three consumers do
+    not take, `GLUON_DQ_CONFIG` set to None).
     The dq block table is built for the tiles of the kernel that runs
     (`_masks.range_tables`)."""
     if not bwd.gluon or bwd.atomic_dq:

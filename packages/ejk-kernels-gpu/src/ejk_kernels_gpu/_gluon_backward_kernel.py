@@ -437,7 +437,7 @@ class DqOptions(NamedTuple):
     T: int  # query rows
     S: int  # key rows
     BN: int  # keys per step
-    NC: int  # consumer warpgroups of 64 rows: BM // 64 (two, or three for soft caps)
+    NC: int  # consumer warpgroups of 64 rows: BM // 64 (three without a block table, else two)
     STAGES: int  # slots of the k/v ring
     PIPELINED: bool  # three slots or more: each block's dS·k issued in the next one's step
     PARTIAL: bool  # T not a multiple of BM: the last tile's consumers past T idle
@@ -701,8 +701,8 @@ def gluon_dq_kernel(
     ``[B, query blocks, 4]`` with segment ids; used with a window, packing or segment ids);
     grid (query blocks of BM, B·N), programs taking their tiles from ``order_ptr`` with
     ``ORDERED`` (`program_tile`), else causal ones heaviest first. BM / 64 consumer
-    warpgroups of 64 rows (two; three, BM = 192, for soft caps), a producer warp streaming k and v by TMA through a ring of
-    STAGES slots (the forward's schedule, `_gluon_forward_kernel`; with three slots or
+    warpgroups of 64 rows (three, BM = 192, without a block table; else two), a producer
+    warp streaming k and v by TMA through a ring of STAGES slots (the forward's schedule, `_gluon_forward_kernel`; with three slots or
     more pipelined as the forward is: each block's dS·k issued after the next block's
     q·kᵀ and dO·vᵀ, `_dq_step`); rows and keys past the ends are zero-filled on load,
     clipped on store."""

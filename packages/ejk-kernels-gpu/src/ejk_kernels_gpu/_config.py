@@ -299,7 +299,10 @@ _GLUON_WINDOW_HEAD_DIMS = (128, 256)
 # measured faster than the Gluon dq kernel beside it, with groups or a soft cap slower
 # (forward+backward TFLOP/s, H100, docs/gpu-runs/2026-11-25-h100-gluon-dq-inside-3965c04.
 # json: 455 -> 497 unmasked, 403 -> 409 causal, 478 -> 511 at T16384 causal with three
-# slots; GQA causal 419 -> 373, soft cap 352 -> 327).
+# slots; GQA causal 419 -> 373, soft cap 352 -> 327). Against the three-consumer dq kernel
+# (H200, 2026-12-03, MHA f+b us, three slots, beside -> inside: B4 T4096 N32 causal 4208 ->
+# 4151, unmasked 7998 -> 7403, B1 T16384 N16 causal 7535 -> 7016; docs/gpu-runs/
+# 2026-12-03-h200-mha-dq-inside-beside-draft.json) inside still wins.
 _GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_3 = msgspec.structs.replace(_GLUON_BWD, num_stages=3)
 # head_dim 256 (`_gluon_backward_wide`): 64 resident keys, the consumers splitting dK's and

@@ -12,6 +12,9 @@ pair and head forward, 3.5x that forward+backward):
   no soft cap: its row says so), and ejk without it.
 - ``head256``: B2 T4096 N16 K8 H256 causal. ``head64``: B8 T2048 N16 H64 causal.
 
+After the rows it prints issue 20's targets as ratios of these times, each with its bound
+and whether the run met it (`_targets`; in the JSON as ``targets``).
+
 tokamax's rows (`_tokamax`) try its GPU implementations in the ``--tokamax`` order and
 name the one that ran; where tokamax is missing or refuses, the row says so.
 
@@ -27,6 +30,7 @@ import argparse
 import json
 import sys
 
+import _targets
 import _tokamax
 import jax
 import jax.numpy as jnp
@@ -212,12 +216,14 @@ def main() -> int:
         trace_calls=args.trace_calls,
     )  # fmt: skip
     _table(rows)
+    targets = _targets.evaluate(rows)
+    print(_targets.table(targets))
     if args.json:
         from gpu_conformance import run_info
 
         with open(args.json, "w") as f:
             json.dump(
-                {**run_info("bench_features.py", args.commit), "rows": rows},
+                {**run_info("bench_features.py", args.commit), "rows": rows, "targets": targets},
                 f,
                 indent=1,
                 default=str,

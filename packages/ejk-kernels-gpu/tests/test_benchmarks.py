@@ -131,6 +131,16 @@ def test_feature_bench_runs_tiny_rows_and_says_tokamax_is_unavailable(
     ]
     (softcap_cudnn,) = [r for r in rows if r["row"] == "softcap" and r["impl"] == "cudnn"]
     assert "no logits soft cap" in softcap_cudnn["skipped"]
+    targets = json.loads(out.read_text())["targets"]  # each row's, read where both ran
+    assert {t["row"] for t in targets} == set(features.ROWS)
+    ejk_only = {"documents", "softcap"}  # rows whose targets compare ejk with itself
+    for t in targets:
+        if t["phase"] == "fwdbwd":  # --no-bwd
+            assert t["met"] is None and t["missing"] == "ours", t
+        elif t["row"] not in ejk_only or "tokamax" in t["target"]:  # no cuDNN, no tokamax
+            assert t["met"] is None and t["missing"] == "theirs", t
+        else:
+            assert isinstance(t["met"], bool) and t["ratio"] > 0, t
 
 
 def test_flash_bench_row_says_tokamax_is_unavailable(bench_path, one_rep, no_tokamax):
@@ -370,3 +380,35 @@ def test_feature_bench_traces_each_contender_when_asked(bench_path, one_rep, no_
     (ejk,) = [r for r in rows if r["impl"] == "ejk"]
     assert math.isnan(ejk["fwd_gpu_ms"]) and math.isnan(ejk["fwd_gpu_call_ms"])
     assert ejk["fwd_kernels_ms"] == {} and "fwdbwd_gpu_ms" not in ejk
+
+
+def test_targets_read_each_ratio_its_way_and_say_what_is_missing(bench_path):
+    targets = importlib.import_module("_targets")
+    rows = [
+        {"row": "documents", "impl": "ejk", "as": "segment_ids", "fwd_ms": 1.2, "fwdbwd_ms": 2.0},
+        {"row": "documents", "impl": "ejk", "as": "cu_seqlens", "fwd_ms": 1.0, "fwdbwd_ms": 2.0},
+        {"row": "documents", "impl": "ejk", "as": "padded batch", "fwd_ms": 1.0},
+        {"row": "window", "impl": "ejk", "fwd_ms": 1.0, "fwdbwd_ms": 3.0, "fwd_gpu_ms": 0.9},
+        {"row": "window", "impl": "cudnn", "fwd_ms": 1.5, "fwdbwd_ms": 2.7, "fwd_gpu_ms": 1.8},
+        {"row": "window", "impl": "tokamax", "fwd_ms": 1.1, "fwd_gpu_ms": 0.99},
+        {"row": "softcap", "impl": "ejk", "soft_cap": 50.0, "fwd_ms": 1.0},
+        {"row": "softcap", "impl": "ejk", "soft_cap": None, "fwd_ms": 0.95},
+        {"row": "softcap", "impl": "tokamax", "soft_cap": 50.0, "skipped": "tokamax unavailable"},
+    ]  # fmt: skip
+    got = {(e["row"], e["target"], e["phase"]): e for e in targets.evaluate(rows)}
+    assert {row for row, _, _ in got} == {"documents", "window", "softcap"}  # rows present only
+    ids = got["documents", "segment ids' speed / cu_seqlens'", "fwd"]
+    assert ids["ratio"] == pytest.approx(1.0 / 1.2) and ids["met"] is False  # speed: theirs / ours
+    packed = got["documents", "packed time / the padded batch's", "fwd"]
+    assert packed["ratio"] == pytest.approx(1.2) and packed["met"] is False  # time: ours / theirs
+    missing = got["documents", "packed time / the padded batch's", "fwdbwd"]
+    assert missing["met"] is None and missing["missing"] == "theirs"
+    best = got["window", "speed / the best of cuDNN and tokamax", "fwd"]
+    assert best["ratio"] == pytest.approx(1.1) and best["met"] is True  # the faster of the two
+    assert best["gpu_ratio"] == pytest.approx(0.99 / 0.9)
+    assert got["window", "speed / cuDNN's", "fwdbwd"]["met"] is False
+    cap = got["softcap", "soft cap's speed / no cap's (ejk)", "fwd"]
+    assert cap["ratio"] == pytest.approx(0.95) and cap["met"] is True
+    assert got["softcap", "speed / tokamax's", "fwd"]["missing"] == "theirs"
+    printed = targets.table(targets.evaluate(rows))
+    assert "missed" in printed and "not read (theirs missing)" in printed

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import _targets
 import _tokamax
@@ -42,6 +43,13 @@ from _trace import gpu_span_ms
 from ejk_kernels_gpu import flash_attention
 
 DEFAULT_GROUPS = (_tokamax.GPU_IMPLEMENTATIONS,)
+# The wait before each contender's trace (``--trace-settle``). The rounds hold an H200 at its
+# power cap (nvidia-smi's throttle reason 0x4: SM clocks 1740-1920 MHz against 1980 idle,
+# cuDNN's dense-mask documents call the heaviest), and it stays there about a second after
+# they stop; the first contender traced after them, the documents as segment ids, read its
+# kernel 269-291 us in bench_features processes against 256-264 in settled traces
+# (docs/gpu-runs/2026-12-03-h200-documents-power-cap-draft.json).
+TRACE_SETTLE_S = 2.0
 
 
 def _causal_pairs(t: int, left: int | None = None) -> int:
@@ -140,6 +148,7 @@ def run(
     tiny: bool = False,
     groups: tuple[tuple[str, ...], ...] = DEFAULT_GROUPS,
     trace_calls: int = 0,
+    trace_settle: float = 0.0,
 ) -> list[dict]:
     """Time the rows ``names`` (keys of `ROWS`) in ``rounds`` interleaved rounds, printing
     each as JSON; ``tiny``: their tiny shapes; ``groups``: tokamax's rows, each a tuple of
@@ -147,7 +156,9 @@ def run(
     rounds, trace that many calls of each timed contender back to back: ``*_gpu_ms`` (the GPU
     span a call), ``*_gpu_call_ms`` (a call's own span, without the wait between calls),
     ``*_kernels_ms`` (its kernels by name; `_trace.gpu_span_ms`), NaN where the trace
-    holds no GPU kernel (a CPU run)."""
+    holds no GPU kernel (a CPU run). ``trace_settle``: seconds to wait before each
+    contender's trace, so that none is traced while the GPU is still held under its power
+    cap by the rounds before it (`TRACE_SETTLE_S`)."""
     rows = []
     for name in names:
         build, full, small = ROWS[name]
@@ -160,6 +171,7 @@ def run(
         if trace_calls:
             for row, timed, _ in cases:
                 for key, f, a, _ in timed:
+                    time.sleep(trace_settle)
                     span, _, kernels, call = gpu_span_ms(f, a, trace_calls)
                     row[f"{key}_gpu_ms"] = span
                     row[f"{key}_gpu_call_ms"] = call
@@ -204,6 +216,10 @@ def main() -> int:
         "--trace-calls", type=int, default=0,
         help="also trace this many calls of each contender for its GPU span (0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trace-settle", type=float, default=TRACE_SETTLE_S,
+        help=f"seconds to wait before each contender's trace (default {TRACE_SETTLE_S})",
+    )  # fmt: skip
     args = parser.parse_args()
     names = [n for n in args.rows.split(",") if n]
     unknown = [n for n in names if n not in ROWS]
@@ -213,7 +229,7 @@ def main() -> int:
     groups = _tokamax.groups_of(args)
     rows = run(
         names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny, groups=groups,
-        trace_calls=args.trace_calls,
+        trace_calls=args.trace_calls, trace_settle=args.trace_settle,
     )  # fmt: skip
     _table(rows)
     targets = _targets.evaluate(rows)

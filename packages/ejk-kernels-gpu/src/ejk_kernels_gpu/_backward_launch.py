@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from ._config import FlashConfig, dq_beside, ordinary_config
+from ._config import FlashConfig, ordinary_config
 from ._forward_launch import check_kv_pair
 from ._jax_triton_fix import scratch_bytes
 from ._masks import Tables, dummy
@@ -203,8 +203,7 @@ def backward(
                                         dkdv_consts, ws)  # fmt: skip
         if joint_dkdv:
             dk, dv = jnp.concatenate([dk, dv], axis=-1), None
-    cap = opts.soft_cap > 0.0
-    beside = dq_beside(opts.bwd_cfg, head_dim, cap, tabled=opts.tabled()) if gluon else None
+    beside = opts.dq_beside(head_dim) if gluon else None
     if dq_sum is not None:
         dq = (dq_sum * opts.scale).astype(q.dtype)
     elif beside is not None and beside.gluon:

@@ -25,7 +25,6 @@ from jax import Array
 from ejk_sequtils import AttentionRequest, dropout_key
 
 from . import _triton
-from ._config import dq_beside
 from ._options import CallOptions
 
 __all__ = [
@@ -446,8 +445,8 @@ def range_tables(
     fwd_cfg, bwd_cfg = opts.fwd_cfg, opts.bwd_cfg
     # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
     # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
-    # beside a Gluon dk/dv config (`dq_beside`: other tiles at head_dim 64 and 256).
-    dq_cfg = dq_beside(bwd_cfg, head_dim, opts.soft_cap > 0.0, tabled=opts.tabled()) or bwd_cfg
+    # beside a Gluon dk/dv config (`CallOptions.dq_beside`: other tiles at head_dim 64 and 256).
+    dq_cfg = opts.dq_beside(head_dim) or bwd_cfg
     shapes = tuple((c.block_q, c.block_k) for c in (fwd_cfg, dq_cfg, bwd_cfg))
     ranges_of = (rows, rows, cols)
     if fused is None:

@@ -19,6 +19,7 @@ from ._config import (
     SHARED_MEMORY_LIMIT,
     FlashConfig,
     bwd_heuristic,
+    dq_beside,
     fwd_heuristic,
     gluon_fits,
     gluon_forward_shared,
@@ -82,6 +83,12 @@ class CallOptions:
         """Whether the call's masks go beyond causal (a window, packed sequences, segment
         ids): the Gluon backward then walks the dk/dv block table."""
         return self.window is not None or self.has_seg or self.varlen
+
+    def dq_beside(self, head_dim: int) -> FlashConfig | None:
+        """The config of the dq kernel beside this call's Gluon dk/dv config
+        (`_config.dq_beside`), one answer for the launch and for the dq block table built
+        for its tiles (`_masks.range_tables`)."""
+        return dq_beside(self.bwd_cfg, head_dim, self.soft_cap > 0.0, tabled=self.tabled())
 
     def ordered_tiles(
         self, kernel: str, *, grouped: bool = False, persistent: bool = False

@@ -198,16 +198,19 @@ class TritonBackend(Backend):
 
     def invocations(self, request: AttentionRequest) -> dict[str, Any]:
         from ejk_executor import Invocation
-        from ejk_kernels_gpu import FlashAttentionBackward, FlashAttentionForward
+        from ejk_kernels_gpu import FlashAttentionBackward, FlashAttentionForward, routes_to_decode
 
         q, k, v, bias = request.q, request.k, request.v, request.bias
         kw = request.keyword_arguments()
         # The backward kernel times the gradient of a d_out shaped like the output (q's
         # shape: the kernels need v's head_dim == q's); q stands in for it in the key.
-        return {
-            "forward": Invocation.make(FlashAttentionForward(), (q, k, v, bias), kw),
-            "backward": Invocation.make(FlashAttentionBackward(), (q, k, v, q, bias), kw),
-        }
+        forward = Invocation.make(FlashAttentionForward(), (q, k, v, bias), kw)
+        backward = Invocation.make(FlashAttentionBackward(), (q, k, v, q, bias), kw)
+        if routes_to_decode(request):
+            # Decoding runs the split-KV kernel, which picks its own tile; a flash forward
+            # config would force the flash forward (half the bandwidth: docs/performance.md).
+            return {"backward": backward}
+        return {"forward": forward, "backward": backward}
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
         import ejk_kernels_gpu

@@ -14,6 +14,7 @@ from ._config import bwd_search_space as bwd_search_space
 from ._config import fits_shared_memory as fits_shared_memory
 from ._config import fwd_heuristic as fwd_heuristic
 from ._config import fwd_search_space as fwd_search_space
+from ._decode_route import routes_to_decode as routes_to_decode
 from ._executor_kernels import FlashAttentionBackward as FlashAttentionBackward
 from ._executor_kernels import FlashAttentionForward as FlashAttentionForward
 from ._paged_api import paged_attention as paged_attention
@@ -41,6 +42,7 @@ __all__ = [
     "paged_attention_request",
     "paged_heuristic",
     "paged_search_space",
+    "routes_to_decode",
     "unsupported_paged_reason",
     "unsupported_reason",
 ]

@@ -34,7 +34,7 @@ MAX_DECODE_ROWS = 64
 MIN_DECODE_KEYS = 1024
 
 
-def routes_to_decode(request: AttentionRequest, config: FlashConfig | None) -> bool:
+def routes_to_decode(request: AttentionRequest, config: FlashConfig | None = None) -> bool:
     """Whether `decode_route` serves a validated request: no explicit forward config, no
     bias, segment ids, packing, dropout, window or lse; unmasked, or causal with one query
     (top-left causal: it sees key 0 alone); ``T·G <= MAX_DECODE_ROWS`` and

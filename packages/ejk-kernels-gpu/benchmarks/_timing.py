@@ -122,12 +122,17 @@ def contender(
     return row, [], {}
 
 
-def time_rounds(cases: list[tuple], rounds: int, flops: float | Callable[[dict], float]) -> list:
+def time_rounds(
+    cases: list[tuple], rounds: int, flops: float | Callable[[dict], float], rotate: bool = False
+) -> list:
     """Time ``cases`` (from `contender`) in ``rounds`` interleaved rounds; each row gets the
     median ms, TFLOP/s (forward+backward counts 3.5x the forward's FLOPs), best ms, spread
-    (max/min - 1) of its rounds and the calls a round timed (``*_reps``)."""
-    for _ in range(rounds):
-        for _, timed, per in cases:
+    (max/min - 1) of its rounds and the calls a round timed (``*_reps``). ``rotate``: round
+    r starts at case r (mod their count), so no case is always timed first (a probe saw the
+    first of two programs with equal HLO read 10 % slower: benchmarks/results/facade-tax)."""
+    for r in range(rounds):
+        start = r % len(cases) if rotate and cases else 0
+        for _, timed, per in cases[start:] + cases[:start]:
             for key, f, a, reps in timed:
                 per[key].append(seconds_per_call(f, *a, reps=reps))
     rows = []

@@ -137,7 +137,11 @@ class PersistentCache:
             parsed = msgspec.json.decode(data, type=_File)
             if parsed.format != _FORMAT:
                 raise ValueError(f"unknown format {parsed.format}")
-        except (msgspec.DecodeError, ValueError) as e:
+        except (
+            msgspec.DecodeError,
+            ValueError,
+            RecursionError,
+        ) as e:  # deep nesting: RecursionError
             aside = self.path.with_name(
                 f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             )

@@ -18,12 +18,13 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 from ._cache import ConfigCache, active_overlays
 from ._kernel import Invocation
-from ._persistent import PersistentCache
+from ._persistent import CacheWarning, PersistentCache
 from ._tuning import tune_invocation
 
 __all__ = [
@@ -172,7 +173,7 @@ class ConfigSelectorChain:
         if self.persistent is not None:
             if inv.kernel.config_type is not None:
                 self.persistent.register(inv.kernel.config_type)
-            cfg = self.persistent.get(key)
+            cfg = _persistent_get(self.persistent, key)
             if cfg is not None:
                 self.cache.put(key, cfg)
                 return Selection(cfg, "persistent")
@@ -240,3 +241,15 @@ class ConfigSelectorChain:
                 f"kernel {inv.kernel.name!r}: {where} returned a {type(cfg).__name__}, "
                 f"not its config_type {ctype.__name__}"
             )
+
+
+def _persistent_get(persistent: PersistentCache, key: str) -> Any:
+    try:
+        return persistent.get(key)
+    except Exception as e:  # the cache only saves time: its failure must never fail a call
+        warnings.warn(
+            f"config cache {persistent.path} failed ({type(e).__name__}: {e}); choosing without it",
+            CacheWarning,
+            stacklevel=5,
+        )
+        return None

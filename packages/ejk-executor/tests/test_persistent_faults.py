@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from ejk_config import FwdParams
 from ejk_executor import CacheWarning, ConfigSelectorChain, Executor, PersistentCache
 
 _DEEP = b"[" * 1000 + b"]" * 1000
@@ -38,3 +47,90 @@ def test_any_failure_of_the_persistent_cache_becomes_a_warning(tmp_path, mat_ker
     a, b = _ab()
     with pytest.warns(CacheWarning, match="disk on fire"):
         assert ex.choose(mat_kernel, a, b).source == "heuristic"
+
+
+def _make(kind, path):
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    else:  # one byte over the documented 64 MB limit (sparse: no disk used)
+        with open(path, "wb") as f:
+            f.truncate(64 * 2**20 + 1)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "oversize"])
+def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
+    path = tmp_path / "c.json"
+    _make(kind, path)
+    before = os.lstat(path)
+    cache = PersistentCache(path)
+    done = {}
+
+    def work():
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            done["got"] = cache.get("k")
+            cache.put("k", FwdParams(num_warps=2))
+        done["warnings"] = [str(w.message) for w in record]
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive() and kind == "fifo":  # release the reader blocked in open()
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert not worker.is_alive(), f"the cache hung on a {kind}"
+    assert done["got"] is None and cache.memory_only
+    (message,) = done["warnings"]
+    assert "leaving it alone" in message and str(path) in message
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_size) == (
+        before.st_ino,
+        before.st_mode,
+        before.st_size,
+    )
+    assert cache.get("k") == FwdParams(num_warps=2)  # kept in memory
+
+
+def _drop_root_override():
+    """The argv prefix that runs a command as root without the file-permission override."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed: cannot drop root's permission override")
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv cannot drop CAP_DAC_OVERRIDE here (no CAP_SETPCAP?)")
+    return prefix
+
+
+_UNREADABLE = textwrap.dedent(
+    """
+    import sys, warnings
+    from ejk_config import FwdParams
+    from ejk_executor import PersistentCache
+    cache = PersistentCache(sys.argv[1])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert cache.get("k0") is None
+        cache.put("new", FwdParams(num_warps=8))
+    assert cache.memory_only and cache.get("new") == FwdParams(num_warps=8)
+    print([str(w.message) for w in record])
+    """
+)
+
+
+def test_an_unreadable_file_is_left_alone(tmp_path):
+    prefix = _drop_root_override()
+    path = tmp_path / "c.json"
+    owner = PersistentCache(path)
+    for i in range(5):
+        owner.put(f"k{i}", FwdParams(num_stages=i + 1))
+    before = path.read_bytes()
+    path.chmod(0)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)  # another user's file, as in the report
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", _UNREADABLE, str(path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "leaving it alone" in proc.stdout and "Permission denied" in proc.stdout
+    assert path.read_bytes() == before  # all 5 entries kept

@@ -28,6 +28,8 @@ import msgspec
 
 from ejk_config import BwdParams, FwdParams
 
+from ._files import Identity, identity, read_regular
+
 __all__ = ["CacheWarning", "PersistentCache", "config_type_name", "default_cache_dir"]
 
 ENV_VAR = "EJK_CACHE_DIR"
@@ -87,7 +89,7 @@ class PersistentCache:
             self.register(cls)
         self._raw: dict[str, _Entry] = {}
         self._decoded: dict[str, Any] = {}
-        self._stamp: tuple[int, int, int] | None = None  # (inode, mtime, size) last read
+        self._stamp: Identity | None = None  # of the file last read
         self._loaded = False
         self._memory_only = False
 
@@ -117,31 +119,26 @@ class PersistentCache:
 
     # reading
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
     def _read_file(self) -> dict[str, _Entry]:
-        """The entries on disk; a damaged file is moved aside (one warning) and counts as empty."""
+        """The entries on disk. A damaged file is moved aside (one warning) and counts as
+        empty; a file that cannot be read is left alone and the cache keeps to memory."""
         try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
+            found = read_regular(self.path)
+        except OSError as e:  # unreadable, a FIFO or device, too large: not ours to replace
+            self._memory_only = True
+            self._warn_once(
+                f"cannot read config cache {self.path} ({e}); leaving it alone and keeping "
+                "configs in memory only for this process"
+            )
             return {}
-        except OSError as e:
-            self._warn_once(f"cannot read config cache {self.path}: {e}; starting empty")
+        if found is None:
             return {}
+        data, _ = found
         try:
             parsed = msgspec.json.decode(data, type=_File)
             if parsed.format != _FORMAT:
                 raise ValueError(f"unknown format {parsed.format}")
-        except (
-            msgspec.DecodeError,
-            ValueError,
-            RecursionError,
-        ) as e:  # deep nesting: RecursionError
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:  # deep nesting: Recursion
             aside = self.path.with_name(
                 f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             )
@@ -159,7 +156,7 @@ class PersistentCache:
         return parsed.entries
 
     def _refresh(self, force: bool = False) -> None:
-        stamp = self._stat()
+        stamp = identity(self.path)
         if self._loaded and not force and stamp == self._stamp:
             return
         entries = self._read_file() if stamp is not None else {}
@@ -284,6 +281,8 @@ class PersistentCache:
         lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)
         with lock:
             self._refresh(force=True)
+            if self._memory_only:  # the file could not be read: never replace what was not merged
+                return
             self._raw.update(new)
             payload = msgspec.json.encode(
                 _File(_FORMAT, dict(sorted(self._raw.items()))), order="deterministic"
@@ -299,7 +298,7 @@ class PersistentCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            self._stamp = self._stat()
+            self._stamp = identity(self.path)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned_read:

@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import pytest
 
 from ejk_config import FwdParams
@@ -134,3 +135,29 @@ def test_an_unreadable_file_is_left_alone(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "leaving it alone" in proc.stdout and "Permission denied" in proc.stdout
     assert path.read_bytes() == before  # all 5 entries kept
+
+
+def test_a_reader_moves_aside_only_the_damaged_bytes_it_read(tmp_path, monkeypatch):
+    """A writer replaces a damaged file between a reader's read and its move aside: the
+    reader must not move the writer's valid file (and its confirmed entry) away."""
+    path = tmp_path / "c.json"
+    path.write_bytes(b"damaged")
+    reader, writer = PersistentCache(path), PersistentCache(path)
+    decode = msgspec.json.decode
+    raced = []
+
+    def decode_then_race(data, **kw):
+        if data == b"damaged" and not raced:
+            raced.append(True)
+            writer.put("confirmed", FwdParams(num_warps=8))  # finds the damage too, rewrites
+        return decode(data, **kw)
+
+    monkeypatch.setattr(msgspec.json, "decode", decode_then_race)
+    with pytest.warns(CacheWarning, match="is damaged"):
+        reader.get("other")
+    monkeypatch.undo()
+    assert raced
+    assert PersistentCache(path).get("confirmed") == FwdParams(num_warps=8)
+    assert reader.get("confirmed") == FwdParams(num_warps=8)
+    (aside,) = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert aside.read_bytes() == b"damaged"

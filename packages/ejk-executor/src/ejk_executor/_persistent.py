@@ -83,6 +83,8 @@ class PersistentCache:
         p = Path(path).expanduser()
         self.path = p if p.suffix == ".json" else p / FILE_NAME
         self._lock = threading.RLock()
+        # one lock object per cache: re-entered when a write finds damage to move aside
+        self._file_lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)
         self._types: dict[str, type] = {}
         self._warned_read = False
         for cls in (FwdParams, BwdParams, *types):
@@ -133,27 +135,36 @@ class PersistentCache:
             return {}
         if found is None:
             return {}
-        data, _ = found
+        data, read = found
         try:
             parsed = msgspec.json.decode(data, type=_File)
             if parsed.format != _FORMAT:
                 raise ValueError(f"unknown format {parsed.format}")
         except (msgspec.DecodeError, ValueError, RecursionError) as e:  # deep nesting: Recursion
-            aside = self.path.with_name(
-                f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            )
-            try:
-                os.replace(self.path, aside)
-                where = f"moved to {aside}"
-            except OSError:
-                where = "left in place"
-            warnings.warn(
-                f"config cache {self.path} is damaged ({e}); {where}, starting empty",
-                CacheWarning,
-                stacklevel=4,
-            )
+            where = self._move_aside(read)
+            if where is not None:
+                warnings.warn(
+                    f"config cache {self.path} is damaged ({e}); {where}, starting empty",
+                    CacheWarning,
+                    stacklevel=4,
+                )
             return {}
         return parsed.entries
+
+    def _move_aside(self, read: Identity) -> str | None:
+        """Move the damaged file aside under the file lock if it is still the file that was
+        read; None if another process replaced it meanwhile (its file is read next)."""
+        aside = self.path.with_name(
+            f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        )
+        try:
+            with self._file_lock:
+                if identity(self.path) != read:
+                    return None
+                os.replace(self.path, aside)
+        except OSError:  # no lock (read-only folder, timeout) or no rename: keep it
+            return "left in place"
+        return f"moved to {aside}"
 
     def _refresh(self, force: bool = False) -> None:
         stamp = identity(self.path)
@@ -264,7 +275,7 @@ class PersistentCache:
             if self._memory_only or not self.path.exists():
                 return
             try:
-                with filelock.FileLock(str(self.path) + ".lock", timeout=60):
+                with self._file_lock:
                     self.path.unlink(missing_ok=True)
                     self._stamp = None
             except OSError as e:
@@ -278,8 +289,7 @@ class PersistentCache:
 
     def _write(self, new: dict[str, _Entry]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)
-        with lock:
+        with self._file_lock:
             self._refresh(force=True)
             if self._memory_only:  # the file could not be read: never replace what was not merged
                 return

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import jax
@@ -161,3 +163,19 @@ def test_a_reader_moves_aside_only_the_damaged_bytes_it_read(tmp_path, monkeypat
     assert reader.get("confirmed") == FwdParams(num_warps=8)
     (aside,) = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
     assert aside.read_bytes() == b"damaged"
+
+
+def test_stale_temp_files_of_killed_writers_are_removed_at_the_next_write(tmp_path):
+    cache = PersistentCache(tmp_path / "c.json")
+    stale, fresh, held = (tmp_path / f"c.json{name}.tmp" for name in ("abc", "def", "ghi"))
+    for tmp in (stale, fresh, held):
+        tmp.write_bytes(b'{"format": 1, "entr')  # a writer killed mid-write
+    old = time.time() - 120
+    for tmp in (stale, held):
+        os.utime(tmp, (old, old))
+    with open(held, "rb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live (if slow) writer still holds it
+        cache.put("k", FwdParams(num_warps=2))
+    assert not stale.exists()
+    assert fresh.exists() and held.exists()
+    assert PersistentCache(tmp_path / "c.json").get("k") == FwdParams(num_warps=2)

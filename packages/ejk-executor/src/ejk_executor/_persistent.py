@@ -14,9 +14,7 @@ cache into a memory-only one, with one warning.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -28,7 +26,7 @@ import msgspec
 
 from ejk_config import BwdParams, FwdParams
 
-from ._files import Identity, identity, read_regular
+from ._files import Identity, identity, read_regular, remove_stale_temps, write_atomic
 
 __all__ = ["CacheWarning", "PersistentCache", "config_type_name", "default_cache_dir"]
 
@@ -297,17 +295,8 @@ class PersistentCache:
             payload = msgspec.json.encode(
                 _File(_FORMAT, dict(sorted(self._raw.items()))), order="deterministic"
             )
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(payload)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            remove_stale_temps(self.path)
+            write_atomic(self.path, lambda f: f.write(payload))
             self._stamp = identity(self.path)
 
     def _warn_once(self, message: str) -> None:

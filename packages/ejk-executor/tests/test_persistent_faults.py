@@ -179,3 +179,42 @@ def test_stale_temp_files_of_killed_writers_are_removed_at_the_next_write(tmp_pa
     assert not stale.exists()
     assert fresh.exists() and held.exists()
     assert PersistentCache(tmp_path / "c.json").get("k") == FwdParams(num_warps=2)
+
+
+def _stored(tmp_path, kernel, kernels, cfg):
+    """A chain whose persistent cache holds ``cfg`` for ``kernel(a, b)`` (as a crafted file would)."""
+    persistent = PersistentCache(tmp_path, types=(kernels["MatCfg"],))
+    ex = Executor(ConfigSelectorChain(persistent=persistent))
+    persistent.put(ex.invocation(kernel, *_ab()).call_key, cfg)
+    return ex
+
+
+def test_a_cached_config_outside_the_kernels_bounds_is_dropped(tmp_path, kernels):
+    class Bounded(kernels["MatKernel"]):
+        def cached_cfg_problem(self, inv, cfg):
+            return None if cfg.block <= 128 else f"block={cfg.block} exceeds 128"
+
+    kernel = Bounded()
+    ex = _stored(tmp_path, kernel, kernels, kernels["MatCfg"](block=2**40))
+    with pytest.warns(CacheWarning, match=r"block=1099511627776 exceeds 128; choosing another"):
+        assert ex.choose(kernel, *_ab()) == (kernels["MatCfg"](block=16), "heuristic")
+    assert len(PersistentCache(tmp_path)) == 0  # dropped on disk too
+
+
+def test_a_cached_config_that_fails_at_launch_falls_back_to_the_heuristic(tmp_path, kernels):
+    class Fragile(kernels["MatKernel"]):
+        def run(self, a, b, *, cfg, scale=1.0):
+            if cfg.block == 13:
+                raise RuntimeError("out of shared memory")
+            return super().run(a, b, cfg=cfg, scale=scale)
+
+    kernel = Fragile()
+    ex = _stored(tmp_path, kernel, kernels, kernels["MatCfg"](block=13))
+    with pytest.warns(CacheWarning, match="failed at launch.*out of shared memory"):
+        out = ex(kernel, *_ab())
+    assert jnp.allclose(out, _ab()[0] @ _ab()[1])
+    assert ex.choose(kernel, *_ab()) == (kernels["MatCfg"](block=16), "memory")
+    assert len(PersistentCache(tmp_path)) == 0
+    # a failure of a config that did not come from disk is the caller's to see
+    with pytest.raises(RuntimeError, match="out of shared memory"):
+        ex(kernel, *_ab(), cfg=kernels["MatCfg"](block=13))

@@ -254,16 +254,15 @@ class PersistentCache:
             self._raw[key] = entry
             self._decoded[key] = cfg
             if not self._memory_only:
-                try:
-                    self._write({key: entry})
-                except OSError as e:
-                    self._memory_only = True
-                    warnings.warn(
-                        f"cannot write config cache {self.path} ({e}); keeping configs in "
-                        "memory only for this process",
-                        CacheWarning,
-                        stacklevel=2,
-                    )
+                self._store({key: entry})
+
+    def discard(self, key: str) -> None:
+        """Remove ``key``'s entry, in memory and on disk (merged under the lock, like ``put``)."""
+        with self._lock:
+            self._raw.pop(key, None)
+            self._decoded.pop(key, None)
+            if not self._memory_only and self.path.exists():
+                self._store({}, drop=key)
 
     def clear(self) -> None:
         """Remove every entry, in memory and on disk (the file is deleted under the lock)."""
@@ -285,13 +284,27 @@ class PersistentCache:
                     stacklevel=2,
                 )
 
-    def _write(self, new: dict[str, _Entry]) -> None:
+    def _store(self, new: dict[str, _Entry], drop: str | None = None) -> None:
+        try:
+            self._write(new, drop)
+        except OSError as e:
+            self._memory_only = True
+            warnings.warn(
+                f"cannot write config cache {self.path} ({e}); keeping configs in "
+                "memory only for this process",
+                CacheWarning,
+                stacklevel=3,
+            )
+
+    def _write(self, new: dict[str, _Entry], drop: str | None = None) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._file_lock:
             self._refresh(force=True)
             if self._memory_only:  # the file could not be read: never replace what was not merged
                 return
             self._raw.update(new)
+            if drop is not None:
+                self._raw.pop(drop, None)
             payload = msgspec.json.encode(
                 _File(_FORMAT, dict(sorted(self._raw.items()))), order="deterministic"
             )

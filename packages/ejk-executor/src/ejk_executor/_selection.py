@@ -175,9 +175,32 @@ class ConfigSelectorChain:
                 self.persistent.register(inv.kernel.config_type)
             cfg = _persistent_get(self.persistent, key)
             if cfg is not None:
-                self.cache.put(key, cfg)
-                return Selection(cfg, "persistent")
+                problem = _cached_cfg_problem(inv, cfg)
+                if problem is None:
+                    self.cache.put(key, cfg)
+                    return Selection(cfg, "persistent")
+                self.drop_cached(inv, cfg, problem)
         return None
+
+    def drop_cached(self, inv: Invocation[Any, Any], cfg: Any, reason: str) -> bool:
+        """Forget ``cfg`` for ``inv`` (memory and persistent cache) if it came from the
+        persistent cache, with one `CacheWarning` giving ``reason``; whether it did.
+
+        Called when a config read from disk cannot run the call: the next choice is then
+        made without it (the heuristic, or autotuning).
+        """
+        key = inv.call_key
+        if self.persistent is None or _persistent_get(self.persistent, key) != cfg:
+            return False
+        warnings.warn(
+            f"config cache {self.persistent.path}: dropping the config of kernel "
+            f"{inv.kernel.name!r} stored for this call ({cfg!r}): {reason}; choosing another",
+            CacheWarning,
+            stacklevel=3,
+        )
+        self.cache.discard(key)
+        self.persistent.discard(key)
+        return True
 
     def choose(self, inv: Invocation[Any, Any], cfg: Any = None) -> Selection:
         """The config for ``inv``: ``cfg`` if given, else the first answer of the chain."""
@@ -253,3 +276,13 @@ def _persistent_get(persistent: PersistentCache, key: str) -> Any:
             stacklevel=5,
         )
         return None
+
+
+def _cached_cfg_problem(inv: Invocation[Any, Any], cfg: Any) -> str | None:
+    ctype = inv.kernel.config_type
+    if ctype is not None and not isinstance(cfg, ctype):
+        return f"it is a {type(cfg).__name__}, not the kernel's config_type {ctype.__name__}"
+    try:
+        return inv.kernel.cached_cfg_problem(inv, cfg)
+    except Exception as e:  # a config that breaks the check itself cannot be trusted to run
+        return f"checking it raised {type(e).__name__}: {e}"

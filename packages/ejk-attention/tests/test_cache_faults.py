@@ -4,6 +4,10 @@ traceback, a false success or a renamed user file."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import subprocess
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ from ejk_attention._backends import BACKENDS, TritonBackend
 from ejk_attention._tuned import BackendChoice, backend_key, open_cache
 from ejk_attention.cli import main
 from ejk_config import device_fingerprint
-from ejk_executor import CacheWarning
+from ejk_executor import CacheWarning, PersistentCache
 from ejk_kernels_gpu import FlashConfig
 from ejk_sequtils import validate_attention
 
@@ -90,3 +94,73 @@ def test_a_stored_backend_choice_that_fails_gives_the_platforms_order(monkeypatc
         out = flash_attention(q, k, v)
     np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=0)
     assert key not in open_cache().keys()
+
+
+def _a_cache_with_entries(tmp_path, n=3):
+    cache_dir = tmp_path / "cache"
+    cache = PersistentCache(cache_dir, types=(BackendChoice,))
+    for i in range(n):
+        cache.put(f"key-{i:04d}-" + "x" * 200, BackendChoice("xla", float(i)))
+    return cache_dir
+
+
+def test_export_to_a_folder_that_cannot_be_written_fails_with_the_reason(tmp_path, capsys):
+    cache_dir = _a_cache_with_entries(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "out.json"  # its folder is a file: no write can succeed, even as root
+    assert main(["cache", "--cache-dir", str(cache_dir), "export", str(target)]) == 1
+    captured = capsys.readouterr()
+    assert "exported" not in captured.out
+    assert captured.err.startswith("ejk cache export: error: ") and "a-file" in captured.err
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs, filled up; skipped where it cannot be mounted."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: cannot make a full disk")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        with contextlib.suppress(OSError), open(mount / "filler", "wb") as f:
+            f.write(b"\0" * (64 * 1024))
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_export_to_a_full_disk_fails_with_the_reason(tmp_path, capsys, full_disk):
+    cache_dir = _a_cache_with_entries(tmp_path, n=50)
+    assert main(["cache", "--cache-dir", str(cache_dir), "export", str(full_disk / "x.json")]) == 1
+    captured = capsys.readouterr()
+    assert "exported" not in captured.out
+    assert "No space left on device" in captured.err
+    assert not (full_disk / "x.json").exists()
+
+
+def test_import_of_a_bad_file_fails_and_leaves_the_file_alone(tmp_path, capsys):
+    cache_dir = _a_cache_with_entries(tmp_path)
+    bad = tmp_path / "BAD.json"
+    bad.write_bytes(b'{"format": 1, "entries": {"k": ')
+    assert main(["cache", "--cache-dir", str(cache_dir), "import", str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"ejk cache import: error: {bad} is not a config cache file")
+    assert bad.read_bytes() == b'{"format": 1, "entries": {"k": '
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["BAD.json", "cache"]
+    assert len(PersistentCache(cache_dir)) == 3
+
+
+def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):
+    exported = tmp_path / "good.json"
+    PersistentCache(exported, types=(BackendChoice,)).put("k", BackendChoice("xla"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["cache", "--cache-dir", str(blocker / "cache"), "import", str(exported)]) == 1
+    captured = capsys.readouterr()
+    assert "imported" not in captured.out and "ejk cache import: error: " in captured.err

@@ -218,3 +218,15 @@ def test_a_cached_config_that_fails_at_launch_falls_back_to_the_heuristic(tmp_pa
     # a failure of a config that did not come from disk is the caller's to see
     with pytest.raises(RuntimeError, match="out of shared memory"):
         ex(kernel, *_ab(), cfg=kernels["MatCfg"](block=13))
+
+
+def test_a_strict_cache_raises_instead_of_warning_and_never_moves_a_file(tmp_path):
+    bad = tmp_path / "user.json"
+    bad.write_bytes(b"not json")
+    with pytest.raises(ValueError, match=r"user\.json is not a config cache file"):
+        PersistentCache(bad, strict=True).keys()
+    assert [p.name for p in tmp_path.iterdir()] == ["user.json"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(OSError):
+        PersistentCache(blocker / "x.json", strict=True).put("k", FwdParams())

@@ -489,15 +489,33 @@ def _cache(args: argparse.Namespace) -> int:
         open_cache(args.cache_dir, fresh=True)  # forget what this process had read
         console.print(f"removed {n} entries from {cache.path}")
         return 0
+    if args.action == "import" and not Path(args.path).exists():
+        console.print(f"no such file: {args.path}")
+        return 1
+    try:
+        copied, skipped, dst = _copy_entries(args, cache, cache_types())
+    except (OSError, ValueError) as err:  # the user's file is reported, never moved or renamed
+        return _fail(f"cache {args.action}", str(err))
+    console.print(
+        f"{args.action}ed {copied} entries into {dst.path}"
+        + (f" ({skipped} skipped: unknown config class)" if skipped else "")
+    )
+    return 0
+
+
+def _copy_entries(args: argparse.Namespace, cache: Any, types: tuple[type, ...]) -> Any:
+    """``ejk cache export``/``import``: copy every entry, ``(copied, skipped, destination)``.
+
+    Every file involved is opened strict: one that cannot be read or written raises
+    (OSError, ValueError) instead of warning, and a damaged one is never moved aside.
+    """
     from ejk_executor import PersistentCache
 
+    given = PersistentCache(Path(args.path), types=types, strict=True)
     if args.action == "export":
-        src, dst = cache, PersistentCache(Path(args.path), types=cache_types())
-    else:  # import
-        if not Path(args.path).exists():
-            console.print(f"no such file: {args.path}")
-            return 1
-        src, dst = PersistentCache(Path(args.path), types=cache_types()), cache
+        src, dst = cache, given
+    else:
+        src, dst = given, PersistentCache(cache.path, types=types, strict=True)
     copied = skipped = 0
     for key in src.keys():
         cfg = src.get(key)
@@ -506,11 +524,7 @@ def _cache(args: argparse.Namespace) -> int:
             continue
         dst.put(key, cfg)
         copied += 1
-    console.print(
-        f"{args.action}ed {copied} entries into {dst.path}"
-        + (f" ({skipped} skipped: unknown config class)" if skipped else "")
-    )
-    return 0
+    return copied, skipped, dst
 
 
 def _at_least(low: int) -> Any:

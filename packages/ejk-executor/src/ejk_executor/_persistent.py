@@ -71,9 +71,18 @@ class PersistentCache:
             `default_cache_dir`. Nothing is created before the first ``put``.
         types: config classes this cache may store (FwdParams and BwdParams
             always may); more can be added with ``register``.
+        strict: for a file the user names (``ejk cache import``/``export``): a file that
+            cannot be read raises OSError, a damaged one ValueError (it is never moved
+            aside), and a failed write raises OSError, instead of a warning and memory only.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, types: tuple[type, ...] = ()):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        types: tuple[type, ...] = (),
+        strict: bool = False,
+    ):
         if path is None:
             path = default_cache_dir()
         elif not isinstance(path, str | os.PathLike):
@@ -92,6 +101,7 @@ class PersistentCache:
         self._stamp: Identity | None = None  # of the file last read
         self._loaded = False
         self._memory_only = False
+        self._strict = strict
 
     def __repr__(self) -> str:
         mode = ", memory only" if self._memory_only else ""
@@ -125,6 +135,8 @@ class PersistentCache:
         try:
             found = read_regular(self.path)
         except OSError as e:  # unreadable, a FIFO or device, too large: not ours to replace
+            if self._strict:
+                raise
             self._memory_only = True
             self._warn_once(
                 f"cannot read config cache {self.path} ({e}); leaving it alone and keeping "
@@ -139,6 +151,8 @@ class PersistentCache:
             if parsed.format != _FORMAT:
                 raise ValueError(f"unknown format {parsed.format}")
         except (msgspec.DecodeError, ValueError, RecursionError) as e:  # deep nesting: Recursion
+            if self._strict:
+                raise ValueError(f"{self.path} is not a config cache file: {e}") from None
             where = self._move_aside(read)
             if where is not None:
                 warnings.warn(
@@ -246,6 +260,7 @@ class PersistentCache:
 
         Raises:
             TypeError: if ``cfg``'s class is not registered or does not round-trip.
+            OSError: a strict cache could not write (others warn and keep to memory).
         """
         if not isinstance(key, str):
             raise TypeError(f"cache keys are str, got key={key!r}")
@@ -288,6 +303,8 @@ class PersistentCache:
         try:
             self._write(new, drop)
         except OSError as e:
+            if self._strict:
+                raise
             self._memory_only = True
             warnings.warn(
                 f"cannot write config cache {self.path} ({e}); keeping configs in "

@@ -5,6 +5,8 @@ traceback, a false success or a renamed user file."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import shutil
 import subprocess
 
@@ -20,6 +22,18 @@ from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache
 from ejk_kernels_gpu import FlashConfig
 from ejk_sequtils import validate_attention
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if any case is run: the output folder is checked first."""
+    from ejk_attention import _bench
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a case ran before the output folder was checked")
+
+    monkeypatch.setattr(_bench, "run_all", refuse)
+
 
 _DEEP = b"[" * 1000 + b"]" * 1000
 
@@ -164,3 +178,47 @@ def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):
     assert main(["cache", "--cache-dir", str(blocker / "cache"), "import", str(exported)]) == 1
     captured = capsys.readouterr()
     assert "imported" not in captured.out and "ejk cache import: error: " in captured.err
+
+
+TINY = ["--shape", "1,32,48,4,2,16", "--iters", "1", "--warmup", "0", "--quiet", "--impl", "xla"]
+
+
+@pytest.mark.usefixtures("no_work")
+def test_bench_checks_its_output_folder_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", *TINY, "--out", str(blocker / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ejk bench: error: --out {blocker / 'out'}: cannot write there")
+    assert err.rstrip().endswith("nothing was run")
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "why"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), 1, "[Errno 28] No space left"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ],
+    ids=["disk-full", "sigint"],
+)
+def test_bench_never_leaves_a_partial_plot_or_one_of_another_run(
+    tmp_path, capsys, monkeypatch, fault, status, why
+):
+    from ejk_attention import cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.png").write_bytes(b"the previous run's plot")
+
+    def plot_then_fail(runs, title, target):
+        (target if hasattr(target, "write") else open(target, "wb")).write(b"\x89PNG partial")
+        raise fault
+
+    monkeypatch.setattr(cli, "_plot", plot_then_fail)
+    assert main(["bench", *TINY, "--out", str(out)]) == status
+    err = capsys.readouterr().err
+    assert f"complete in {out}: bench.json; not written ({why}" in err and err.rstrip().endswith(
+        "bench.png"
+    )
+    assert json.loads((out / "bench.json").read_text())["results"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json"]  # no partial or stale plot

@@ -7,9 +7,12 @@ Format (msgspec JSON, never pickle)::
 Every write takes a file lock beside the file, re-reads it, merges its own
 new entries in, writes a temporary file in the same directory and renames it
 over the old one, so readers never see half a file and concurrent writers lose
-nothing. A file that cannot be decoded is moved aside (``*.corrupt-*``) with one
-warning and the cache starts empty; a location that cannot be written turns the
-cache into a memory-only one, with one warning.
+nothing. A file that cannot be decoded is moved aside (``*.corrupt-*``) under
+the lock, if it is still the file that was read, with one warning, and the
+cache starts empty; a file that cannot be read (or is no regular file, or too
+large: `_files`) and a location that cannot be written turn the cache into a
+memory-only one, with one warning, and the file is left as it is. The table of
+promises is in the package README.
 """
 
 from __future__ import annotations

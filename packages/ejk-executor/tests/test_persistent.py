@@ -71,6 +71,10 @@ def test_unknown_type_fails_at_put(tmp_path):
     assert PersistentCache(tmp_path).get("k") is None
 
 
+# nested deeper than msgspec's recursion limit: RecursionError, not a DecodeError
+_DEEP = b"[" * 1000 + b"]" * 1000
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -78,8 +82,10 @@ def test_unknown_type_fails_at_put(tmp_path):
         b'{"format": 1, "entries": {"k": {"type": "x", "cf',
         b"\x00\xff garbage",
         b'{"format": 99, "entries": {}}',
+        b'{"format": 1, "entries": {"k": {"type": "x", "cfg": %s}}}' % _DEEP,
+        b'{"format": 1, "entries": {}, "extra": %s}' % _DEEP,
     ],
-    ids=["empty", "truncated", "binary", "future-format"],
+    ids=["empty", "truncated", "binary", "future-format", "deep-entry", "deep-extra"],
 )
 def test_damaged_file_is_moved_aside_once(tmp_path, damage):
     good = PersistentCache(tmp_path)

@@ -89,3 +89,18 @@ def test_no_heuristic_or_tuning_space_offers_the_racy_warp_specialised_backward(
             assert not cfg.warp_specialize, (head_dim, group)
         space = bwd_search_space(head_dim, 2, side_inputs=False)
         assert not any(c.warp_specialize for c in space), head_dim
+
+
+def test_a_config_from_disk_must_be_in_the_kernels_search_space(rng, make_inputs):
+    from ejk_executor import Invocation
+
+    q, k, v = make_inputs(rng, 1, 20, 24, 2, 1, 16, "float32")
+    for kernel, args in (
+        (FlashAttentionForward(), (q, k, v)),
+        (FlashAttentionBackward(), (q, k, v, q)),
+    ):
+        inv = Invocation.make(kernel, args, {"causal": True})
+        for cfg in kernel.config_space(inv):
+            assert kernel.cached_cfg_problem(inv, cfg) is None
+        huge = FlashConfig(block_q=2**40, block_k=64)
+        assert "not in its search space" in kernel.cached_cfg_problem(inv, huge)

@@ -113,6 +113,35 @@ class Backend:
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.run")
 
+    def run_configured(
+        self,
+        request: AttentionRequest | PagedAttentionRequest,
+        config: Any = None,
+        bwd_config: Any = None,
+    ) -> Any:
+        """``run`` with `choose_configs`' configs. A config the executor read from its
+        persistent cache that fails at launch is dropped there (one CacheWarning) and the
+        call runs again with the executor's next choice."""
+        configs = self.choose_configs(request, config, bwd_config)
+        try:
+            return self.run(request, *configs)
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            reason = f"it failed at launch ({type(err).__name__}: {err})"
+            invocations = self.invocations(request)
+            chain = kernel_executor().chooser
+            dropped = [
+                chain.drop_cached(invocations[part], chosen, reason)
+                for part, given, chosen in zip(
+                    ("forward", "backward"), (config, bwd_config), configs, strict=True
+                )
+                if given is None and part in invocations
+            ]
+            if not any(dropped):
+                raise
+        return self.run(request, *self.choose_configs(request, config, bwd_config))
+
 
 class XlaBackend(Backend):
     """The definition in plain jnp with its own VJP (`_xla`): every feature, every platform."""
@@ -389,8 +418,7 @@ def run_first(
         )
         if backend is not None and reason is None:
             try:
-                configs = backend.choose_configs(request, config, bwd_config)
-                return name, backend.run(request, *configs)
+                return name, backend.run_configured(request, config, bwd_config)
             except NotImplementedError as err:
                 reason = str(err)
         reasons.append(f"{name}: {reason}")

@@ -26,7 +26,7 @@ from ._backends import (
 from ._bias import hiding_bias
 from ._eager import run_compiled
 from ._sharding import inferred_mesh, sharded_call
-from ._tuned import tuned_backend
+from ._tuned import drop_tuned_backend, tuned_backend
 
 __all__ = ["flash_attention"]
 
@@ -37,11 +37,19 @@ SegmentIds = Int[AnyArray, "B T"] | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B
 def _compute(
     request: AttentionRequest, names: tuple[str, ...] | None, config: Any, bwd_config: Any
 ) -> Any:
-    if names is None:
-        names = default_order(platform_of(request))
-        tuned = tuned_backend(request)  # what `ejk tune` measured fastest here, if anything
-        if tuned is not None and tuned in IMPLEMENTATIONS:
-            names = (tuned, *(n for n in names if n != tuned))
+    if names is not None:
+        return run_first(request, names, config, bwd_config)[1]
+    names = default_order(platform_of(request))
+    tuned = tuned_backend(request)  # what `ejk tune` measured fastest here, if anything
+    if tuned is not None and tuned in IMPLEMENTATIONS:
+        try:
+            return run_first(request, (tuned,), config, bwd_config)[1]
+        except NotImplementedError:
+            pass  # it does not serve this call: the platform's order
+        except (
+            Exception
+        ) as err:  # a stored choice must never fail the call it was meant to speed up
+            drop_tuned_backend(request, f"{tuned} failed ({type(err).__name__}: {err})")
     return run_first(request, names, config, bwd_config)[1]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "PagedCase",
     "backend_key",
     "cache_types",
+    "drop_tuned_backend",
     "open_cache",
     "paged_case",
     "paged_request",
@@ -109,6 +111,21 @@ def tuned_backend(request: AttentionRequest) -> str | None:
         return None
     choice = open_cache().get(backend_key(request, device_fingerprint()))
     return choice.implementation if isinstance(choice, BackendChoice) else None
+
+
+def drop_tuned_backend(request: AttentionRequest, reason: str) -> None:
+    """Remove the stored backend choice for ``request`` (it failed), with one CacheWarning."""
+    from ejk_config import device_fingerprint
+    from ejk_executor import CacheWarning
+
+    cache = open_cache()
+    warnings.warn(
+        f"config cache {cache.path}: dropping the backend choice for this call: {reason}; "
+        "running the platform's order",
+        CacheWarning,
+        stacklevel=4,
+    )
+    cache.discard(backend_key(request, device_fingerprint()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ._backends import IMPLEMENTATIONS
 from ._bench import BASELINE, BENCH_IMPLEMENTATIONS, parse_case
@@ -93,7 +93,7 @@ def _results_table(rows: list[dict[str, Any]], title: str) -> Any:
 _PANELS = (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))
 
 
-def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path) -> None:
+def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path | BinaryIO) -> None:
     """Grouped bars of TFLOP/s per case and implementation, one bar per run beside the other.
 
     Drawn on matplotlib's Agg canvas (no pyplot, so no global backend is switched);
@@ -133,7 +133,7 @@ def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path) 
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=8)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
 
 
 def _machine() -> dict[str, Any]:
@@ -173,6 +173,10 @@ def _bench(args: argparse.Namespace) -> int:
         return _compare(args)
     from ._bench import bench_implementations, run_all
 
+    out = Path(args.out)
+    unwritable = _unwritable(out)
+    if unwritable:  # found before the run, not after it
+        return _fail("bench", f"--out {out}: {unwritable}; nothing was run")
     cases = _cases(args)
     impls = tuple(args.impl or bench_implementations())
     rows = run_all(
@@ -193,20 +197,65 @@ def _bench(args: argparse.Namespace) -> int:
             "bench", f"nothing was benchmarked, every case was refused ({reasons}); wrote nothing"
         )
     machine = _machine()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"machine": machine, "results": rows}, indent=2))
-    written = [out / "bench.json"]
+    report = json.dumps({"machine": machine, "results": rows}, indent=2).encode()
+    files = [("bench.json", lambda f: f.write(report))]
     if not args.no_plot:
-        _plot([("", rows)], _machine_title(machine), out / "bench.png")
-        written.append(out / "bench.png")
-    console.print("wrote " + ", ".join(str(p) for p in written))
+        files.append(("bench.png", lambda f: _plot([("", rows)], _machine_title(machine), f)))
+    status = _write_all(out, files)
+    if status is not None:
+        return status
+    console.print("wrote " + ", ".join(str(out / name) for name, _ in files))
     bad = [r for r in rows if r["status"] == "mismatch"]
     for r in bad:
         console.print(
             f"[red]MISMATCH[/red] {r['implementation']} on {r['case']}: max |err| {r['max_abs_err']:.3e}"
         )
     return 1 if bad else 0
+
+
+def _unwritable(out: Path) -> str | None:
+    """None if folder ``out`` can hold new files (or be made where it is missing), else why
+    not; it creates nothing, so a run that writes nothing leaves no folder behind."""
+    import tempfile
+
+    where = out
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if not where.is_dir():
+        return f"cannot write there ({where} is not a folder)"
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        return f"cannot write there ({err.strerror or err})"
+    return None
+
+
+def _write_all(out: Path, files: list[tuple[str, Any]]) -> int | None:
+    """Write each ``(name, write(file))`` into ``out`` atomically, in order; None when all
+    were written, else say which files are complete and return the exit status (1, or 130
+    when interrupted). A previous run's file this run did not replace is removed, so no
+    file of one run is left beside another run's."""
+    from ejk_executor import write_atomic
+
+    done: list[str] = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, write in files:
+            write_atomic(out / name, write)
+            done.append(name)
+    except (OSError, KeyboardInterrupt) as err:
+        missing = [name for name, _ in files if name not in done]
+        for name in missing:
+            (out / name).unlink(missing_ok=True)
+        interrupted = isinstance(err, KeyboardInterrupt)
+        _fail(
+            "bench",
+            f"complete in {out}: {', '.join(done) or 'nothing'}; not written "
+            f"({'interrupted' if interrupted else err}): {', '.join(missing)}",
+        )
+        return 130 if interrupted else 1
+    return None
 
 
 def _load_run(path: str) -> dict[str, Any]:
@@ -489,15 +538,33 @@ def _cache(args: argparse.Namespace) -> int:
         open_cache(args.cache_dir, fresh=True)  # forget what this process had read
         console.print(f"removed {n} entries from {cache.path}")
         return 0
+    if args.action == "import" and not Path(args.path).exists():
+        console.print(f"no such file: {args.path}")
+        return 1
+    try:
+        copied, skipped, dst = _copy_entries(args, cache, cache_types())
+    except (OSError, ValueError) as err:  # the user's file is reported, never moved or renamed
+        return _fail(f"cache {args.action}", str(err))
+    console.print(
+        f"{args.action}ed {copied} entries into {dst.path}"
+        + (f" ({skipped} skipped: unknown config class)" if skipped else "")
+    )
+    return 0
+
+
+def _copy_entries(args: argparse.Namespace, cache: Any, types: tuple[type, ...]) -> Any:
+    """``ejk cache export``/``import``: copy every entry, ``(copied, skipped, destination)``.
+
+    Every file involved is opened strict: one that cannot be read or written raises
+    (OSError, ValueError) instead of warning, and a damaged one is never moved aside.
+    """
     from ejk_executor import PersistentCache
 
+    given = PersistentCache(Path(args.path), types=types, strict=True)
     if args.action == "export":
-        src, dst = cache, PersistentCache(Path(args.path), types=cache_types())
-    else:  # import
-        if not Path(args.path).exists():
-            console.print(f"no such file: {args.path}")
-            return 1
-        src, dst = PersistentCache(Path(args.path), types=cache_types()), cache
+        src, dst = cache, given
+    else:
+        src, dst = given, PersistentCache(cache.path, types=types, strict=True)
     copied = skipped = 0
     for key in src.keys():
         cfg = src.get(key)
@@ -506,11 +573,7 @@ def _cache(args: argparse.Namespace) -> int:
             continue
         dst.put(key, cfg)
         copied += 1
-    console.print(
-        f"{args.action}ed {copied} entries into {dst.path}"
-        + (f" ({skipped} skipped: unknown config class)" if skipped else "")
-    )
-    return 0
+    return copied, skipped, dst
 
 
 def _at_least(low: int) -> Any:

@@ -5,6 +5,7 @@ from ._batch import vmap_with_config as vmap_with_config
 from ._cache import ConfigCache as ConfigCache
 from ._cache import overlay_cache as overlay_cache
 from ._executor import Executor as Executor
+from ._files import write_atomic as write_atomic
 from ._kernel import Invocation as Invocation
 from ._kernel import Kernel as Kernel
 from ._kernel import default_key_builder_with_sharding as default_key_builder_with_sharding
@@ -60,4 +61,5 @@ __all__ = [
     "sharding_fingerprint",
     "timer",
     "vmap_with_config",
+    "write_atomic",
 ]

@@ -38,6 +38,12 @@ class ConfigCache:
             self._data[key] = cfg
             self.version += 1
 
+    def discard(self, key: str) -> None:
+        """Remove ``key``'s entry, if any."""
+        with self._lock:
+            if self._data.pop(key, None) is not None:
+                self.version += 1
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._data

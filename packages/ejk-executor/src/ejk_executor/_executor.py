@@ -80,15 +80,29 @@ class Executor:
         inv = Invocation.make(kernel, args, kwargs)
         if self.record:
             record_invocation(kernel, inv)
-        chosen = self.chooser.choose(inv, cfg).cfg
-        fn = self._body(inv, chosen)
+        fn, out = self._run(inv, self.chooser.choose(inv, cfg), [leaves[i] for i in dyn_index])
         if fast is not None:
             with self._lock:
                 if len(self._fast) >= _FAST_MAX:  # e.g. NaN statics never hit: stay bounded
                     self._fast.clear()
                 cache = self.chooser.cache
                 self._fast[fast[0]] = (cache, cache.version, fn)
-        return fn(*[leaves[i] for i in dyn_index])
+        return out
+
+    def _run(self, inv: Invocation[Any, Any], chosen: Selection, dyn: list[Any]) -> tuple[Any, Any]:
+        """``(body, output)`` of ``inv`` run with ``chosen``; a config from the persistent
+        cache that fails at launch is dropped (one CacheWarning) and the next choice runs."""
+        fn = self._body(inv, chosen.cfg)
+        try:
+            return fn, fn(*dyn)
+        except Exception as e:
+            reason = f"it failed at launch ({type(e).__name__}: {e})"
+            if chosen.source != "persistent" or not self.chooser.drop_cached(
+                inv, chosen.cfg, reason
+            ):
+                raise
+        fn = self._body(inv, self.chooser.choose(inv).cfg)
+        return fn, fn(*dyn)
 
     def _body(self, inv: Invocation[Any, Any], cfg: Any) -> Any:
         kernel = inv.kernel

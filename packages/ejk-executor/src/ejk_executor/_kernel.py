@@ -88,6 +88,16 @@ class Kernel(Generic[Cfg, Out]):
         """The candidate configs the autotuner times (default: the heuristic config)."""
         return [self.heuristic_cfg(inv)]
 
+    def cached_cfg_problem(self, inv: Invocation[Cfg, Out], cfg: Cfg) -> str | None:
+        """None if ``cfg``, read from the persistent cache, may run ``inv``; else why not.
+
+        A file on disk can hold any config of ``config_type``: a kernel whose configs
+        can exceed what runs (tile sizes, shared memory) checks them against its own
+        bounds here. Default: every config may run.
+        """
+        del inv, cfg
+        return None
+
     # The methods below are used by the executor; subclasses rarely override them.
 
     def method(self, base: str, platform: str) -> Callable[..., Any] | None:

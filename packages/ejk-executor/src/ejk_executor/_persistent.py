@@ -7,16 +7,17 @@ Format (msgspec JSON, never pickle)::
 Every write takes a file lock beside the file, re-reads it, merges its own
 new entries in, writes a temporary file in the same directory and renames it
 over the old one, so readers never see half a file and concurrent writers lose
-nothing. A file that cannot be decoded is moved aside (``*.corrupt-*``) with one
-warning and the cache starts empty; a location that cannot be written turns the
-cache into a memory-only one, with one warning.
+nothing. A file that cannot be decoded is moved aside (``*.corrupt-*``) under
+the lock, if it is still the file that was read, with one warning, and the
+cache starts empty; a file that cannot be read (or is no regular file, or too
+large: `_files`) and a location that cannot be written turn the cache into a
+memory-only one, with one warning, and the file is left as it is. The table of
+promises is in the package README.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -27,6 +28,8 @@ import filelock
 import msgspec
 
 from ejk_config import BwdParams, FwdParams
+
+from ._files import Identity, identity, read_regular, remove_stale_temps, write_atomic
 
 __all__ = ["CacheWarning", "PersistentCache", "config_type_name", "default_cache_dir"]
 
@@ -71,9 +74,18 @@ class PersistentCache:
             `default_cache_dir`. Nothing is created before the first ``put``.
         types: config classes this cache may store (FwdParams and BwdParams
             always may); more can be added with ``register``.
+        strict: for a file the user names (``ejk cache import``/``export``): a file that
+            cannot be read raises OSError, a damaged one ValueError (it is never moved
+            aside), and a failed write raises OSError, instead of a warning and memory only.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, types: tuple[type, ...] = ()):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        types: tuple[type, ...] = (),
+        strict: bool = False,
+    ):
         if path is None:
             path = default_cache_dir()
         elif not isinstance(path, str | os.PathLike):
@@ -81,15 +93,18 @@ class PersistentCache:
         p = Path(path).expanduser()
         self.path = p if p.suffix == ".json" else p / FILE_NAME
         self._lock = threading.RLock()
+        # one lock object per cache: re-entered when a write finds damage to move aside
+        self._file_lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)
         self._types: dict[str, type] = {}
         self._warned_read = False
         for cls in (FwdParams, BwdParams, *types):
             self.register(cls)
         self._raw: dict[str, _Entry] = {}
         self._decoded: dict[str, Any] = {}
-        self._stamp: tuple[int, int, int] | None = None  # (inode, mtime, size) last read
+        self._stamp: Identity | None = None  # of the file last read
         self._loaded = False
         self._memory_only = False
+        self._strict = strict
 
     def __repr__(self) -> str:
         mode = ", memory only" if self._memory_only else ""
@@ -117,45 +132,57 @@ class PersistentCache:
 
     # reading
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
     def _read_file(self) -> dict[str, _Entry]:
-        """The entries on disk; a damaged file is moved aside (one warning) and counts as empty."""
+        """The entries on disk. A damaged file is moved aside (one warning) and counts as
+        empty; a file that cannot be read is left alone and the cache keeps to memory."""
         try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
+            found = read_regular(self.path)
+        except OSError as e:  # unreadable, a FIFO or device, too large: not ours to replace
+            if self._strict:
+                raise
+            self._memory_only = True
+            self._warn_once(
+                f"cannot read config cache {self.path} ({e}); leaving it alone and keeping "
+                "configs in memory only for this process"
+            )
             return {}
-        except OSError as e:
-            self._warn_once(f"cannot read config cache {self.path}: {e}; starting empty")
+        if found is None:
             return {}
+        data, read = found
         try:
             parsed = msgspec.json.decode(data, type=_File)
             if parsed.format != _FORMAT:
                 raise ValueError(f"unknown format {parsed.format}")
-        except (msgspec.DecodeError, ValueError) as e:
-            aside = self.path.with_name(
-                f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            )
-            try:
-                os.replace(self.path, aside)
-                where = f"moved to {aside}"
-            except OSError:
-                where = "left in place"
-            warnings.warn(
-                f"config cache {self.path} is damaged ({e}); {where}, starting empty",
-                CacheWarning,
-                stacklevel=4,
-            )
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:  # deep nesting: Recursion
+            if self._strict:
+                raise ValueError(f"{self.path} is not a config cache file: {e}") from None
+            where = self._move_aside(read)
+            if where is not None:
+                warnings.warn(
+                    f"config cache {self.path} is damaged ({e}); {where}, starting empty",
+                    CacheWarning,
+                    stacklevel=4,
+                )
             return {}
         return parsed.entries
 
+    def _move_aside(self, read: Identity) -> str | None:
+        """Move the damaged file aside under the file lock if it is still the file that was
+        read; None if another process replaced it meanwhile (its file is read next)."""
+        aside = self.path.with_name(
+            f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        )
+        try:
+            with self._file_lock:
+                if identity(self.path) != read:
+                    return None
+                os.replace(self.path, aside)
+        except OSError:  # no lock (read-only folder, timeout) or no rename: keep it
+            return "left in place"
+        return f"moved to {aside}"
+
     def _refresh(self, force: bool = False) -> None:
-        stamp = self._stat()
+        stamp = identity(self.path)
         if self._loaded and not force and stamp == self._stamp:
             return
         entries = self._read_file() if stamp is not None else {}
@@ -236,6 +263,7 @@ class PersistentCache:
 
         Raises:
             TypeError: if ``cfg``'s class is not registered or does not round-trip.
+            OSError: a strict cache could not write (others warn and keep to memory).
         """
         if not isinstance(key, str):
             raise TypeError(f"cache keys are str, got key={key!r}")
@@ -244,16 +272,15 @@ class PersistentCache:
             self._raw[key] = entry
             self._decoded[key] = cfg
             if not self._memory_only:
-                try:
-                    self._write({key: entry})
-                except OSError as e:
-                    self._memory_only = True
-                    warnings.warn(
-                        f"cannot write config cache {self.path} ({e}); keeping configs in "
-                        "memory only for this process",
-                        CacheWarning,
-                        stacklevel=2,
-                    )
+                self._store({key: entry})
+
+    def discard(self, key: str) -> None:
+        """Remove ``key``'s entry, in memory and on disk (merged under the lock, like ``put``)."""
+        with self._lock:
+            self._raw.pop(key, None)
+            self._decoded.pop(key, None)
+            if not self._memory_only and self.path.exists():
+                self._store({}, drop=key)
 
     def clear(self) -> None:
         """Remove every entry, in memory and on disk (the file is deleted under the lock)."""
@@ -263,7 +290,7 @@ class PersistentCache:
             if self._memory_only or not self.path.exists():
                 return
             try:
-                with filelock.FileLock(str(self.path) + ".lock", timeout=60):
+                with self._file_lock:
                     self.path.unlink(missing_ok=True)
                     self._stamp = None
             except OSError as e:
@@ -275,27 +302,35 @@ class PersistentCache:
                     stacklevel=2,
                 )
 
-    def _write(self, new: dict[str, _Entry]) -> None:
+    def _store(self, new: dict[str, _Entry], drop: str | None = None) -> None:
+        try:
+            self._write(new, drop)
+        except OSError as e:
+            if self._strict:
+                raise
+            self._memory_only = True
+            warnings.warn(
+                f"cannot write config cache {self.path} ({e}); keeping configs in "
+                "memory only for this process",
+                CacheWarning,
+                stacklevel=3,
+            )
+
+    def _write(self, new: dict[str, _Entry], drop: str | None = None) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(self.path) + ".lock", timeout=60)
-        with lock:
+        with self._file_lock:
             self._refresh(force=True)
+            if self._memory_only:  # the file could not be read: never replace what was not merged
+                return
             self._raw.update(new)
+            if drop is not None:
+                self._raw.pop(drop, None)
             payload = msgspec.json.encode(
                 _File(_FORMAT, dict(sorted(self._raw.items()))), order="deterministic"
             )
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(payload)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            self._stamp = self._stat()
+            remove_stale_temps(self.path)
+            write_atomic(self.path, lambda f: f.write(payload))
+            self._stamp = identity(self.path)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned_read:

@@ -18,12 +18,13 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 from ._cache import ConfigCache, active_overlays
 from ._kernel import Invocation
-from ._persistent import PersistentCache
+from ._persistent import CacheWarning, PersistentCache
 from ._tuning import tune_invocation
 
 __all__ = [
@@ -172,11 +173,34 @@ class ConfigSelectorChain:
         if self.persistent is not None:
             if inv.kernel.config_type is not None:
                 self.persistent.register(inv.kernel.config_type)
-            cfg = self.persistent.get(key)
+            cfg = _persistent_get(self.persistent, key)
             if cfg is not None:
-                self.cache.put(key, cfg)
-                return Selection(cfg, "persistent")
+                problem = _cached_cfg_problem(inv, cfg)
+                if problem is None:
+                    self.cache.put(key, cfg)
+                    return Selection(cfg, "persistent")
+                self.drop_cached(inv, cfg, problem)
         return None
+
+    def drop_cached(self, inv: Invocation[Any, Any], cfg: Any, reason: str) -> bool:
+        """Forget ``cfg`` for ``inv`` (memory and persistent cache) if it came from the
+        persistent cache, with one `CacheWarning` giving ``reason``; whether it did.
+
+        Called when a config read from disk cannot run the call: the next choice is then
+        made without it (the heuristic, or autotuning).
+        """
+        key = inv.call_key
+        if self.persistent is None or _persistent_get(self.persistent, key) != cfg:
+            return False
+        warnings.warn(
+            f"config cache {self.persistent.path}: dropping the config of kernel "
+            f"{inv.kernel.name!r} stored for this call ({cfg!r}): {reason}; choosing another",
+            CacheWarning,
+            stacklevel=3,
+        )
+        self.cache.discard(key)
+        self.persistent.discard(key)
+        return True
 
     def choose(self, inv: Invocation[Any, Any], cfg: Any = None) -> Selection:
         """The config for ``inv``: ``cfg`` if given, else the first answer of the chain."""
@@ -240,3 +264,25 @@ class ConfigSelectorChain:
                 f"kernel {inv.kernel.name!r}: {where} returned a {type(cfg).__name__}, "
                 f"not its config_type {ctype.__name__}"
             )
+
+
+def _persistent_get(persistent: PersistentCache, key: str) -> Any:
+    try:
+        return persistent.get(key)
+    except Exception as e:  # the cache only saves time: its failure must never fail a call
+        warnings.warn(
+            f"config cache {persistent.path} failed ({type(e).__name__}: {e}); choosing without it",
+            CacheWarning,
+            stacklevel=5,
+        )
+        return None
+
+
+def _cached_cfg_problem(inv: Invocation[Any, Any], cfg: Any) -> str | None:
+    ctype = inv.kernel.config_type
+    if ctype is not None and not isinstance(cfg, ctype):
+        return f"it is a {type(cfg).__name__}, not the kernel's config_type {ctype.__name__}"
+    try:
+        return inv.kernel.cached_cfg_problem(inv, cfg)
+    except Exception as e:  # a config that breaks the check itself cannot be trusted to run
+        return f"checking it raised {type(e).__name__}: {e}"

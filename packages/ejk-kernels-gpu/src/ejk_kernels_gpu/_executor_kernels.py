@@ -88,6 +88,9 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
             soft_cap=inv.kwargs.get("logits_soft_cap") is not None,
         )  # fmt: skip
 
+    def cached_cfg_problem(self, inv: Invocation[FlashConfig, Any], cfg: FlashConfig) -> str | None:
+        return _outside_space(self, inv, cfg)
+
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):
     """Gradients of ``sum(flash_attention(...) * d_out)`` w.r.t. q, k, v, timed per backward config.
@@ -118,6 +121,19 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         return bwd_search_space(
             *_shape_info(inv, 4), gluon=gluon, soft_cap=opts.soft_cap > 0.0, tables=opts.tabled()
         )
+
+    def cached_cfg_problem(self, inv: Invocation[FlashConfig, Any], cfg: FlashConfig) -> str | None:
+        return _outside_space(self, inv, cfg)
+
+
+def _outside_space(
+    kernel: Kernel[FlashConfig, Any], inv: Invocation[FlashConfig, Any], cfg: FlashConfig
+) -> str | None:
+    """None if ``cfg`` is one the autotuner could have stored for ``inv`` (its search space:
+    the tiles the kernel offers, pruned to what fits in shared memory); else why not."""
+    if cfg in list(kernel.config_space(inv)):
+        return None
+    return f"{cfg!r} is not in its search space for this call ({kernel.name})"
 
 
 def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:

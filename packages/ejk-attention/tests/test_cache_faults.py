@@ -1,0 +1,224 @@
+"""Faults of the config cache and of the CLI's files: a call never fails because of what the
+cache holds; ``ejk cache`` and ``ejk bench --out`` give a reason and a non-zero exit, never a
+traceback, a false success or a renamed user file."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import shutil
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import flash_attention
+from ejk_attention._backends import BACKENDS, TritonBackend
+from ejk_attention._tuned import BackendChoice, backend_key, open_cache
+from ejk_attention.cli import main
+from ejk_config import device_fingerprint
+from ejk_executor import CacheWarning, PersistentCache
+from ejk_kernels_gpu import FlashConfig
+from ejk_sequtils import validate_attention
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if any case is run: the output folder is checked first."""
+    from ejk_attention import _bench
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a case ran before the output folder was checked")
+
+    monkeypatch.setattr(_bench, "run_all", refuse)
+
+
+_DEEP = b"[" * 1000 + b"]" * 1000
+
+
+def test_cache_commands_survive_a_deeply_nested_file(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (cache_dir / "configs-v1.json").write_bytes(b'{"format": 1, "entries": {}, "x": %s}' % _DEEP)
+    with pytest.warns(CacheWarning, match="is damaged"):
+        assert main(["cache", "--cache-dir", str(cache_dir), "clear"]) == 0
+    assert "removed 0 entries" in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", str(cache_dir), "list"]) == 0
+
+
+def _qkv(t):
+    """q, k, v of a shape no other test uses (the executor's memory cache is per process)."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, t + 8, 2, 16)), jnp.float32)
+    return q, k, k
+
+
+def _forward_key(q, k, v):
+    return BACKENDS["triton"].invocations(validate_attention(q, k, v))["forward"].call_key
+
+
+@pytest.mark.parametrize(("block_q", "t"), [(2**20, 20), (2**40, 21), (2**64, 22)])
+def test_a_crafted_kernel_config_on_disk_gives_the_heuristic(block_q, t):
+    q, k, v = _qkv(t)
+    key = _forward_key(q, k, v)
+    open_cache().put(key, FlashConfig(block_q=block_q))
+    with pytest.warns(
+        CacheWarning,
+        match=r"not in its search space for this call \(ejk_kernels_gpu\.flash_attention_fwd\); choosing",
+    ):
+        out = flash_attention(q, k, v, implementation="triton")
+    np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=2e-5)
+    assert key not in open_cache().keys()
+
+
+def test_a_cached_kernel_config_that_fails_at_launch_is_dropped(monkeypatch):
+    q, k, v = _qkv(29)
+    request = validate_attention(q, k, v)
+    fragile = BACKENDS["triton"].config_space(request)[-1]
+    assert fragile != BACKENDS["triton"].heuristic_config(request)
+    key = _forward_key(q, k, v)
+    open_cache().put(key, fragile)
+    run = TritonBackend.run
+
+    def run_or_fail(self, request, config, bwd_config):
+        if config == fragile:
+            raise RuntimeError("out of resources: shared memory")
+        return run(self, request, config, bwd_config)
+
+    monkeypatch.setattr(TritonBackend, "run", run_or_fail)
+    with pytest.warns(CacheWarning, match="failed at launch.*out of resources"):
+        out = flash_attention(q, k, v, implementation="triton")
+    np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=2e-5)
+    assert key not in open_cache().keys()
+
+
+def test_a_stored_backend_choice_that_fails_gives_the_platforms_order(monkeypatch):
+    q, k, v = _qkv(31)
+    key = backend_key(validate_attention(q, k, v), device_fingerprint())
+    open_cache().put(key, BackendChoice("triton", 1.0))
+
+    def fail(self, request, config, bwd_config):
+        raise RuntimeError("triton crashed")
+
+    monkeypatch.setattr(TritonBackend, "run", fail)
+    with pytest.warns(CacheWarning, match="dropping the backend choice.*triton crashed"):
+        out = flash_attention(q, k, v)
+    np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=0)
+    assert key not in open_cache().keys()
+
+
+def _a_cache_with_entries(tmp_path, n=3):
+    cache_dir = tmp_path / "cache"
+    cache = PersistentCache(cache_dir, types=(BackendChoice,))
+    for i in range(n):
+        cache.put(f"key-{i:04d}-" + "x" * 200, BackendChoice("xla", float(i)))
+    return cache_dir
+
+
+def test_export_to_a_folder_that_cannot_be_written_fails_with_the_reason(tmp_path, capsys):
+    cache_dir = _a_cache_with_entries(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = blocker / "out.json"  # its folder is a file: no write can succeed, even as root
+    assert main(["cache", "--cache-dir", str(cache_dir), "export", str(target)]) == 1
+    captured = capsys.readouterr()
+    assert "exported" not in captured.out
+    assert captured.err.startswith("ejk cache export: error: ") and "a-file" in captured.err
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs, filled up; skipped where it cannot be mounted."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command: cannot make a full disk")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        with contextlib.suppress(OSError), open(mount / "filler", "wb") as f:
+            f.write(b"\0" * (64 * 1024))
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_export_to_a_full_disk_fails_with_the_reason(tmp_path, capsys, full_disk):
+    cache_dir = _a_cache_with_entries(tmp_path, n=50)
+    assert main(["cache", "--cache-dir", str(cache_dir), "export", str(full_disk / "x.json")]) == 1
+    captured = capsys.readouterr()
+    assert "exported" not in captured.out
+    assert "No space left on device" in captured.err
+    assert not (full_disk / "x.json").exists()
+
+
+def test_import_of_a_bad_file_fails_and_leaves_the_file_alone(tmp_path, capsys):
+    cache_dir = _a_cache_with_entries(tmp_path)
+    bad = tmp_path / "BAD.json"
+    bad.write_bytes(b'{"format": 1, "entries": {"k": ')
+    assert main(["cache", "--cache-dir", str(cache_dir), "import", str(bad)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"ejk cache import: error: {bad} is not a config cache file")
+    assert bad.read_bytes() == b'{"format": 1, "entries": {"k": '
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["BAD.json", "cache"]
+    assert len(PersistentCache(cache_dir)) == 3
+
+
+def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):
+    exported = tmp_path / "good.json"
+    PersistentCache(exported, types=(BackendChoice,)).put("k", BackendChoice("xla"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["cache", "--cache-dir", str(blocker / "cache"), "import", str(exported)]) == 1
+    captured = capsys.readouterr()
+    assert "imported" not in captured.out and "ejk cache import: error: " in captured.err
+
+
+TINY = ["--shape", "1,32,48,4,2,16", "--iters", "1", "--warmup", "0", "--quiet", "--impl", "xla"]
+
+
+@pytest.mark.usefixtures("no_work")
+def test_bench_checks_its_output_folder_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", *TINY, "--out", str(blocker / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ejk bench: error: --out {blocker / 'out'}: cannot write there")
+    assert err.rstrip().endswith("nothing was run")
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "why"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), 1, "[Errno 28] No space left"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ],
+    ids=["disk-full", "sigint"],
+)
+def test_bench_never_leaves_a_partial_plot_or_one_of_another_run(
+    tmp_path, capsys, monkeypatch, fault, status, why
+):
+    from ejk_attention import cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.png").write_bytes(b"the previous run's plot")
+
+    def plot_then_fail(runs, title, target):
+        (target if hasattr(target, "write") else open(target, "wb")).write(b"\x89PNG partial")
+        raise fault
+
+    monkeypatch.setattr(cli, "_plot", plot_then_fail)
+    assert main(["bench", *TINY, "--out", str(out)]) == status
+    err = capsys.readouterr().err
+    assert f"complete in {out}: bench.json; not written ({why}" in err and err.rstrip().endswith(
+        "bench.png"
+    )
+    assert json.loads((out / "bench.json").read_text())["results"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json"]  # no partial or stale plot

@@ -43,6 +43,34 @@ def test_round_trip_between_instances(tmp_path):
     assert PersistentCache(path).get("k1") is None
 
 
+def test_a_removal_by_another_instance_is_not_undone_by_its_next_write(tmp_path):
+    """A key discarded (or a file cleared) by one process stays gone: another process that
+    had read it must not write it back with its own next entry."""
+    path = tmp_path / "cache.json"
+    a, b = PersistentCache(path), PersistentCache(path)
+    a.put("bad", FwdParams(q_blocksize=64))
+    a.put("kept", FwdParams(num_warps=8))
+    assert b.get("bad") == FwdParams(q_blocksize=64)  # b has read both
+    a.discard("bad")
+    assert "bad" not in b.keys() and b.get("bad") is None
+    b.put("new", FwdParams(num_stages=3))
+    assert sorted(PersistentCache(path).keys()) == ["kept", "new"]
+    a.clear()
+    b.put("after", FwdParams(num_stages=2))
+    assert PersistentCache(path).keys() == ["after"]
+
+
+def test_entries_held_in_memory_return_after_the_file_is_damaged(tmp_path):
+    path = tmp_path / "cache.json"
+    a = PersistentCache(path)
+    a.put("k1", FwdParams(q_blocksize=64))
+    path.write_bytes(b"not json")
+    with pytest.warns(CacheWarning, match="is damaged"):
+        assert a.get("missing") is None
+    a.put("k2", FwdParams(num_warps=8))
+    assert sorted(PersistentCache(path).keys()) == ["k1", "k2"]
+
+
 def test_directory_path_and_defaults(tmp_path, monkeypatch):
     cache = PersistentCache(tmp_path / "dir")
     assert cache.path == tmp_path / "dir" / "configs-v1.json"

@@ -102,6 +102,7 @@ class PersistentCache:
         self._raw: dict[str, _Entry] = {}
         self._decoded: dict[str, Any] = {}
         self._stamp: Identity | None = None  # of the file last read
+        self._set_aside = False  # we moved a damaged file aside: write back what we hold
         self._loaded = False
         self._memory_only = False
         self._strict = strict
@@ -132,9 +133,10 @@ class PersistentCache:
 
     # reading
 
-    def _read_file(self) -> dict[str, _Entry]:
-        """The entries on disk. A damaged file is moved aside (one warning) and counts as
-        empty; a file that cannot be read is left alone and the cache keeps to memory."""
+    def _read_file(self) -> dict[str, _Entry] | None:
+        """The entries on disk. A damaged file is moved aside (one warning) and gives None
+        (what this process holds is written back at its next put); a file that cannot be read
+        is left alone and the cache keeps to memory."""
         try:
             found = read_regular(self.path)
         except OSError as e:  # unreadable, a FIFO or device, too large: not ours to replace
@@ -163,7 +165,7 @@ class PersistentCache:
                     CacheWarning,
                     stacklevel=4,
                 )
-            return {}
+            return None
         return parsed.entries
 
     def _move_aside(self, read: Identity) -> str | None:
@@ -177,6 +179,7 @@ class PersistentCache:
                 if identity(self.path) != read:
                     return None
                 os.replace(self.path, aside)
+                self._set_aside = True
         except OSError:  # no lock (read-only folder, timeout) or no rename: keep it
             return "left in place"
         return f"moved to {aside}"
@@ -189,6 +192,14 @@ class PersistentCache:
         # the stamp taken before reading: a file replaced meanwhile differs from it
         # and is read again at the next miss
         self._stamp = stamp
+        if entries is None or (stamp is None and self._set_aside):
+            entries = {}  # the file was damaged: keep what we hold, to write it back
+        elif not self._memory_only:
+            # Every confirmed put is on disk, so a key missing there was removed by another
+            # process (discard, clear): forgetting it keeps our next write from restoring it.
+            for key in self._raw.keys() - entries.keys():
+                del self._raw[key]
+                self._decoded.pop(key, None)
         for key, entry in entries.items():
             if self._raw.get(key) != entry:
                 self._raw[key] = entry
@@ -331,6 +342,7 @@ class PersistentCache:
             remove_stale_temps(self.path)
             write_atomic(self.path, lambda f: f.write(payload))
             self._stamp = identity(self.path)
+            self._set_aside = False
 
     def _warn_once(self, message: str) -> None:
         if not self._warned_read:

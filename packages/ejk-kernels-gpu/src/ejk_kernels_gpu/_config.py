@@ -56,7 +56,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             or soft cap; key length a multiple of ``block_k``, > 0; head_dim a power of
             two); any other call runs the ordinary kernel with the same tiles (see
             `ordinary_config`). The heuristics pick it (head_dim 128, 16-bit inputs) for
-            every call that can take it, forward and backward (H100, docs/performance.md
+            every call that can take it, forward and backward (H100, docs/performance-history.md
             step 7).
         gluon: Hopper (sm_90) only. Forward: run the forward written in Gluon
             (`_gluon_forward_kernel`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
@@ -67,7 +67,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             with 64 keys and two slots); every mask, soft cap and sinks run in it. Any other
             call runs the ordinary kernel with the same tiles (`ordinary_config`). The
             forward heuristic picks it wherever it can run at head_dim 128 and 256 (H100:
-            0.95x cuDNN unmasked at 128, docs/performance.md step 10), and at 64 for calls
+            0.95x cuDNN unmasked at 128, docs/performance-history.md step 10), and at 64 for calls
             without a sliding window (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
             (head_dim <= 128) it runs persistent, one program per SM taking tiles from a
             counter (`_options.gluon_persistent`).
@@ -80,7 +80,7 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             (`_options.can_run_gluon_dkdv`); every mask (windows, packed sequences and
             segment ids through the dk/dv block table), soft cap and sinks run in it; any
             other call runs the ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
-            forward+backward 1.08-1.18x the ordinary backward's, docs/performance.md), 256,
+            forward+backward 1.08-1.18x the ordinary backward's, docs/performance-history.md), 256,
             and 64 with groups or a soft cap (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
@@ -256,7 +256,7 @@ _WS_CONFIGS = {
     128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
 }
 # The Gluon forward; three ring slots measured 3-17 % faster than two on the benchmark's
-# head_dim-128 shapes (H100, docs/performance.md step 10), so the heuristic takes them for
+# head_dim-128 shapes (H100, docs/performance-history.md step 10), so the heuristic takes them for
 # long loops; two (with the output's own buffer) for short ones (`fwd_heuristic`'s
 # ``short_loops``: masks beyond causal, soft caps, causal calls of up to 8192 keys).
 # head_dim 256: 64-key tiles, two slots (`gluon_fits`).
@@ -273,7 +273,7 @@ _GLUON_CONFIGS = {
 }
 # The Gluon forward's three-consumer tile for soft caps (`THREE_CONSUMERS`): 192 query rows,
 # 64 per consumer warpgroup, 64 keys a step, two ring slots. A soft cap's forward is bound by
-# MUFU (a tanh and an exp2 a score, docs/performance.md): a third consumer's softmax runs
+# MUFU (a tanh and an exp2 a score, docs/performance-history.md): a third consumer's softmax runs
 # while the other two wait on their matmuls. H200, B4 N32 K8 H128 causal, cap 50, kernel
 # spans: T6144 2185/2216 -> 1908/1909 us (benchmarks/results/2026-12-02-h200-softcap-three-
 # consumers-draft.json); without a cap 3 % slower, so soft cap calls only. 128 keys a step
@@ -513,13 +513,13 @@ def fwd_heuristic(
     soft_cap: bool = False,
     tabled: bool = False,
 ) -> FlashConfig:
-    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance.md).
+    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance-history.md).
 
     ``gluon``: the call can take the Gluon forward on this GPU (`_options.offer_gluon`;
     None: whenever it can take the warp-specialised loop): at head_dim 128 and 256 it
     runs it, at 64 unless ``windowed`` (the call has a sliding window; see
     ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
-    at 128, H100, docs/performance.md step 10). ``warp_specialize``: the call can take the
+    at 128, H100, docs/performance-history.md step 10). ``warp_specialize``: the call can take the
     warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
     ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
     packing, segment ids), it has a soft cap, or it is causal over few keys
@@ -561,7 +561,7 @@ def bwd_heuristic(
     """A good backward config without timing (block_q resident, block_k streamed).
 
     Never the warp-specialised backward: it measured 7-11 % faster at head_dim 128 (H100,
-    docs/performance.md step 7), but on an H100 its dk/dv kernel is not deterministic
+    docs/performance-history.md step 7), but on an H100 its dk/dv kernel is not deterministic
     (2026-11-24: dk and dv differ between two runs of the same call, sometimes NaN, in 1 to
     3 of 5 repeats; benchmarks/results/), so no call gets it unless its config asks for it
     explicitly (`WS_BWD_CONFIGS`).
@@ -569,7 +569,7 @@ def bwd_heuristic(
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
     its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
     dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`) where that
-    measured faster (H100, docs/performance.md step 5): MHA, 16-bit, head_dim 65-128
+    measured faster (H100, docs/performance-history.md step 5): MHA, 16-bit, head_dim 65-128
     (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
     reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
     ``soft_cap``: where the Gluon dk/dv kernel cannot run, each kernel that recomputes p

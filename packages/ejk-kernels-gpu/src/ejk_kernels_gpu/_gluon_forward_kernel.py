@@ -1,7 +1,7 @@
 """The Hopper forward written in Gluon (Triton's explicit layer): FlashAttention-3's schedule.
 
 Triton 3.6's automatic warp specialisation cannot overlap a warpgroup's softmax with its
-matmuls (docs/performance.md, ejk-kernels-gpu step 9); here the schedule is written out.
+matmuls (docs/performance-history.md, ejk-kernels-gpu step 9); here the schedule is written out.
 One program owns ``BM`` = 128 query rows of one (batch, query head):
 
 - a producer warp copies k and v of every key block it visits into two rings of

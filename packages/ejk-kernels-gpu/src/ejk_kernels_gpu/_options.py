@@ -96,7 +96,7 @@ class CallOptions:
         """Whether a Gluon kernel's programs take their tiles from an order the launch
         passes (``ORDERED``, `_schedule.launch_order`) instead of the grid's own (causal
         forward and dq programs: each head's heaviest first). Where the order was measured
-        faster (H100, docs/performance.md): ``"dkdv"`` with segment ids or positions (the
+        faster (H100, docs/performance-history.md): ``"dkdv"`` with segment ids or positions (the
         programs' work follows the data) and, causal without a table, where a program
         walks ``grouped`` heads; ``"dq"`` and the forward (``"fwd"``, one program a tile,
         not ``persistent``) causal without a table; the forward of a context-parallel call,
@@ -520,7 +520,7 @@ def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,
       a multiprocessor: every group. A document's tiles run together across heads,
       heaviest first, and the last tiles handed out are the first document's lightest (about
       a tile's time, 30 us with documents of 2048). H200, B1 N32 K8 H128, documents of 2048
-      (docs/performance.md, "The forward's tile order"): 8192 rows 0.274 -> 0.266 ms, 16384
+      (docs/performance-history.md, "The forward's tile order"): 8192 rows 0.274 -> 0.266 ms, 16384
       level, 32768 (62 tiles a multiprocessor) 1.011 -> 1.021, so longer calls keep the
       grid's order.
     - Causal calls without a table of at most `TAIL_BLOCKS` query blocks: the last groups

@@ -99,10 +99,11 @@ def _sync(session: nox.Session, *args: str) -> None:
 
 @nox.session(name="lint")
 def lint(session: nox.Session) -> None:
-    """ruff over the whole workspace."""
+    """ruff over the whole workspace; docs/architecture.md's module map against the sources."""
     _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "scripts/check_architecture.py")
 
 
 def _requirement(dep: str) -> tuple[str, set[str]]:

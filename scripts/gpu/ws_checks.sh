@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The warp-specialisation checks (docs/performance.md, ejk-kernels-gpu steps 6-7), in one
+# The warp-specialisation checks (docs/performance-history.md, ejk-kernels-gpu steps 6-7), in one
 # run: bf16 conformance of the warp-specialised builds (the heuristics' choice on Hopper for
 # unmasked and causal calls at head_dim 128), their speed beside the ordinary kernels and
 # cuDNN in one process (interleaved). The probe kernels of those steps live in git history
-# (docs/performance.md says where).
+# (docs/performance-history.md says where).
 #
 # Usage on the GPU machine (device tool, carry .whl), from the repository root:
 #   bash scripts/gpu/ws_checks.sh

@@ -48,7 +48,7 @@ DEFAULT_GROUPS = (_tokamax.GPU_IMPLEMENTATIONS,)
 # cuDNN's dense-mask documents call the heaviest), and it stays there about a second after
 # they stop; the first contender traced after them, the documents as segment ids, read its
 # kernel 269-291 us in bench_features processes against 256-264 in settled traces
-# (docs/gpu-runs/2026-12-03-h200-documents-power-cap-draft.json).
+# (benchmarks/results/2026-12-03-h200-documents-power-cap-draft.json).
 TRACE_SETTLE_S = 2.0
 
 

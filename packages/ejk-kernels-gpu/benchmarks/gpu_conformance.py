@@ -10,7 +10,7 @@ expects the ordinary kernels fails if a special build ran. The launches are reco
 they are traced.
 
 The result is written as JSON (``--json``): device, versions, commit, every case's
-errors, determinism, builds and verdict. Commit it beside the code (docs/gpu-runs/).
+errors, determinism, builds and verdict. Commit it beside the code (benchmarks/results/).
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/gpu_conformance.py [--quick] \

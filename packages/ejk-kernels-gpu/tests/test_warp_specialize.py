@@ -158,7 +158,7 @@ def test_warp_specialised_backward_config_falls_back_where_it_cannot_run(bwd_lau
 
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(causal=True, sliding_window=8)])
 def test_backward_never_takes_the_warp_specialised_build_by_default(bwd_launches, rng, kwargs):
-    """Its dk/dv kernel is not deterministic on an H100 (docs/gpu-runs/, 2026-11-24): the
+    """Its dk/dv kernel is not deterministic on an H100 (benchmarks/results/, 2026-11-24): the
     heuristic never gives a call the warp-specialised build, even where it could run
     (causal alone or with a window: the Gluon kernels)."""
     q, k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 128)), jnp.float16) for _ in range(3))

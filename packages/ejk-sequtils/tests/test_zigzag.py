@@ -82,7 +82,7 @@ def test_bad_arguments_are_named():
 def test_the_layout_moves_whole_chunks(layout):
     """The zigzag order is a static permutation of 2n chunks: slices and one concatenate,
     no token-by-token gather (those of the gathered keys and values took 0.43 ms of a
-    forward+backward on two H200s, `docs/performance-log.md`)."""
+    forward+backward on two H200s, `docs/performance-history.md`)."""
     x = jnp.zeros((1, 64, 2, 8), jnp.bfloat16)
     hlo = jax.jit(lambda a: layout(a, 2)).lower(x).as_text()
     assert "gather" not in hlo and "concatenate" in hlo

@@ -29,7 +29,7 @@ from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
 __all__ = ["choose_strategy", "context_call"]
 
 # Gathered keys/values (and their float32 gradients) a device may hold before the ring is
-# preferred for memory, bytes; see docs/performance.md, "Context parallelism".
+# preferred for memory, bytes; see docs/performance-history.md, "Context parallelism".
 _GATHER_BUDGET = 4 * 2**30
 
 
@@ -42,7 +42,7 @@ def choose_strategy(request: AttentionRequest, shards: int) -> str:
     global order and their gradients (or, on the steps, float32 gradients). With grouped
     heads (K < N) that is small next to the queries, so all-gather wins while it fits
     `_GATHER_BUDGET`; with as many kv heads as query heads the ring, whose transfers hide
-    behind each step's compute, is the default (cost model in docs/performance.md).
+    behind each step's compute, is the default (cost model in docs/performance-history.md).
     Measured on two H200s (N32 K8, causal, forward+backward, T = 32768 and 65536):
     all-gather 2.5-3 % faster than the ring, 10-20 % with 16 documents.
     """
@@ -59,7 +59,7 @@ def choose_strategy(request: AttentionRequest, shards: int) -> str:
 # The contiguous split is taken with segment ids when its busiest device has at most this
 # many times the work of zigzag's: the exchange it saves moves a query block and its
 # output each way (and their gradients), 25 % of the two-GPU time with 16 documents at
-# T = 65536 (docs/performance-log.md, "Context parallelism: the notes of the fourth to
+# T = 65536 (docs/performance-history.md, "Context parallelism: the notes of the fourth to
 # twenty-fourth sessions").
 _CONTIGUOUS_BALANCE = 1.1
 

@@ -9,7 +9,7 @@ device's first half and one of its second half: every device sends and receives 
 once, at NVLink speed, and the transpose (for gradients) is the inverse ``ppermute``.
 Laying the global array out with `ejk_sequtils.to_zigzag` instead leaves XLA a gather
 across the shards, whose gradient it partitions as a scatter and an all-reduce of the
-whole array (measured on two H200s: docs/performance-log.md, "2026-11-27 (twelfth and
+whole array (measured on two H200s: docs/performance-history.md, "2026-11-27 (twelfth and
 thirteenth sessions)").
 """
 

@@ -342,7 +342,7 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 # checked in the SASS, 2026-11-25). With dq in it, ptxas also spills scalars (addresses,
 # indices) inside the loop: 60-72 bytes unmasked, 224-308 causal (the causal build holds
 # the query rows' indices). It measured faster than the kernels without it all the same
-# (docs/gpu-runs/2026-11-25-h100-gluon-dq-inside-3965c04.json); removing those spills is
+# (benchmarks/results/2026-11-25-h100-gluon-dq-inside-3965c04.json); removing those spills is
 # open work.
 # The forward's persistent builds with per-block masks (windows at head_dim 64, segment
 # ids, packing) keep one loop-invariant value in local memory since programs take tiles
@@ -351,7 +351,7 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
 # runs without masks where it is fully visible (two softmax variants, `_consume_tile`), the
 # build with segment ids keeps a few more (40 bytes at head_dim 128: 38 local loads in
 # the SASS against 30, 2026-11-25); it measured 8 % faster all the same
-# (docs/gpu-runs/2026-11-25-h100-mask-sides-draft.json). Global positions with segment ids
+# (benchmarks/results/2026-11-25-h100-mask-sides-draft.json). Global positions with segment ids
 # (context parallelism's call, the "relative" variant) keep 44 bytes.
 # The dk/dv kernel's builds with masks beyond causal (window, segment ids, packing; the
 # heuristic's, without dq in it) spill 64-120 bytes at head_dim 128 (none at 64): they

@@ -1,7 +1,7 @@
 """The Hopper forward written in Gluon (Triton's explicit layer): FlashAttention-3's schedule.
 
 Triton 3.6's automatic warp specialisation cannot overlap a warpgroup's softmax with its
-matmuls (docs/performance.md, ejk-kernels-gpu step 9); here the schedule is written out.
+matmuls (docs/performance-history.md, ejk-kernels-gpu step 9); here the schedule is written out.
 One program owns ``BM`` = 128 query rows of one (batch, query head):
 
 - a producer warp copies k and v of every key block it visits into two rings of
@@ -420,7 +420,7 @@ def _block_relative(j, row_info, key_info, F: gl.constexpr):
     thread's 64 position compares into a 64-bit mask and unpacks it (`_aot`'s
     ``mask_unpacks``; the documents' diagonal block 850 SASS instructions against 623,
     window 855 against 618). Measured in
-    docs/gpu-runs/2026-12-01-h200-relative-positions-ab-348d2d8.json; the causal build
+    benchmarks/results/2026-12-01-h200-relative-positions-ab-348d2d8.json; the causal build
     (no table) packs nothing and spills at head_dim 256 with it, and the soft cap's build
     measured no faster: both keep absolute positions."""
     cols: gl.constexpr = gl.SliceLayout(0, wgmma_layout(F.BN))
@@ -547,7 +547,7 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         # first block in causal builds without a table and in packed ones; between the masked
         # and the unmasked loop in the other builds with a table (below). Not with a soft
         # cap on two consumers: measured slower there (971-978 us against 958, 2026-11-29);
-        # on three, 1.7 % faster (docs/gpu-runs/2026-12-02-h200-softcap-own-sums-ab-draft.json).
+        # on three, 1.7 % faster (benchmarks/results/2026-12-02-h200-softcap-own-sums-ab-draft.json).
         capped_two = F.SOFT_CAP > 0.0 and F.NC == 2
         if ((F.CAUSAL and F.EARLY_P16 and not F.TABLE) or F.VARLEN) and not capped_two:
             state = (_as_carried(state[0]), state[1], state[2], state[3], state[4])

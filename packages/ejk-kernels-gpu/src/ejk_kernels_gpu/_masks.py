@@ -333,9 +333,9 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
 # one step. Its programs wait on their loads, so fewer steps are faster: H200, 64 programs
 # walking 32768 keys (all-gather's device call at n = 4), 16 warps, 16384 ids a step
 # 6.9-7.0 us, 32768 6.1-6.2 (one process a variant, A B A B;
-# docs/gpu-runs/2026-11-29-h200-table-chunk-draft.json); earlier, at 16384 ids, 8 warps
+# benchmarks/results/2026-11-29-h200-table-chunk-draft.json); earlier, at 16384 ids, 8 warps
 # 7.7 us and 32 warps 7.6 against 16 warps' 6.1-6.3, and 4096 ids a step 12.2
-# (docs/gpu-runs/2026-11-28-h200-forward-rows-major-draft.json).
+# (benchmarks/results/2026-11-28-h200-forward-rows-major-draft.json).
 CHUNK_ELEMENTS = 32768
 TABLE_WARPS = 16
 

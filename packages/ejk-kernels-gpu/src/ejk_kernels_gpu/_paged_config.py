@@ -102,7 +102,7 @@ def _splits(programs: int, max_keys: int, block_kv: int) -> int:
     """The largest power of two of splits that gives at most about `_WAVES` programs per SM
     (at least one split), each with at least `_MIN_SPLIT_KEYS` keys (and one block).
 
-    H100, bf16, decode (docs/performance.md, "Decoding"): within 3 % of the best split count
+    H100, bf16, decode (docs/performance-history.md, "Decoding"): within 3 % of the best split count
     measured on each shape (B32 S8192 K8: 1-4 splits; B8 S32768: 4-32; B1 S131072: 64), 2 to
     16 programs per SM; fewer left SMs idle (B1 with 16 splits: 0.83x cuDNN, with 2: 0.14x).
     """

@@ -20,7 +20,7 @@ last ones to start are light. The steps each program takes come from its block t
 (`table_steps`) or, for calls without one, from causal alone (`causal_steps`). A kernel
 reads its tiles from the order (`_gluon_forward_kernel._tile`,
 `_gluon_backward_kernel.program_tile`) only where that measured faster on an H100
-(`CallOptions.ordered_tiles`, docs/performance.md "The tile order"): the L2 and the
+(`CallOptions.ordered_tiles`, docs/performance-history.md "The tile order"): the L2 and the
 persistent forward's counter make the model's gains real for some calls only.
 """
 

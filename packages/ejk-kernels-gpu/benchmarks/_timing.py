@@ -129,7 +129,7 @@ def time_rounds(
     median ms, TFLOP/s (forward+backward counts 3.5x the forward's FLOPs), best ms, spread
     (max/min - 1) of its rounds and the calls a round timed (``*_reps``). ``rotate``: round
     r starts at case r (mod their count), so no case is always timed first (a probe saw the
-    first of two programs with equal HLO read 10 % slower: benchmarks/results/facade-tax)."""
+    first of two programs with equal HLO read 10 % slower, docs/performance.md "Decoding")."""
     for r in range(rounds):
         start = r % len(cases) if rotate and cases else 0
         for _, timed, per in cases[start:] + cases[:start]:

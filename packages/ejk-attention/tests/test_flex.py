@@ -345,6 +345,33 @@ def test_block_mask_is_a_pytree_built_and_returned_by_jit():
     _assert_close(out, want, attention_tolerance(jnp.float32), "out")
 
 
+def test_long_sequences_are_never_held_whole():
+    """Compiled, not run: the tables at T = S = 128k and a forward+backward at 16k hold a small
+    part of the ``T x S`` mask or ``[B, N, T, S]`` scores."""
+    long = 1 << 17
+    ids = jax.ShapeDtypeStruct((1, long), jnp.int32)
+
+    def tables(ids):
+        mask_mod = and_masks(causal_mask, document_mask(ids))
+        return create_block_mask(mask_mod, 1, None, long, long).kinds
+
+    memory = jax.jit(tables).lower(ids).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < (long * long) // 64  # the bool mask: 16 GiB
+
+    t, heads = 1 << 14, 4
+    q = jax.ShapeDtypeStruct((1, t, heads, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v, ids):
+        block_mask = create_block_mask(document_mask(ids), 1, None, t, t)
+        return jnp.sum(flex_attention(q, k, v, block_mask=block_mask).astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    memory = grad.lower(q, k, k, ids).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < (heads * t * t * 4) // 4  # float32 scores: 4 GiB
+
+
 def _dense_kinds(mask_mod, batch, heads, t, s, block_size):
     """Block kinds from the dense mask, reduced block by block in NumPy."""
     grid = np.meshgrid(*(np.arange(x) for x in (batch, heads, t, s)), indexing="ij")

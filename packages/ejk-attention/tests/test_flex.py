@@ -222,15 +222,29 @@ def test_dtypes_gqa_alibi_documents(dtype):
         _assert_close(got, expected, attention_tolerance(dtype, "grad"), name)
 
 
-def test_lse_and_scale():
+def test_lse_and_scale_with_gradients_through_lse():
     q, k, v = _qkv()
-    block_mask = _block_mask(prefix_lm_mask(jnp.asarray([5, 11])), (B, None))
-    out, lse = flex_attention(q, k, v, block_mask=block_mask, softmax_scale=0.3, return_lse=True)
-    want, want_lse = dense_reference(q, k, v, mask_mod=block_mask.mask_mod, softmax_scale=0.3)
+    mask_mod = prefix_lm_mask(jnp.asarray([5, 11]))
+    block_mask = _block_mask(mask_mod, (B, None))
+
+    def flex(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, softmax_scale=0.3, return_lse=True)
+
+    def dense(q, k, v):
+        return dense_reference(q, k, v, mask_mod=mask_mod, softmax_scale=0.3)
+
+    (out, lse), flex_vjp = jax.vjp(flex, q, k, v)
+    (want, want_lse), dense_vjp = jax.vjp(dense, q, k, v)
     assert lse.shape == (B, N, T) and lse.dtype == jnp.float32
     tol = attention_tolerance(jnp.float32, "lse")
     _assert_close(out, want, tol, "out")
     _assert_close(lse, want_lse, tol, "lse")
+    d_lse = jnp.asarray(np.random.default_rng(2).standard_normal(lse.shape), jnp.float32)
+    cotangents = (jnp.zeros_like(out), d_lse)  # the gradient through lse alone
+    for name, got, expected in zip(
+        ("dq", "dk", "dv"), flex_vjp(cotangents), dense_vjp(cotangents), strict=True
+    ):
+        _assert_close(got, expected, attention_tolerance(jnp.float32, "grad"), name)
 
 
 def test_fully_masked_rows_give_zeros_and_zero_gradients():

@@ -26,3 +26,9 @@ def test_readme_examples_run():
         namespace["q"], namespace["k"], namespace["v"], causal=True, segment_ids=ids
     )
     np.testing.assert_allclose(namespace["out_docs"], want, rtol=2e-5, atol=2e-5)
+    # The flex example: its documents mask as segment ids, causal.
+    q, k, v, doc_ids = (namespace[name] for name in ("q", "k", "v", "doc_ids"))
+    want = reference_attention(q, k, v, causal=True, segment_ids=doc_ids)
+    np.testing.assert_allclose(namespace["flex_out"], want, rtol=2e-5, atol=2e-5)
+    assert namespace["skipped"] == 0.75
+    assert namespace["flex_dbias"].shape == (8, 255)

@@ -12,17 +12,35 @@ from ._kv_cache import PagedKVCache as PagedKVCache
 from ._paged import paged_attention as paged_attention
 from ._paged import ragged_paged_attention as ragged_paged_attention
 from ._ring import ring_attention as ring_attention
+from .flex import BlockMask as BlockMask
+from .flex import and_masks as and_masks
+from .flex import causal_mask as causal_mask
+from .flex import create_block_mask as create_block_mask
+from .flex import document_mask as document_mask
+from .flex import flex_attention as flex_attention
+from .flex import or_masks as or_masks
+from .flex import prefix_lm_mask as prefix_lm_mask
+from .flex import sliding_window_mask as sliding_window_mask
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "BlockMask",
     "PagedKVCache",
+    "and_masks",
     "blocksparse_attention",
+    "causal_mask",
+    "create_block_mask",
+    "document_mask",
     "dot_product_attention",
     "dropout_keep_mask",
     "flash_attention",
+    "flex_attention",
+    "or_masks",
     "paged_attention",
+    "prefix_lm_mask",
     "ragged_paged_attention",
     "reference_attention",
     "ring_attention",
+    "sliding_window_mask",
     "visibility_mask",
 ]

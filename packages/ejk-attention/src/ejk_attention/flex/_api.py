@@ -1,0 +1,68 @@
+"""`flex_attention`: attention with a user's score_mod and a `BlockMask`, PyTorch FlexAttention's meaning."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax import Array
+from jaxtyping import Float
+
+from ._backends import run_flex
+from ._block_mask import BlockMask
+from ._request import validate_flex
+
+__all__ = ["flex_attention"]
+
+AnyArray = Array | np.ndarray
+
+
+def flex_attention(
+    q: Float[AnyArray, "B T N H"],
+    k: Float[AnyArray, "B S K H"],
+    v: Float[AnyArray, "B S K Hv"],
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
+    *,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | Sequence[str] | None = None,
+    config: Any = None,
+) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
+    """Multi-head attention with a user's score modification and mask (FlexAttention).
+
+    For each batch row ``b``, query head ``h``, query ``i`` and key ``j``:
+    ``s = softmax_scale · q[b, i, h]·k[b, j, h // (N // K)]``, then
+    ``s = score_mod(s, b, h, i, j)``, then ``s = -inf`` where
+    ``block_mask.mask_mod(b, h, i, j)`` is False, and a softmax over the keys. A row with
+    no visible key outputs zeros and gets zero gradients, never NaN. Gradients flow to
+    q, k, v and to every float array the mods capture (a learnable bias table, ALiBi
+    slopes); integer captures (document ids, lengths) get none.
+
+    Args:
+        q: queries ``[B, T, N, H]``.
+        k: keys ``[B, S, K, H]`` with ``N % K == 0`` (GQA/MQA).
+        v: values ``[B, S, K, Hv]``, same dtype as q and k.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on a float32 score and
+            int32 indices; it may capture arrays. None: the scores as they are.
+        block_mask: from `create_block_mask` with this call's ``(B, N, T, S)`` (``B``/``N``
+            may be None); None: every key visible.
+        softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
+        return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (``-inf`` on emptied rows).
+        implementation: None (the platform's order; today ``xla`` everywhere), ``"xla"``, or
+            a sequence of names tried in order. ``"triton"`` and ``"pallas"`` have no flex
+            kernel yet and refuse.
+        config: a kernel config for backends that take one (``xla`` has none).
+
+    Returns:
+        ``out [B, T, N, Hv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        ValueError, TypeError: a bad argument or mod (the message names it).
+        NotImplementedError: no requested implementation can serve the call (each reason given).
+    """
+    request = validate_flex(
+        q, k, v, score_mod, block_mask, softmax_scale=softmax_scale, return_lse=return_lse
+    )
+    return run_flex(request, implementation, config)

@@ -99,10 +99,14 @@ def _sync(session: nox.Session, *args: str) -> None:
 
 @nox.session(name="lint")
 def lint(session: nox.Session) -> None:
-    """ruff over the whole workspace; docs/architecture.md's module map against the sources."""
+    """ruff over the whole workspace; the import layers (import-linter's contracts in
+    pyproject.toml); docs/architecture.md's module map against the sources."""
     _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # lint-imports reads the sources (it imports nothing): each package's src/ on the path.
+    sources = ":".join(str(p) for p in sorted(ROOT.glob("packages/*/src")))
+    session.run("lint-imports", env={"PYTHONPATH": sources})
     session.run("python", "scripts/check_architecture.py")
 
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ejk_attention import flash_attention, reference_attention, ring_attention
 from ejk_attention._context_sharding import choose_strategy, context_call
-from ejk_attention._sharding import shard_map_compat
+from ejk_attention._shard_map import shard_map_compat
 from ejk_sequtils import from_zigzag, to_zigzag, validate_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"))

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ejk_attention import reference_attention, ring_attention
-from ejk_attention._sharding import shard_map_compat
+from ejk_attention._shard_map import shard_map_compat
 from ejk_sequtils import attention_tolerance, from_zigzag, to_zigzag
 
 B, N, K, H = 1, 4, 2, 16

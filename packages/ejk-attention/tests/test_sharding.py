@@ -227,7 +227,7 @@ def test_the_layout_follows_the_documents():
     the rows out in zigzag (one long document); every device of the mesh decides alike,
     the batch shards' documents counted together."""
     from ejk_attention._context_sharding import _contiguous_balanced
-    from ejk_attention._sharding import shard_map_compat
+    from ejk_attention._shard_map import shard_map_compat
 
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/conftest.py sets the host device count)")
@@ -369,7 +369,7 @@ def test_kernels_inside_a_users_shard_map_give_per_device_gradients():
     """The Triton kernels called in a model's own ``shard_map`` (type checks on, jax's
     default) over a batch-sharded mesh: each device's gradient is its own, not the sum
     over the devices (custom-call results must be typed as varying like their inputs)."""
-    from ejk_attention._sharding import shard_map_compat
+    from ejk_attention._shard_map import shard_map_compat
     from ejk_kernels_gpu import flash_attention as kernel_attention
 
     if jax.device_count() < 2:

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ejk_attention._sharding import shard_map_compat
+from ejk_attention._shard_map import shard_map_compat
 from ejk_attention._zigzag_exchange import from_zigzag_local, to_zigzag_local
 from ejk_sequtils import from_zigzag, to_zigzag
 

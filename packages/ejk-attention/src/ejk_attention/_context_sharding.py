@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from ejk_sequtils import AttentionRequest, causal_shard_work
 
 from ._ring import one_call_serves, pick_implementation, ring_attention
-from ._sharding import add_traced_seed, shard_start
+from ._shard_map import add_traced_seed, shard_start
 from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
 
 __all__ = ["choose_strategy", "context_call"]

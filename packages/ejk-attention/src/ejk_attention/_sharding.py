@@ -17,51 +17,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ejk_sequtils import AttentionRequest
 
-__all__ = ["inferred_mesh", "shard_map_compat", "shard_start", "sharded_call"]
+from ._context_sharding import context_call
+from ._shard_map import add_traced_seed, mesh_axes, shard_map_compat, shard_start
 
-
-def shard_map_compat(
-    fn: Callable, *, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True
-) -> Callable:
-    """``jax.shard_map`` where it exists (jax >= 0.7), else the experimental one."""
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def shard_start(entry: Any, local_size: int) -> Any:
-    """Inside ``shard_map``: the global index of this shard's first element on an axis
-    split over the mesh axes ``entry`` (a name, a tuple of names, or None) into blocks of
-    ``local_size`` (int32; 0 where the axis is not split)."""
-    axes = _axes(entry)
-    if not axes:
-        return jnp.int32(0)
-    return jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * jnp.int32(local_size)
-
-
-def add_traced_seed(request: AttentionRequest, arrays: dict, specs: dict) -> None:
-    """A traced ``dropout_seed`` enters a facade's ``shard_map`` as a replicated input (a
-    Python int stays a constant of the request)."""
-    if isinstance(request.dropout_seed, jax.Array):
-        arrays["dropout_seed"] = request.dropout_seed
-        specs["dropout_seed"] = PartitionSpec()
+__all__ = ["inferred_mesh", "sharded_call"]
 
 
 def _shards(mesh: Any, entry: Any) -> int:
-    return math.prod(mesh.shape[a] for a in _axes(entry))
+    return math.prod(mesh.shape[a] for a in mesh_axes(entry))
 
 
 def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any, Any, Any]:
@@ -80,7 +47,7 @@ def _qkv_spec(mesh: Any, in_specs: Any, request: AttentionRequest) -> tuple[Any,
     batch_axis, seq_axis, head_axis, dim_axis = entries
     if dim_axis is not None:
         raise ValueError(f"in_specs={in_specs} shards head_dim; shard B, T and N only")
-    for axis in _axes(batch_axis) + _axes(seq_axis) + _axes(head_axis):
+    for axis in mesh_axes(batch_axis) + mesh_axes(seq_axis) + mesh_axes(head_axis):
         if axis not in mesh.shape:
             raise ValueError(
                 f"in_specs={in_specs} names axis {axis!r}, not in mesh axes {mesh.axis_names}"
@@ -154,8 +121,6 @@ def sharded_call(
     if out_specs is not None and out_specs != qkv_spec and out_specs != tuple(qkv_spec):
         raise ValueError(f"out_specs={out_specs} must match q's spec {qkv_spec} (or be None)")
     if seq_axis is not None:
-        from ._context_sharding import context_call
-
         return context_call(
             request,
             mesh=mesh,

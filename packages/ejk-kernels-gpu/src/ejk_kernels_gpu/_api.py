@@ -3,22 +3,19 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from ejk_sequtils import AttentionRequest, validate_attention
 
-from ._backward_launch import backward
 from ._config import FlashConfig
 from ._decode_route import decode_route
-from ._forward_launch import forward
-from ._masks import Tables, kernel_tables
-from ._options import CallOptions, call_options, check_bwd_config
+from ._masks import kernel_tables
+from ._options import call_options, check_bwd_config
+from ._vjp import flash_vjp
 
 __all__ = ["attention", "flash_attention", "unsupported_reason"]
 
@@ -44,28 +41,6 @@ def unsupported_reason(request: AttentionRequest) -> str | None:
     if q.dtype not in _DTYPES:
         return f"the Triton kernels take float16, bfloat16 or float32 inputs, got {q.dtype=}"
     return None
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
-    out, lse, _ = forward(opts, q, k, v, bias, sinks, tables)
-    return out, lse
-
-
-def _attention_fwd(opts: CallOptions, q, k, v, bias, sinks, tables: Tables):
-    out, lse, rows = forward(opts, q, k, v, bias, sinks, tables)
-    return (out, lse), (q, k, v, bias, sinks, tables.for_backward(), out, rows)
-
-
-def _attention_bwd(opts: CallOptions, res, cts):
-    q, k, v, bias, sinks, tables, out, rows = res
-    d_out, d_lse = cts  # lse feeds ring attention's merge, so its cotangent counts too
-    grads = backward(opts, q, k, v, bias, sinks, tables, out, rows, d_out, d_lse)
-    dq, dk, dv, dbias, dsinks = grads
-    return dq, dk, dv, dbias, dsinks, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(
@@ -106,7 +81,7 @@ def attention(
     tables = kernel_tables(opts, request)
     arrays = (request.q, request.k, request.v, request.bias, request.softmax_sinks)
     q, k, v, bias, sinks = (None if x is None else jnp.asarray(x) for x in arrays)
-    out, lse = _attention(opts, q, k, v, bias, sinks, tables)
+    out, lse = flash_vjp(opts, q, k, v, bias, sinks, tables)
     return (out, lse) if request.return_lse else out
 
 

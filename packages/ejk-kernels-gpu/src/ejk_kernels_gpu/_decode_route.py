@@ -25,6 +25,7 @@ from ._masks import Tables, kernel_tables
 from ._options import CallOptions, call_options
 from ._paged_config import paged_heuristic, tile_shape
 from ._paged_launch import PagedCall, paged_forward, uniform_tiles
+from ._vjp import flash_vjp_bwd, flash_vjp_fwd
 
 __all__ = ["decode_route", "routes_to_decode"]
 
@@ -75,19 +76,15 @@ def _decode(call: PagedCall, opts: CallOptions, q, k, v, sinks, tables: Tables):
 
 
 def _decode_fwd(call: PagedCall, opts: CallOptions, q, k, v, sinks, tables: Tables):
-    from ._api import _attention_fwd  # the flash custom VJP's rules (_api imports this module)
-
-    (out, _), residuals = _attention_fwd(opts, q, k, v, None, sinks, tables)
+    (out, _), residuals = flash_vjp_fwd(opts, q, k, v, None, sinks, tables)
     return out, residuals
 
 
 def _decode_bwd(call: PagedCall, opts: CallOptions, residuals, d_out):
-    from ._api import _attention_bwd
-
     q = residuals[0]
     batch, q_len, heads, _ = q.shape
     d_lse = jnp.zeros((batch, heads, q_len), jnp.float32)  # the lse is not an output here
-    dq, dk, dv, _, dsinks, _ = _attention_bwd(opts, residuals, (d_out, d_lse))
+    dq, dk, dv, _, dsinks, _ = flash_vjp_bwd(opts, residuals, (d_out, d_lse))
     return dq, dk, dv, dsinks, None
 
 

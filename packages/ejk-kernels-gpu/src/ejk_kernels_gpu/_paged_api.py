@@ -29,6 +29,8 @@ def unsupported_paged_reason(request: PagedAttentionRequest) -> str | None:
     Returns:
         A sentence naming the unsupported part and its value, or None.
     """
+    if request.is_quantized:
+        return f"the paged Triton kernel does not read float8_e4m3fn pages yet (k_pages.dtype={request.k_pages.dtype})"
     if request.head_dim > 256:
         return f"the paged Triton kernel takes head_dim <= 256, got head_dim={request.head_dim}"
     if request.q.dtype not in _DTYPES:

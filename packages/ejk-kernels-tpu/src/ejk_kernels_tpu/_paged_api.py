@@ -50,6 +50,8 @@ def unsupported_paged_reason(
     Returns:
         A sentence naming the unsupported part and its value, or None.
     """
+    if request.is_quantized:
+        return f"the ragged paged kernel does not read float8_e4m3fn pages yet (k_pages.dtype={request.k_pages.dtype})"
     dtype = jnp.dtype(request.q.dtype)
     if dtype not in _DTYPES:
         return (

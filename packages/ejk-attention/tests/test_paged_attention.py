@@ -423,3 +423,29 @@ def test_fp8_bad_input_names_the_argument(no_shape_checks):
         match=r"k_scales is only for float8_e4m3fn pages, got k_scales with k_pages.dtype=float32",
     ):
         paged_attention(*_valid().values(), k_scales=1.0, v_scales=1.0)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["per_token", "scalar"])
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        pytest.param("triton", marks=pytest.mark.skipif(not _has_triton_paged(), reason="no paged Triton kernel")),
+        pytest.param("pallas", marks=needs_pallas),
+    ],
+)  # fmt: skip
+def test_fp8_kernels_match_reference_on_the_dequantised_cache(implementation, scalar):
+    """The Triton kernel (Triton's interpreter) and the Pallas kernel (Pallas' TPU
+    interpreter) through the facade read fp8 pages with their scales: GQA decode and a
+    ragged batch, against the reference on the dequantised float32 cache."""
+    args = _inputs(23, [0, 3, 21, 40], cols=6, heads=6, kv_heads=2, dtype=jnp.float32,
+                   q_rows=(4, 1))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=scalar)
+    kwargs = {"sliding_window": (30, 0), "softmax_sinks": _sinks(6)}
+    out = paged_attention(*fp8, **scales, implementation=implementation, **kwargs)
+    assert_allclose(out, _expected(*plain, **kwargs), rtol=1e-4, atol=1e-4)
+    cu = jnp.asarray([0, 5, 6, 6, 9], jnp.int32)  # a prefill chunk, a decode row, idle, 3 rows
+    args = _inputs(24, [30, 4, 0, 17], cols=6, heads=4, kv_heads=1, dtype=jnp.float32,
+                   q_rows=(9,))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=scalar)
+    out = ragged_paged_attention(*fp8, cu, **scales, implementation=implementation)
+    assert_allclose(out, _expected(*plain, cu_q_lens=cu), rtol=1e-4, atol=1e-4)

@@ -449,3 +449,32 @@ def test_fp8_kernels_match_reference_on_the_dequantised_cache(implementation, sc
     fp8, scales, plain = _quantized(args, scalar=scalar)
     out = ragged_paged_attention(*fp8, cu, **scales, implementation=implementation)
     assert_allclose(out, _expected(*plain, cu_q_lens=cu), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_fp8_sampled_grid(seed):
+    """Random batch, lengths, table width, heads, T, features, per-token or scalar scales,
+    through every backend present, against the reference on the dequantised cache."""
+    rng = np.random.default_rng(300 + seed)
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    cols = int(rng.integers(1, 7))
+    q_len = int(rng.choice([1, 2, 7]))
+    batch = int(rng.integers(1, 5))
+    kv_lens = rng.integers(0, cols * PAGE + 1, size=batch)
+    args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=jnp.float32,
+                   q_rows=(batch, q_len))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=bool(seed % 2))
+    kwargs = {}
+    if rng.random() < 0.5:
+        kwargs["sliding_window"] = (int(rng.integers(0, 30)), 0)
+    if rng.random() < 0.4:
+        kwargs["logits_soft_cap"] = float(rng.uniform(1, 20))
+    if rng.random() < 0.4:
+        kwargs["softmax_sinks"] = _sinks(heads)
+    expected = _expected(*plain, **kwargs)
+    names = ["xla"] + ["triton"] * _has_triton_paged() + ["pallas"] * _has_pallas_paged()
+    for name in names:
+        out = paged_attention(*fp8, **scales, implementation=name, **kwargs)
+        assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=name)

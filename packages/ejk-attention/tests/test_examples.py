@@ -25,3 +25,11 @@ def test_paged_decode(capsys):
     against the dense reference inside the example."""
     _load("paged_decode").main(num_steps=2, prompt_lens=(3, 6))
     assert "2 decode steps match the dense reference" in capsys.readouterr().out
+
+
+def test_paged_decode_fp8_against_bf16(capsys):
+    """The example's FP8 cache beside a bfloat16 one: outputs within its tolerance."""
+    module = _load("paged_decode")
+    worst = module.fp8_against_bf16(num_steps=2, prompt_lens=(3, 6))
+    assert 0.0 < worst <= module.FP8_TOLERANCE
+    assert "FP8 cache: 2 decode steps within" in capsys.readouterr().out

@@ -14,9 +14,12 @@ import pytest
 
 from ejk_attention import _paged, _paged_xla, paged_attention, ragged_paged_attention
 from ejk_sequtils import (
+    FP8_KV_DTYPE,
     assert_allclose,
     attention_tolerance,
+    dequantize_kv,
     paged_reference_attention,
+    quantize_kv,
     validate_paged_attention,
 )
 
@@ -323,3 +326,155 @@ def test_ragged_under_jit_rows_past_the_last_sequence_are_zero():
     expected = _expected(q[:16], *rest, cu_q_lens=cu)
     assert_allclose(out[:16], expected, rtol=1e-4, atol=1e-4)
     assert np.all(np.asarray(out[16:]) == 0)
+
+
+def _quantized(args, *, scalar):
+    """``args`` with fp8 pools: ``(args, scales, dequantised)`` where ``dequantised`` is the
+    call on the float32 values the fp8 pools hold (the NaN slots stay NaN, scales too)."""
+    q, k_pages, v_pages, table, kv_lens = args
+    if scalar:
+        scales = {"k_scales": jnp.float32(1 / 64), "v_scales": 1 / 32}
+        kq, vq = ((x.astype(jnp.float32) / s).astype(FP8_KV_DTYPE)
+                  for x, s in ((k_pages, 1 / 64), (v_pages, 1 / 32)))  # fmt: skip
+    else:
+        (kq, ks), (vq, vs) = quantize_kv(k_pages), quantize_kv(v_pages)
+        scales = {"k_scales": ks, "v_scales": vs}
+    plain = (dequantize_kv(kq, scales["k_scales"]), dequantize_kv(vq, scales["v_scales"]))
+    return (q, kq, vq, table, kv_lens), scales, (q, *plain, table, kv_lens)
+
+
+FP8_CASES = [
+    # (q_len, heads, kv_heads, features)
+    (1, 6, 2, {}),  # GQA decode
+    (5, 4, 1, {"sliding_window": (9, 0), "softmax_sinks": True}),  # MQA, a few new tokens
+    (3, 6, 3, {"logits_soft_cap": 4.0}),
+]
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["per_token", "scalar"])
+@pytest.mark.parametrize(("q_len", "heads", "kv_heads", "features"), FP8_CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_xla_matches_reference_on_the_dequantised_cache(dtype, q_len, heads, kv_heads,
+                                                            features, scalar):  # fmt: skip
+    kv_lens = [0, 2, PAGE, 37, 9 * PAGE]
+    args = _inputs(21, kv_lens, cols=9, heads=heads, kv_heads=kv_heads, dtype=jnp.float32,
+                   q_rows=(len(kv_lens), q_len))  # fmt: skip
+    args = (args[0].astype(dtype), *args[1:])
+    fp8, scales, plain = _quantized(args, scalar=scalar)
+    kwargs = dict(features)
+    if kwargs.pop("softmax_sinks", False):
+        kwargs["softmax_sinks"] = _sinks(heads)
+    out = paged_attention(*fp8, **scales, implementation="xla", **kwargs)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    tol = attention_tolerance(dtype, "out")
+    assert_allclose(out, _expected(*plain, **kwargs), rtol=tol, atol=tol)
+    assert np.all(np.asarray(out[0], np.float32) == 0)  # the idle slot
+
+
+def test_fp8_xla_ragged_and_chunked(monkeypatch):
+    """The ragged form, and a batch cut into chunks (each dequantises its own pages)."""
+    kv_lens = [40, 3, 0, 71, 9]
+    q_lens = [13, 1, 0, 1, 4]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = _inputs(17, kv_lens, cols=9, heads=6, kv_heads=2, dtype=jnp.float32,
+                   q_rows=(int(cu[-1]),))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=False)
+    kwargs = {"sliding_window": (20, 0), "logits_soft_cap": 6.0}
+    expected = _expected(*plain, cu_q_lens=cu, **kwargs)
+    out = ragged_paged_attention(*fp8, cu, **scales, implementation="xla", **kwargs)
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(_paged_xla, "_CHUNK_ELEMENTS", 1)
+    _paged_xla._paged.clear_cache()
+    _paged_xla._ragged.clear_cache()
+    try:
+        out = ragged_paged_attention(*fp8, cu, **scales, implementation="xla", **kwargs)
+    finally:
+        _paged_xla._paged.clear_cache()
+        _paged_xla._ragged.clear_cache()
+    assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_under_jit_with_traced_scales():
+    args = _inputs(4, [7, 50, 0], cols=8, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(3, 1))
+    fp8, scales, plain = _quantized(args, scalar=False)
+    step = jax.jit(lambda *a, k_scales, v_scales: paged_attention(
+        *a, k_scales=k_scales, v_scales=v_scales))  # fmt: skip
+    assert_allclose(step(*fp8, **scales), _expected(*plain), rtol=1e-4, atol=1e-4)
+    half = {name: s * 0.5 for name, s in scales.items()}  # same compiled step, new scales
+    plain_half = (plain[0], plain[1] * 0.5, plain[2] * 0.5, *plain[3:])
+    assert_allclose(step(*fp8, **half), _expected(*plain_half), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_bad_input_names_the_argument(no_shape_checks):
+    """The facade passes the scales to `validate_paged_attention` (all its cases are in
+    ejk-sequtils' tests); one of each kind here."""
+    fp8, scales, _ = _quantized(tuple(_valid().values()), scalar=False)
+    with pytest.raises(ValueError, match=r"k_pages of dtype float8_e4m3fn need k_scales"):
+        paged_attention(*fp8)
+    with pytest.raises(
+        ValueError,
+        match=r"v_scales must have shape \[P, page_size, K\]=\(13, 8, 2\) or \(\), got v_scales.shape=\(13, 8\)",
+    ):
+        paged_attention(*fp8, k_scales=scales["k_scales"], v_scales=scales["v_scales"][..., 0])
+    with pytest.raises(TypeError, match=r"k_scales must be float32, got k_scales.dtype=float16"):
+        paged_attention(*fp8, k_scales=scales["k_scales"].astype(jnp.float16), v_scales=1.0)
+    with pytest.raises(
+        TypeError,
+        match=r"k_scales is only for float8_e4m3fn pages, got k_scales with k_pages.dtype=float32",
+    ):
+        paged_attention(*_valid().values(), k_scales=1.0, v_scales=1.0)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["per_token", "scalar"])
+@pytest.mark.parametrize(
+    "implementation",
+    [
+        pytest.param("triton", marks=pytest.mark.skipif(not _has_triton_paged(), reason="no paged Triton kernel")),
+        pytest.param("pallas", marks=needs_pallas),
+    ],
+)  # fmt: skip
+def test_fp8_kernels_match_reference_on_the_dequantised_cache(implementation, scalar):
+    """The Triton kernel (Triton's interpreter) and the Pallas kernel (Pallas' TPU
+    interpreter) through the facade read fp8 pages with their scales: GQA decode and a
+    ragged batch, against the reference on the dequantised float32 cache."""
+    args = _inputs(23, [0, 3, 21, 40], cols=6, heads=6, kv_heads=2, dtype=jnp.float32,
+                   q_rows=(4, 1))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=scalar)
+    kwargs = {"sliding_window": (30, 0), "softmax_sinks": _sinks(6)}
+    out = paged_attention(*fp8, **scales, implementation=implementation, **kwargs)
+    assert_allclose(out, _expected(*plain, **kwargs), rtol=1e-4, atol=1e-4)
+    cu = jnp.asarray([0, 5, 6, 6, 9], jnp.int32)  # a prefill chunk, a decode row, idle, 3 rows
+    args = _inputs(24, [30, 4, 0, 17], cols=6, heads=4, kv_heads=1, dtype=jnp.float32,
+                   q_rows=(9,))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=scalar)
+    out = ragged_paged_attention(*fp8, cu, **scales, implementation=implementation)
+    assert_allclose(out, _expected(*plain, cu_q_lens=cu), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_fp8_sampled_grid(seed):
+    """Random batch, lengths, table width, heads, T, features, per-token or scalar scales,
+    through every backend present, against the reference on the dequantised cache."""
+    rng = np.random.default_rng(300 + seed)
+    kv_heads = int(rng.choice([1, 2, 3]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    cols = int(rng.integers(1, 7))
+    q_len = int(rng.choice([1, 2, 7]))
+    batch = int(rng.integers(1, 5))
+    kv_lens = rng.integers(0, cols * PAGE + 1, size=batch)
+    args = _inputs(seed, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=jnp.float32,
+                   q_rows=(batch, q_len))  # fmt: skip
+    fp8, scales, plain = _quantized(args, scalar=bool(seed % 2))
+    kwargs = {}
+    if rng.random() < 0.5:
+        kwargs["sliding_window"] = (int(rng.integers(0, 30)), 0)
+    if rng.random() < 0.4:
+        kwargs["logits_soft_cap"] = float(rng.uniform(1, 20))
+    if rng.random() < 0.4:
+        kwargs["softmax_sinks"] = _sinks(heads)
+    expected = _expected(*plain, **kwargs)
+    names = ["xla"] + ["triton"] * _has_triton_paged() + ["pallas"] * _has_pallas_paged()
+    for name in names:
+        out = paged_attention(*fp8, **scales, implementation=name, **kwargs)
+        assert_allclose(out, expected, rtol=1e-4, atol=1e-4, err_msg=name)

@@ -7,11 +7,15 @@ then timings in interleaved rounds (see `bench_flash.bench_shape`) of
 - contiguous decode (T = 1): ``paged_attention`` on the cache ``[B, S, K, H]`` viewed as
   one page per sequence, and ``flash_attention`` (its split-KV decode route), against
   ``jax.nn.dot_product_attention(implementation="cudnn")`` on the same cache;
-- paged decode: the same cache in pages of 64 tokens in shuffled order;
+- paged decode: the same cache in pages of 64 tokens in shuffled order, in bf16 and as an
+  FP8 cache (e4m3 pages, float32 scales per token and kv head: `ejk_sequtils.quantize_kv`),
+  whose row also gives its speed-up over the bf16 paged call and its output's relative
+  error (Frobenius norm) against it;
 - a ragged serving batch (8 prefill chunks of 512 tokens and 56 decode tokens over 4k
   contexts) in one call, against its prefill part and its decode part as two calls.
 
-GB/s = bytes of k and v the call must read / time (each key a sequence sees, once).
+GB/s = bytes of k and v the call must read / time (each key a sequence sees, once; for the
+FP8 cache one byte per element plus its scales).
 
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-kernels-gpu/benchmarks/bench_decode.py [--sweep] [--json out.json]
@@ -30,7 +34,12 @@ import numpy as np
 from _timing import contender, time_rounds
 
 from ejk_kernels_gpu import PagedConfig, flash_attention, paged_attention
-from ejk_sequtils import attention_tolerance, paged_reference_attention, validate_paged_attention
+from ejk_sequtils import (
+    attention_tolerance,
+    paged_reference_attention,
+    quantize_kv,
+    validate_paged_attention,
+)
 
 # (B, S, N, K, H): the contiguous decode shapes.
 DECODE_SHAPES = [(32, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
@@ -65,14 +74,30 @@ def paged_cache(rng, k, v, page: int):
     return pages(k), pages(v), table
 
 
+def kv_bytes(B: int, S: int, K: int, H: int, fp8: bool) -> int:
+    """Bytes of k and v a decode call over ``B`` sequences of ``S`` keys reads: bf16, or
+    e4m3 with a float32 scale per token and kv head."""
+    return 2 * B * S * K * (H + 4 if fp8 else 2 * H)
+
+
+def fp8_cache(k_pages, v_pages) -> tuple:
+    """``(k_pages, v_pages, scales)``: the pools quantised per token and kv head, and the
+    ``k_scales``/``v_scales`` keywords of the call."""
+    (kq, ks), (vq, vs) = quantize_kv(k_pages), quantize_kv(v_pages)
+    return kq, vq, {"k_scales": ks, "v_scales": vs}
+
+
 def check_values(rng) -> list[dict]:
-    """bf16 values against the float32 reference on fresh random calls."""
+    """bf16 values (and an FP8 cache's) against the float32 reference on fresh random calls."""
     rows = []
     cases = [
         dict(B=5, T=1, N=32, K=8, H=128, page=64, pps=40, cfg=None),
         dict(B=3, T=7, N=16, K=2, H=128, page=16, pps=64, cfg=None, window=(300, 0)),
         dict(B=4, T=1, N=8, K=1, H=64, page=128, pps=16, cfg=PagedConfig(num_splits=5)),
         dict(B=4, T=3, N=8, K=8, H=256, page=32, pps=20, cfg=None, cap=20.0, sinks=True),
+        # FP8 pages: the reference dequantises the same e4m3 pages and scales.
+        dict(B=5, T=1, N=32, K=8, H=128, page=64, pps=40, cfg=None, fp8=True),
+        dict(B=3, T=4, N=8, K=2, H=64, page=16, pps=30, cfg=PagedConfig(num_splits=3), fp8=True),
         # The reference gathers every row's keys: a small pool.
         dict(B=6, T=0, N=16, K=4, H=128, page=32, pps=12, cfg=None, ragged=[200, 1, 0, 37, 1, 90]),
     ]  # fmt: skip
@@ -91,6 +116,9 @@ def check_values(rng) -> list[dict]:
             if case.get("sinks")
             else None,
         )
+        if case.get("fp8"):
+            kp, vp, scales = fp8_cache(kp, vp)
+            kwargs.update(scales)
         if "ragged" in case:
             q_lens = np.array(case["ragged"])
             kv_lens = np.maximum(kv_lens, q_lens).astype(np.int32)
@@ -142,6 +170,11 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
     def paged(cfg):
         return jax.jit(lambda q, k, v, t: paged_attention(q, k, v, t, kv_lens, config=cfg))
 
+    kq, vq, scales = fp8_cache(kp, vp)
+    paged_fp8 = jax.jit(
+        lambda q, k, v, t, ks, vs: paged_attention(q, k, v, t, kv_lens, k_scales=ks, v_scales=vs)
+    )
+    fp8_args = (q, kq, vq, table, scales["k_scales"], scales["v_scales"])
     variants = {
         "cudnn": (
             jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
@@ -150,6 +183,7 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
         "ejk contiguous": (contiguous(None), (q, k, v)),
         "ejk flash_attention": (jax.jit(lambda q, k, v: flash_attention(q, k, v)), (q, k, v)),
         "ejk paged": (paged(None), (q, kp, vp, table)),
+        "ejk paged fp8": (paged_fp8, fp8_args),
     }
     for label, cfg in configs.items():
         variants[f"ejk contiguous {label}"] = (contiguous(cfg), (q, k, v))
@@ -160,16 +194,21 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
         print(json.dumps(dict(bench="decode", impl="tokamax", skipped=why)), flush=True)
     for name, fn in tokamax_fns.items():
         variants[f"tokamax {name}"] = (jax.jit(fn), (q, k, v))
-    nbytes = 2 * B * S * K * H * 2
     timed = interleaved(variants, rounds)
     rows = []
     for name, (med, best, spread) in timed.items():
+        fp8 = name.endswith("fp8")
         row = dict(
             bench="decode", impl=name, B=B, S=S, N=N, K=K, H=H, ms=med * 1e3,
-            best_ms=best * 1e3, spread=spread, gbps=_gbps(nbytes, med),
+            best_ms=best * 1e3, spread=spread, gbps=_gbps(kv_bytes(B, S, K, H, fp8), med),
         )  # fmt: skip
         if name in timed and "cudnn" in timed:
             row["vs_cudnn"] = timed["cudnn"][0] / med
+        if fp8 and "ejk paged" in timed:
+            row["vs_bf16_paged"] = timed["ejk paged"][0] / med
+            ref = variants["ejk paged"][0](q, kp, vp, table).astype(jnp.float32)
+            out = paged_fp8(*fp8_args).astype(jnp.float32)
+            row["rel_err_vs_bf16"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

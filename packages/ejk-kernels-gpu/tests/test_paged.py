@@ -22,7 +22,13 @@ from ejk_kernels_gpu import (
     unsupported_paged_reason,
 )
 from ejk_kernels_gpu._paged_config import tile_shape
-from ejk_sequtils import paged_reference_attention, reference_attention, validate_paged_attention
+from ejk_sequtils import (
+    FP8_KV_DTYPE,
+    paged_reference_attention,
+    quantize_kv,
+    reference_attention,
+    validate_paged_attention,
+)
 
 # Past a sequence's last page the table holds ids far outside the pool: a read of one
 # would fault or bring garbage into the output.
@@ -126,6 +132,43 @@ def test_paged_float16(rng, close):
         dtype=jnp.float16,
     )  # fmt: skip
     check(args, extra, PagedConfig(block_kv=32, num_splits=2), close, jnp.float16)
+
+
+def _fp8(args, *, scalar):
+    """``args`` with fp8 pools and their scales (`quantize_kv`, or one scale per pool)."""
+    q, k, v, table, kv_lens = args
+    if scalar:
+        scales = {"k_scales": jnp.float32(1 / 64), "v_scales": 1 / 32}
+        k, v = ((x / s).astype(FP8_KV_DTYPE) for x, s in ((k, 1 / 64), (v, 1 / 32)))
+    else:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        scales = {"k_scales": ks, "v_scales": vs}
+    return (q, k, v, table, kv_lens), scales
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["per_token", "scalar"])
+@pytest.mark.parametrize(
+    ("q_len", "kv_heads", "page", "config", "dtype"),
+    [
+        # GQA decode, pages larger than the key block, three splits (the combine)
+        (1, 2, 32, PagedConfig(block_kv=16, num_splits=3), jnp.float32),
+        # MQA, T = 5, pages smaller than the key block (a page per row), one split
+        (5, 1, 8, PagedConfig(block_kv=16, num_splits=1), jnp.float32),
+        # float16 queries: e4m3 -> float16 in registers
+        (2, 2, 16, PagedConfig(block_kv=16, num_splits=2), jnp.float16),
+    ],
+)
+def test_paged_fp8_matches_reference_on_the_dequantised_cache(rng, close, scalar, q_len,
+                                                              kv_heads, page, config, dtype):  # fmt: skip
+    """fp8 pages with per-token or scalar scales, read and dequantised in the kernel; the
+    reference dequantises (`ejk_sequtils.dequantize_kv`) and runs in float32."""
+    args, extra = paged_inputs(
+        rng, batch=3, q_len=q_len, heads=4, kv_heads=kv_heads, head_dim=32, page=page,
+        pages_per_seq=4, kv_lens=[4 * page, 0, 2 * page + 3], dtype=dtype,
+    )  # fmt: skip
+    args, scales = _fp8(args, scalar=scalar)
+    out = check(args, extra, config, close, dtype, sliding_window=(40, 0), **scales)
+    assert not np.any(np.asarray(out[1]))  # the idle slot
 
 
 def test_paged_jit_is_deterministic(rng):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ejk_kernels_gpu import _triton
-from ejk_sequtils import gather_pages
+from ejk_sequtils import dequantize_kv, gather_pages
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -47,3 +47,16 @@ def test_interleaved_times_every_variant_and_drops_failures(bench_decode):
         {"ok": (jax.jit(lambda x: x + 1), (jnp.ones(4),)), "broken": (broken, (jnp.ones(4),))}, 2
     )
     assert set(timed) == {"ok"} and timed["ok"][1] <= timed["ok"][0]
+
+
+def test_fp8_cache_and_its_bytes(bench_decode):
+    """The FP8 cache holds the pools quantised per token and kv head; it reads one byte per
+    element plus a float32 scale per token and kv head (bf16: two bytes per element)."""
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.standard_normal((3, 16, 2, 8)), jnp.float32)
+    kq, vq, scales = bench_decode.fp8_cache(k, 2 * k)
+    assert kq.dtype == vq.dtype == jnp.float8_e4m3fn
+    back = dequantize_kv(vq, scales["v_scales"])
+    np.testing.assert_allclose(back, 2 * k, rtol=2.0**-4, atol=1e-6)
+    assert bench_decode.kv_bytes(2, 64, 8, 128, fp8=False) == 2 * 2 * 64 * 8 * 128 * 2
+    assert bench_decode.kv_bytes(2, 64, 8, 128, fp8=True) == 2 * 2 * 64 * 8 * (128 + 4)

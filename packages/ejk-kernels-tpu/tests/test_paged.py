@@ -23,14 +23,18 @@ from ejk_kernels_tpu import (
     fits_paged_vmem,
     paged_attention,
     paged_attention_request,
+    paged_shape,
+    paged_vmem_bytes,
     ragged_paged_heuristic,
     ragged_paged_search_space,
     unsupported_paged_reason,
 )
 from ejk_sequtils import (
+    FP8_KV_DTYPE,
     assert_allclose,
     attention_tolerance,
     paged_reference_attention,
+    quantize_kv,
     validate_paged_attention,
 )
 
@@ -121,6 +125,47 @@ def test_ragged_batch_mixes_prefill_and_decode(dtype):
            config=RaggedPagedConfig(block_q=8, pages_per_block=2))  # fmt: skip
 
 
+def _fp8(args, *, scalar):
+    """``args`` with fp8 pools (NaN slots stay NaN, their scales too) and their scales."""
+    q, k, v, table, lens = args
+    if scalar:
+        scales = {"k_scales": jnp.float32(1 / 64), "v_scales": 1 / 32}
+        k, v = ((x.astype(jnp.float32) / s).astype(FP8_KV_DTYPE)
+                for x, s in ((k, 1 / 64), (v, 1 / 32)))  # fmt: skip
+    else:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        scales = {"k_scales": ks, "v_scales": vs}
+    return (q, k, v, table, lens), scales
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["per_token", "scalar"])
+@pytest.mark.parametrize(
+    ("dtype", "q_len", "heads", "kv_heads", "features", "config"),
+    [
+        (jnp.float32, 1, 6, 2, {}, RaggedPagedConfig(block_q=8, pages_per_block=2)),  # GQA decode
+        (jnp.bfloat16, 5, 4, 1, {"sliding_window": (9, 0), "softmax_sinks": True}, None),  # MQA
+    ],
+)
+def test_fp8_matches_reference_on_the_dequantised_cache(dtype, q_len, heads, kv_heads,
+                                                        features, config, scalar):  # fmt: skip
+    """fp8 pages copied as e4m3 and dequantised in the kernel (per-token or scalar scales);
+    the reference dequantises (`ejk_sequtils.dequantize_kv`)."""
+    cols = 6
+    kv_lens = [0, 2, PAGE, 29, cols * PAGE]
+    args = _inputs(31, kv_lens, cols=cols, heads=heads, kv_heads=kv_heads, dtype=dtype,
+                   q_shape=(len(kv_lens), q_len))  # fmt: skip
+    args, scales = _fp8(args, scalar=scalar)
+    kwargs = _features(features, heads)
+    out = paged_attention(*args, **scales, **kwargs, config=config)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    expected = paged_reference_attention(
+        validate_paged_attention(args[0].astype(jnp.float32), *args[1:], **scales, **kwargs)
+    )
+    tol = attention_tolerance(dtype, "out")
+    assert_allclose(out, expected, rtol=tol, atol=tol)
+    assert np.all(np.asarray(out[0], np.float32) == 0)  # the idle slot
+
+
 def test_configs_agree_and_rows_past_cu_are_zero_under_jit():
     """Traced lengths: one compiled step serves new lengths; rows past ``cu_q_lens[-1]``
     (possible only when traced) give zeros; every block size gives the same values."""
@@ -181,6 +226,20 @@ def _shape(**sizes):
     base = dict(batch=32, q_rows=1, ragged=False, heads=32, kv_heads=8, head_dim=128,
                 page_size=64, pages_per_seq=128, itemsize=2)  # fmt: skip
     return PagedShape(**{**base, **sizes})
+
+
+def test_fp8_pages_budget_their_scales():
+    """fp8 pages: the scale slots ([page_size, K] f32, K padded to 128 lanes) count in the
+    VMEM estimate, and the heuristic still fits; `paged_shape` reads the pages' dtype."""
+    plain, fp8 = _shape(), _shape(fp8_pages=True)
+    cfg = RaggedPagedConfig(block_q=8, pages_per_block=8)
+    extra = 2 * 2 * 8 * 64 * 128 * 4
+    assert paged_vmem_bytes(cfg, fp8) == paged_vmem_bytes(cfg, plain) + extra
+    assert fits_paged_vmem(ragged_paged_heuristic(fp8), fp8)
+    pages = jax.ShapeDtypeStruct((4, 64, 8, 128), jnp.float8_e4m3fn)
+    q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+    assert paged_shape(q, pages, table, ragged=False).fp8_pages
 
 
 def test_heuristic_and_search_space():

@@ -41,7 +41,10 @@ def _build(topology, *, dtype, heads, kv_heads, head_dim, page_size, q_len, ragg
     """Compiles one call for ``topology``; its HLO must hold the kernel."""
     spec = functools.partial(jax.ShapeDtypeStruct, sharding=_sharding(topology))
     q_shape = (BATCH * q_len,) if ragged else (BATCH, q_len)
-    pages = spec((POOL, page_size, kv_heads, head_dim), dtype)
+    fp8 = kw.pop("fp8", None)  # None, "per_token" or "scalar" scales
+    pages = spec((POOL, page_size, kv_heads, head_dim), jnp.float8_e4m3fn if fp8 else dtype)
+    if fp8 == "scalar":
+        kw.update(k_scales=0.5, v_scales=0.25)
     args = [
         spec((*q_shape, heads, head_dim), dtype),
         pages,
@@ -49,12 +52,15 @@ def _build(topology, *, dtype, heads, kv_heads, head_dim, page_size, q_len, ragg
         spec((BATCH, PAGES_PER_SEQ), jnp.int32),
         spec((BATCH,), jnp.int32),
     ]
-    if ragged:
-        args.append(spec((BATCH + 1,), jnp.int32))
+    args.append(spec((BATCH + 1,), jnp.int32) if ragged else None)
     if kw.pop("sinks", False):
         kw["softmax_sinks"] = jnp.zeros((heads,), jnp.float32)
+    if fp8 == "per_token":
+        args += [spec((POOL, page_size, kv_heads), jnp.float32)] * 2
 
-    def call(q, k_pages, v_pages, table, lens, cu=None):
+    def call(q, k_pages, v_pages, table, lens, cu=None, k_scales=None, v_scales=None):
+        if k_scales is not None:
+            kw.update(k_scales=k_scales, v_scales=v_scales)
         return paged_attention(q, k_pages, v_pages, table, lens, cu_q_lens=cu, config=config,
                                interpret=False, **kw)  # fmt: skip
 
@@ -80,6 +86,18 @@ BUILDS = {
     "v5e_f32_head_dim_256": dict(
         topology="v5e:2x2", dtype=jnp.float32, heads=4, kv_heads=2, head_dim=256, page_size=32,
         q_len=3, ragged=True, config=None, sinks=True),
+    # FP8 pages (e4m3 copied, dequantised in VMEM) with per-token scales: decode on v5e and
+    # v6e, and a ragged batch with scalar scales.
+    "v5e_bf16_decode_gqa_fp8": dict(
+        topology="v5e:2x2", dtype=jnp.bfloat16, heads=32, kv_heads=8, head_dim=128,
+        page_size=64, q_len=1, ragged=False, config=None, fp8="per_token"),
+    "v6e_bf16_decode_gqa_fp8": dict(
+        topology="v6e:2x2", dtype=jnp.bfloat16, heads=32, kv_heads=8, head_dim=128,
+        page_size=64, q_len=1, ragged=False, config=None, fp8="per_token"),
+    "v6e_bf16_ragged_fp8_scalar": dict(
+        topology="v6e:2x2", dtype=jnp.bfloat16, heads=8, kv_heads=2, head_dim=128, page_size=16,
+        q_len=7, ragged=True, config=RaggedPagedConfig(block_q=16, pages_per_block=4),
+        fp8="scalar", sinks=True),
 }  # fmt: skip
 
 

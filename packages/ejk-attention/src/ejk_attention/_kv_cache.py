@@ -13,6 +13,11 @@ no free page (or a sequence that would outgrow its page-table row) leaves that s
 as it was (no token written, ``kv_lens`` unchanged) and sets its ``overflow`` flag, which
 stays set until the sequence is released. Check ``cache.overflow`` after a step (or
 every few steps) and release or preempt sequences.
+
+An FP8 cache (``dtype=jnp.float8_e4m3fn``) holds its pages in e4m3 and a float32 scale per
+stored token and kv head (``k_scales``/``v_scales``); `append` quantises the new tokens
+(`ejk_sequtils.quantize_kv`: scale = amax / 448), and `attend` (or `paged_attention` with
+``k_scales=cache.k_scales, v_scales=cache.v_scales``) reads ``page * scale``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
+
+from ejk_sequtils import FP8_KV_DTYPE, quantize_kv
+
+from ._paged import paged_attention
 
 __all__ = ["PagedKVCache"]
 
@@ -48,6 +57,9 @@ class PagedKVCache:
         num_free: int32 ``[]``, free pages.
         overflow: bool ``[max_seqs]``: an `append` to this slot was refused (no free page,
             or the slot's row is full) since it was last released.
+        k_scales: float32 ``[P, page_size, K]``, the scale of each stored key (FP8 cache);
+            None for a cache of any other dtype.
+        v_scales: likewise for the values.
     """
 
     # Fields are Any: JAX rebuilds pytrees with placeholders in place of arrays (tree
@@ -59,6 +71,8 @@ class PagedKVCache:
     free_pages: Any
     num_free: Any
     overflow: Any
+    k_scales: Any = None
+    v_scales: Any = None
 
     @classmethod
     def create(
@@ -82,7 +96,9 @@ class PagedKVCache:
             max_seqs: sequence slots (rows of the page table).
             pages_per_seq: the most pages one sequence holds (its longest length is
                 ``pages_per_seq * page_size``).
-            dtype: the pages' dtype (the queries' dtype of `paged_attention`).
+            dtype: the pages' dtype: the queries' dtype of `paged_attention`, or
+                ``jnp.float8_e4m3fn`` for an FP8 cache (pages quantised on `append`, with
+                float32 scales per token and kv head).
         """
         for name, value in (
             ("num_pages", num_pages),
@@ -98,7 +114,10 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be > 0, got {name}={value}")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"dtype must be a floating dtype, got dtype={dtype!r}")
+        if jnp.dtype(dtype).itemsize == 1 and jnp.dtype(dtype) != FP8_KV_DTYPE:
+            raise TypeError(f"dtype in 8 bits must be float8_e4m3fn, got dtype={dtype!r}")
         shape = (num_pages, page_size, kv_heads, head_dim)
+        quantized = jnp.dtype(dtype) == FP8_KV_DTYPE
         return cls(
             # Two buffers (not one array twice), so a jit may donate the cache.
             k_pages=jnp.zeros(shape, dtype),
@@ -109,7 +128,14 @@ class PagedKVCache:
             free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=_I32),
             num_free=jnp.asarray(num_pages, _I32),
             overflow=jnp.zeros((max_seqs,), bool),
+            k_scales=jnp.ones(shape[:3], jnp.float32) if quantized else None,
+            v_scales=jnp.ones(shape[:3], jnp.float32) if quantized else None,
         )
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the pages hold fp8 with scales."""
+        return self.k_scales is not None
 
     @property
     def page_size(self) -> int:
@@ -223,6 +249,11 @@ class PagedKVCache:
         column = jnp.clip(position // page_size, 0, pages_per_seq - 1)
         page = jnp.where(write, page_table[rows[:, None], column], self.k_pages.shape[0])
         slot = position % page_size
+        k_scales, v_scales = self.k_scales, self.v_scales
+        if self.is_quantized:
+            (k_new, k_new_scales), (v_new, v_new_scales) = quantize_kv(k_new), quantize_kv(v_new)
+            k_scales = k_scales.at[page, slot].set(k_new_scales, mode="drop")
+            v_scales = v_scales.at[page, slot].set(v_new_scales, mode="drop")
         k_pages = self.k_pages.at[page, slot].set(k_new.astype(self.k_pages.dtype), mode="drop")
         v_pages = self.v_pages.at[page, slot].set(v_new.astype(self.v_pages.dtype), mode="drop")
 
@@ -235,6 +266,49 @@ class PagedKVCache:
             free_pages=self.free_pages,
             num_free=self.num_free - jnp.sum(need),
             overflow=self.overflow.at[dropped].set(True, mode="drop"),
+            k_scales=k_scales,
+            v_scales=v_scales,
+        )
+
+    def attend(
+        self,
+        q: Float[AnyArray, "B T N H"],
+        seq_ids: Int[AnyArray, " B"],
+        *,
+        softmax_scale: float | None = None,
+        sliding_window: int | tuple[int, int] | None = None,
+        logits_soft_cap: float | None = None,
+        softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
+        implementation: Any = None,
+        config: Any = None,
+    ) -> Float[Array, "B T N H"]:
+        """`paged_attention` of ``q`` (the last ``T`` tokens of the slots ``seq_ids``, already
+        appended) over this cache, its scales included when it is an FP8 cache.
+
+        Args:
+            q: ``[B, T, N, H]``.
+            seq_ids: int ``[B]`` slots; ``-1`` (padding) gives zeros.
+            softmax_scale, sliding_window, logits_soft_cap, softmax_sinks, implementation,
+                config: as in `paged_attention`.
+
+        Returns:
+            ``out [B, T, N, H]`` in q's dtype.
+        """
+        table, kv_lens = self.lookup(seq_ids)
+        return paged_attention(
+            q,
+            self.k_pages,
+            self.v_pages,
+            table,
+            kv_lens,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            softmax_sinks=softmax_sinks,
+            k_scales=self.k_scales,
+            v_scales=self.v_scales,
+            implementation=implementation,
+            config=config,
         )
 
     def release(self, seq_ids: Int[AnyArray, " B"]) -> PagedKVCache:

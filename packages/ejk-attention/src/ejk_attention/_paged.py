@@ -5,7 +5,8 @@ conventions are defined) and run the first backend that serves it: ``triton`` (t
 split-KV decode kernel of `ejk_kernels_gpu`, when that package has it) on GPU, ``pallas``
 (the ragged paged kernel of `ejk_kernels_tpu`) on TPU, else ``xla`` (`_paged_xla`), which
 runs everywhere. Named explicitly, ``triton`` and ``pallas`` also run off their device,
-in their interpreters (slowly: for tests).
+in their interpreters (slowly: for tests). FP8 caches (``float8_e4m3fn`` pages with
+``k_scales``/``v_scales``) run on every backend: each dequantises the pages it reads.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class _PagedKernelBackend(Backend):
             "logits_soft_cap": request.logits_soft_cap,
             "softmax_sinks": request.softmax_sinks,
         }
+        if request.is_quantized:  # only then: the keys of unquantised calls stay as they were
+            kwargs.update(k_scales=request.k_scales, v_scales=request.v_scales)
         return {"forward": Invocation.make(kernel(), args, kwargs)}
 
     def choose_configs(
@@ -156,6 +159,8 @@ def paged_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
+    k_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
+    v_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
 ) -> Float[Array, "B T N H"]:
@@ -170,8 +175,9 @@ def paged_attention(
 
     Args:
         q: ``[B, T, N, H]``, the last ``T`` tokens of each sequence (T = 1: decoding).
-        k_pages: ``[P, page_size, K, H]``, the pool of key pages, q's dtype, ``N % K == 0``.
-        v_pages: ``[P, page_size, K, H]``, the pool of value pages.
+        k_pages: ``[P, page_size, K, H]``, the pool of key pages, q's dtype, ``N % K == 0``;
+            or ``float8_e4m3fn`` with ``k_scales`` (an FP8 cache).
+        v_pages: ``[P, page_size, K, H]``, the pool of value pages (k_pages' dtype).
         page_table: int32 ``[B, pages_per_seq]``: ``page_table[b, i]`` holds the keys of
             sequence ``b`` at positions ``i * page_size ...``.
         kv_lens: int32 ``[B]``, each sequence's length including its ``T`` new tokens,
@@ -181,6 +187,9 @@ def paged_attention(
             irrelevant.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` or ``[N, num_sinks]`` logits in the softmax denominator only.
+        k_scales, v_scales: with fp8 pages only: float32 ``[P, page_size, K]`` (one scale per
+            stored token and kv head) or a scalar (per tensor); a slot holds
+            ``page * scale`` (`ejk_sequtils.dequantize_kv`; `PagedKVCache` quantises so).
         implementation: None (``"triton"`` on GPU when ``ejk_kernels_gpu`` has its paged
             kernel, ``"pallas"`` on TPU, then ``"xla"``; ``"xla"`` elsewhere), one of
             ``"xla"``, ``"triton"``, ``"pallas"`` (``"cudnn"`` is a valid name of the
@@ -207,6 +216,8 @@ def paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         softmax_sinks=softmax_sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return _run(request, implementation, config)
 
@@ -223,6 +234,8 @@ def ragged_paged_attention(
     sliding_window: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
     softmax_sinks: Float[AnyArray, " N *num_sinks"] | None = None,
+    k_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
+    v_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
 ) -> Float[Array, "total_q N H"]:
@@ -237,8 +250,8 @@ def ragged_paged_attention(
         q: ``[total_q, N, H]``.
         k_pages, v_pages, page_table, kv_lens: as in `paged_attention`.
         cu_q_lens: int32 ``[B + 1]``, from 0, non-decreasing, ending at ``total_q``.
-        softmax_scale, sliding_window, logits_soft_cap, softmax_sinks, implementation,
-            config: as in `paged_attention`.
+        softmax_scale, sliding_window, logits_soft_cap, softmax_sinks, k_scales, v_scales,
+            implementation, config: as in `paged_attention`.
 
     Returns:
         ``out [total_q, N, H]`` in q's dtype.
@@ -258,5 +271,7 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         softmax_sinks=softmax_sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return _run(request, implementation, config)

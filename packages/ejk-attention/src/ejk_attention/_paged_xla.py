@@ -9,6 +9,9 @@ The ragged form is cut into tiles of query rows, each inside one sequence (`_Row
 about the mean number of rows per sequence, so a batch of decode steps runs one row per
 tile and a prefill chunk a few dozen); each tile then runs as one sequence of the
 ``[B, T]`` form and gathers its sequence's pages once per tile.
+
+FP8 pages are dequantised as they are gathered (`gather_pages` with ``scales``): a chunk
+holds its own sequences' keys in float32, never the whole pool.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ _PRECISION = jax.lax.Precision.HIGHEST
 _CHUNK_ELEMENTS = 1 << 24
 
 
+class _Pages(NamedTuple):
+    """The pools, and their scales when they hold fp8 (else None)."""
+
+    k: Array
+    v: Array
+    k_scales: Array | None
+    v_scales: Array | None
+
+
 class _Options(NamedTuple):
     """The static options of one call."""
 
@@ -51,15 +63,15 @@ def xla_paged_attention(request: PagedAttentionRequest) -> Array:
     q = jnp.asarray(request.q)
     table = jnp.asarray(request.page_table, jnp.int32)
     kv_lens = jnp.asarray(request.kv_lens, jnp.int32)
-    pages = (request.k_pages, request.v_pages)
+    pages = _Pages(request.k_pages, request.v_pages, request.k_scales, request.v_scales)
     if not request.is_ragged:
         first = kv_lens - request.num_q_rows
-        return _paged(opts, q, *pages, table, kv_lens, first, request.softmax_sinks)
+        return _paged(opts, q, pages, table, kv_lens, first, request.softmax_sinks)
     if request.num_q_rows == 0:
         return jnp.zeros(q.shape, q.dtype)
     tile = _row_tile(request.num_q_rows, request.batch)
     cu_q_lens = jnp.asarray(request.cu_q_lens, jnp.int32)
-    return _ragged(opts, tile, q, *pages, table, kv_lens, cu_q_lens, request.softmax_sinks)
+    return _ragged(opts, tile, q, pages, table, kv_lens, cu_q_lens, request.softmax_sinks)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -67,8 +79,7 @@ def _ragged(
     opts: _Options,
     tile: int,
     q: Array,
-    k_pages: Array,
-    v_pages: Array,
+    pages: _Pages,
     table: Array,
     kv_lens: Array,
     cu_q_lens: Array,
@@ -81,8 +92,7 @@ def _ragged(
     out = _paged(
         opts,
         q[rows],  # [tiles, tile, N, H]
-        k_pages,
-        v_pages,
+        pages,
         table[tiles.seq],
         jnp.where(tiles.live, kv_lens[tiles.seq], 0),
         tiles.first_position,
@@ -148,8 +158,7 @@ class _RowTiles(NamedTuple):
 def _paged(
     opts: _Options,
     q: Array,
-    k_pages: Array,
-    v_pages: Array,
+    pages: _Pages,
     table: Array,
     kv_lens: Array,
     first_position: Array,
@@ -158,7 +167,7 @@ def _paged(
     """``[B, T, N, H]`` paged attention, chunked over sequences: row ``b``'s queries sit at
     ``first_position[b] + t`` over the first ``kv_lens[b]`` keys of its pages."""
     batch, q_len, heads, _ = q.shape
-    _, page_size, kv_heads, head_dim = k_pages.shape
+    _, page_size, kv_heads, head_dim = pages.k.shape
     capacity = table.shape[1] * page_size
     per_sequence = 2 * capacity * kv_heads * head_dim + 2 * heads * q_len * capacity
     chunk = max(1, min(batch, _CHUNK_ELEMENTS // max(per_sequence, 1)))
@@ -166,8 +175,8 @@ def _paged(
 
     def attend(rows: tuple[Array, Array, Array, Array]) -> Array:
         q, table, kv_lens, first_position = rows
-        keys = gather_pages(k_pages, table, kv_lens)
-        values = gather_pages(v_pages, table, kv_lens)
+        keys = gather_pages(pages.k, table, kv_lens, scales=pages.k_scales)
+        values = gather_pages(pages.v, table, kv_lens, scales=pages.v_scales)
         return _attend(opts, q, keys, values, first_position, sinks)
 
     rows = (q, table, kv_lens, first_position)

@@ -3,7 +3,7 @@
 ``python -m ejk_kernels_gpu._paged_aot`` compiles the paged kernel for
 ``GPUTarget("cuda", 90, 32)`` for each build a call can take (decode and prefill tiles,
 one split and several, pages larger and smaller than the key block, every feature or
-none) and prints one JSON line per build: shared memory, register spills (ptxas). It
+none, fp8 pages with per-token or scalar scales) and prints one JSON line per build: shared memory, register spills (ptxas). It
 must run where Triton's interpreter is off, so the tests start it as a subprocess.
 """
 
@@ -29,17 +29,23 @@ __all__ = ["BUILDS", "compile_paged", "main"]
 
 _TRITON_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _POINTERS = {
-    "q_ptr": "data", "k_ptr": "data", "v_ptr": "data", "page_table_ptr": "i32",
+    "q_ptr": "data", "k_ptr": "pages", "v_ptr": "pages", "k_scales_ptr": "fp32",
+    "v_scales_ptr": "fp32", "page_table_ptr": "i32",
     "tiles_ptr": "i32", "sinks_ptr": "fp32", "o_ptr": "out", "lse_ptr": "fp32",
 }  # fmt: skip
 
-# (name, batch, q_len, page, features): the heuristic's config for each, at N=32, K=8.
+# (name, batch, q_len, page, features, kv_scales): the heuristic's config for each, at
+# N=32, K=8; kv_scales as the kernel's KV_SCALES (0: pages in q's dtype; fp8 pages with
+# 1: scalar scales, 2: per-token scales).
 BUILDS = [
-    ("decode", 32, 1, 64, False),
-    ("decode-features", 32, 1, 16, True),
-    ("long-decode", 1, 1, 256, False),
-    ("prefill", 8, 512, 64, False),
-    ("prefill-features", 8, 512, 128, True),
+    ("decode", 32, 1, 64, False, 0),
+    ("decode-features", 32, 1, 16, True, 0),
+    ("long-decode", 1, 1, 256, False, 0),
+    ("prefill", 8, 512, 64, False, 0),
+    ("prefill-features", 8, 512, 128, True, 0),
+    ("decode-fp8", 32, 1, 64, False, 2),
+    ("decode-features-fp8-scalar", 32, 1, 16, True, 1),
+    ("prefill-fp8", 8, 512, 64, False, 2),
 ]
 
 
@@ -51,8 +57,10 @@ def compile_paged(
     page: int,
     features: bool,
     dtype: str = "bfloat16",
+    kv_scales: int = 0,
 ) -> dict[str, Any]:
-    """Compile the paged kernel for sm_90 with ``cfg`` and report its resources."""
+    """Compile the paged kernel for sm_90 with ``cfg`` and report its resources (fp8
+    pages with ``kv_scales`` 1 or 2)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -69,12 +77,14 @@ def compile_paged(
         tile=tile_shape(cfg, heads // kv_heads, q_len),
     )
     q = jax.ShapeDtypeStruct((batch * q_len, heads, head_dim), jnp.dtype(dtype))
-    pages = jax.ShapeDtypeStruct((batch * pages_per_seq, page, kv_heads, head_dim), q.dtype)
+    pages_dtype = jnp.dtype(jnp.float8_e4m3fn) if kv_scales else q.dtype
+    pages = jax.ShapeDtypeStruct((batch * pages_per_seq, page, kv_heads, head_dim), pages_dtype)
     table = jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32)
-    consts = dict(paged_constexprs(call, q, pages, table, features), INTERPRET=False)
+    consts = paged_constexprs(call, q, pages, table, features, kv_scales)
+    consts = dict(consts, INTERPRET=False)
     data = _TRITON_DTYPE[dtype]
     out = data if cfg.num_splits == 1 else "fp32"
-    kinds = {"data": data, "out": out}
+    kinds = {"data": data, "out": out, "pages": "fp8e4nv" if kv_scales else data}
     fn = module.paged_kernel
     pointers = {
         n: "*" + kinds.get(_POINTERS[n], _POINTERS[n]) for n in fn.arg_names if n not in consts
@@ -111,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     itemsize = jnp.dtype(args.dtype).itemsize
     for head_dim in (int(h) for h in args.head_dims.split(",")):
-        for name, batch, q_len, page, features in (b for b in BUILDS if b[0] in wanted):
+        for name, batch, q_len, page, features, kv_scales in (b for b in BUILDS if b[0] in wanted):
             cfg = paged_heuristic(
                 batch=batch, q_len=q_len, ragged=False, heads=32, kv_heads=8,
                 head_dim=head_dim, capacity=64 * page, itemsize=itemsize,
             )  # fmt: skip
-            row: dict[str, Any] = dict(build=name, head_dim=head_dim, dtype=args.dtype)
+            row: dict[str, Any] = dict(
+                build=name, head_dim=head_dim, dtype=args.dtype, kv_scales=kv_scales
+            )
             try:
                 row.update(
                     compile_paged(
@@ -126,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                         page=page,
                         features=features,
                         dtype=args.dtype,
+                        kv_scales=kv_scales,
                     )
                 )
                 if row["spill_stores"]:

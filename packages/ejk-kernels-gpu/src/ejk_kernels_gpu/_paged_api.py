@@ -123,6 +123,8 @@ def paged_attention_request(
         jnp.asarray(request.page_table, jnp.int32),
         tiles,
         None if sinks is None else jnp.asarray(sinks),
+        request.k_scales,
+        request.v_scales,
     )
     return out.reshape(q.shape)
 
@@ -139,6 +141,8 @@ def paged_attention(
     sliding_window: int | Sequence[int] | None = None,
     logits_soft_cap: float | None = None,
     softmax_sinks: Float[AnyArray, " N"] | Float[AnyArray, "N num_sinks"] | None = None,
+    k_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
+    v_scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | float | None = None,
     config: PagedConfig | None = None,
 ) -> Float[Array, "B T N H"] | Float[Array, "total_q N H"]:
     """Paged attention for serving (split-KV / flash-decoding Triton kernel), forward only.
@@ -151,7 +155,8 @@ def paged_attention(
     Args:
         q: ``[B, T, N, H]``, or ``[total_q, N, H]`` with ``cu_q_lens`` (ragged form: sequence
             ``b`` owns rows ``cu_q_lens[b]:cu_q_lens[b + 1]``).
-        k_pages, v_pages: ``[P, page_size, K, H]``, ``N % K == 0``.
+        k_pages, v_pages: ``[P, page_size, K, H]``, ``N % K == 0``; q's dtype or
+            ``float8_e4m3fn`` (with ``k_scales``/``v_scales``).
         page_table: int32 ``[B, pages_per_seq]``.
         kv_lens: int32 ``[B]``, each sequence's length including its new tokens.
         cu_q_lens: int32 ``[B + 1]`` query-row offsets (ragged form).
@@ -159,6 +164,8 @@ def paged_attention(
         sliding_window: ``(left, right)`` or ``w`` for ``(w, w)``.
         logits_soft_cap: ``cap * tanh(logits / cap)``.
         softmax_sinks: ``[N]`` or ``[N, num_sinks]`` logits in the denominator only.
+        k_scales, v_scales: with ``float8_e4m3fn`` pages: float32 ``[P, page_size, K]`` or
+            scalars (a slot holds ``page * scale``); the kernel dequantises in registers.
         config: a `PagedConfig`; default `paged_heuristic`.
 
     Returns:
@@ -175,5 +182,7 @@ def paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         softmax_sinks=softmax_sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return paged_attention_request(request, config=config)

@@ -20,6 +20,12 @@ tokens and ``kv_len`` keys sits at ``kv_len - q_len + t``. With ``CAUSAL`` it se
 ``<=`` its position, with a window ``(WINDOW_LEFT, WINDOW_RIGHT)`` those within it, and
 never keys ``>= kv_len`` (nor past the page table's capacity). Keys fully visible to
 every row of the tile run without the mask (`_paged_loop` with ``MASKED=False``).
+
+FP8 pages (``KV_SCALES`` 1: one scale for the pool, 2: one per stored token and kv head)
+are loaded as e4m3 and converted to q's dtype in registers (exactly: every e4m3 value is
+a float16 / bfloat16 one); the key scales multiply the logits' columns and the value
+scales the probabilities' columns (per token) or the output (scalar), so the value a slot
+holds is ``page * scale`` (`ejk_sequtils.dequantize_kv`) at no extra matmul.
 """
 
 from typing import NamedTuple
@@ -36,7 +42,6 @@ class PagedOptions(NamedTuple):
     H: int  # head dim
     BLOCK_D: int  # head dim padded to a power of two
     PAGE: int  # tokens per page
-    PAGE_STRIDE: int  # elements between pages of k_pages / v_pages
     ROW_STRIDE: int  # elements between the tokens of a page
     SCALE: float
     SOFT_CAP: float  # 0.0: none
@@ -44,6 +49,7 @@ class PagedOptions(NamedTuple):
     WINDOW_LEFT: int  # -1: no window
     WINDOW_RIGHT: int
     LOG2_FACTOR: float  # as in `_kernel_common`: logits in log2 units are x * LOG2_FACTOR
+    KV_SCALES: int  # fp8 pages: 0 none (pages in q's dtype), 1 one scale, 2 per token and kv head
 
 
 class _Tile(NamedTuple):
@@ -52,6 +58,8 @@ class _Tile(NamedTuple):
     q: object  # [BLOCK_M, BLOCK_D] resident queries
     k_base: object  # k_pages / v_pages at this kv head
     v_base: object
+    k_scale: object  # KV_SCALES 2: k_scales / v_scales at this kv head; 1: the scales' values
+    v_scale: object
     pages: object  # this sequence's row of the page table
     kv_len: object  # keys that exist (positions come from the caller's kv_len)
     pos: object  # [BLOCK_M] position of each row's token
@@ -59,25 +67,42 @@ class _Tile(NamedTuple):
 
 
 @triton.jit
-def _gather(base, pages, start_n, offs_d, kv_len, F: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr):  # fmt: skip
-    """[BLOCK_N, BLOCK_D] rows ``start_n ...`` of a sequence through its page table (zeros
-    past ``kv_len`` when MASKED; the table entries of those rows are not read)."""
+def _slots(pages, start_n, kv_len, F: tl.constexpr, BLOCK_N: tl.constexpr,
+           MASKED: tl.constexpr):  # fmt: skip
+    """int64 [BLOCK_N]: the pool slot (``page * PAGE + offset``) of the sequence's keys
+    ``start_n ...`` through its page table (past ``kv_len`` when MASKED: slot of page 0,
+    never read; the table entries of those rows are not read)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if F.PAGE % BLOCK_N == 0:  # the block lies in one page (blocks start at multiples of BLOCK_N)
         page = tl.load(pages + start_n // F.PAGE).to(tl.int64)
-        rows = page * F.PAGE_STRIDE + (offs_n % F.PAGE) * F.ROW_STRIDE
     else:
         if MASKED:
             page = tl.load(pages + offs_n // F.PAGE, mask=offs_n < kv_len, other=0)
         else:
             page = tl.load(pages + offs_n // F.PAGE)
-        rows = page.to(tl.int64) * F.PAGE_STRIDE + (offs_n % F.PAGE) * F.ROW_STRIDE
-    ptrs = base + rows[:, None] + offs_d[None, :]
+        page = page.to(tl.int64)
+    return page * F.PAGE + offs_n % F.PAGE
+
+
+@triton.jit
+def _gather(base, slots, offs_n, offs_d, kv_len, F: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] rows of the pool's ``slots`` (zeros past ``kv_len`` when MASKED)."""
+    ptrs = base + (slots * F.ROW_STRIDE)[:, None] + offs_d[None, :]
     if MASKED:
         return tl.load(ptrs, mask=(offs_n[:, None] < kv_len) & (offs_d[None, :] < F.H), other=0.0)
     elif F.BLOCK_D != F.H:
         return tl.load(ptrs, mask=offs_d[None, :] < F.H, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _gather_scales(base, slots, offs_n, kv_len, F: tl.constexpr, MASKED: tl.constexpr):
+    """float32 [BLOCK_N]: the per-token scales of the pool's ``slots`` (0 past ``kv_len``
+    when MASKED, so a stale slot's scale never reaches a logit or a probability)."""
+    ptrs = base + slots * (F.ROW_STRIDE // F.H)  # scales [P, PAGE, K]: K per slot
+    if MASKED:
+        return tl.load(ptrs, mask=offs_n < kv_len, other=0.0)
     else:
         return tl.load(ptrs)
 
@@ -101,9 +126,17 @@ def _paged_block(acc, m_i, l_i, start_n, tile, F: tl.constexpr, BLOCK_N: tl.cons
     """One key block's online-softmax update (FlashAttention-2, Alg. 1, lines 8-10); the
     running max is in the units of `_kernel_common` (log2 in the plain case)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _gather(tile.k_base, tile.pages, start_n, tile.offs_d, tile.kv_len, F, BLOCK_N, MASKED)
-    v = _gather(tile.v_base, tile.pages, start_n, tile.offs_d, tile.kv_len, F, BLOCK_N, MASKED)
+    slots = _slots(tile.pages, start_n, tile.kv_len, F, BLOCK_N, MASKED)
+    k = _gather(tile.k_base, slots, offs_n, tile.offs_d, tile.kv_len, F, MASKED)
+    v = _gather(tile.v_base, slots, offs_n, tile.offs_d, tile.kv_len, F, MASKED)
+    if F.KV_SCALES != 0:  # fp8 pages: e4m3 -> q's dtype is exact; the scales come below
+        k = k.to(tile.q.dtype)
+        v = v.to(tile.q.dtype)
     x = tl.dot(tile.q, tl.trans(k))
+    if F.KV_SCALES == 2:  # q·(k_j · s_j) = (q·k_j) · s_j: scale the logits' columns
+        x = x * _gather_scales(tile.k_scale, slots, offs_n, tile.kv_len, F, MASKED)[None, :]
+    elif F.KV_SCALES == 1:
+        x = x * tile.k_scale
     if F.LOG2_FACTOR == LOG2E:  # natural logits: scale, then the soft cap
         x = x * F.SCALE
         if F.SOFT_CAP > 0.0:
@@ -120,6 +153,8 @@ def _paged_block(acc, m_i, l_i, start_n, tile, F: tl.constexpr, BLOCK_N: tl.cons
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(x * F.LOG2_FACTOR - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if F.KV_SCALES == 2:  # Σ_j p_j (v_j · s_j) = Σ_j (p_j · s_j) v_j; l keeps the plain p
+        p = p * _gather_scales(tile.v_scale, slots, offs_n, tile.kv_len, F, MASKED)[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
 
@@ -160,13 +195,13 @@ def _key_range(first, last, kv_len, F: tl.constexpr):
 
 @triton.jit
 def paged_kernel(
-    q_ptr, k_ptr, v_ptr, page_table_ptr, tiles_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, page_table_ptr, tiles_ptr, sinks_ptr,
     o_ptr, lse_ptr,
     ROWS: tl.constexpr, N: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
-    PAGES_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, PAGE_STRIDE: tl.constexpr,
-    ROW_STRIDE: tl.constexpr, SCALE: tl.constexpr, SOFT_CAP: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    LOG2_FACTOR: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGES_PER_SEQ: tl.constexpr, PAGE: tl.constexpr, ROW_STRIDE: tl.constexpr,
+    SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, LOG2_FACTOR: tl.constexpr,
+    KV_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     TILE_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -174,13 +209,14 @@ def paged_kernel(
 
     ``tiles_ptr``: int32 ``[tiles, 5]`` rows ``(seq, first q row, first token, q_len,
     kv_len)`` (`_paged_launch.query_tiles`); a tile with ``q_len = 0`` does nothing.
-    ``q_ptr``: ``[ROWS, N, H]``. Outputs: with one split ``o [ROWS, N, H]`` in q's dtype;
-    otherwise float32 ``o [NUM_SPLITS, ROWS, N, H]`` and ``lse [NUM_SPLITS, ROWS, N]``.
+    ``q_ptr``: ``[ROWS, N, H]``. ``k_scales_ptr``/``v_scales_ptr``: float32 ``[P, PAGE, K]``
+    (``KV_SCALES`` 2), ``[1]`` (1), or unused (0). Outputs: with one split
+    ``o [ROWS, N, H]`` in q's dtype; otherwise float32 ``o [NUM_SPLITS, ROWS, N, H]`` and ``lse [NUM_SPLITS, ROWS, N]``.
     """
     F: tl.constexpr = PagedOptions(
-        H=H, BLOCK_D=BLOCK_D, PAGE=PAGE, PAGE_STRIDE=PAGE_STRIDE, ROW_STRIDE=ROW_STRIDE,
+        H=H, BLOCK_D=BLOCK_D, PAGE=PAGE, ROW_STRIDE=ROW_STRIDE,
         SCALE=SCALE, SOFT_CAP=SOFT_CAP, CAUSAL=CAUSAL, WINDOW_LEFT=WINDOW_LEFT,
-        WINDOW_RIGHT=WINDOW_RIGHT, LOG2_FACTOR=LOG2_FACTOR,
+        WINDOW_RIGHT=WINDOW_RIGHT, LOG2_FACTOR=LOG2_FACTOR, KV_SCALES=KV_SCALES,
     )  # fmt: skip
     K: tl.constexpr = N // G
     split = tl.program_id(0)
@@ -221,10 +257,21 @@ def paged_kernel(
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
     mid_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, mid_lo), end)
 
+    if KV_SCALES == 2:
+        k_scale = k_scales_ptr + kh
+        v_scale = v_scales_ptr + kh
+    elif KV_SCALES == 1:
+        k_scale = tl.load(k_scales_ptr)
+        v_scale = tl.load(v_scales_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
     tile = _Tile(
         q,
         k_ptr + kh * H,
         v_ptr + kh * H,
+        k_scale,
+        v_scale,
         page_table_ptr + seq.to(tl.int64) * PAGES_PER_SEQ,
         keys,
         pos,
@@ -249,6 +296,8 @@ def paged_kernel(
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_SCALES == 1:  # one value scale: it factors out of Σ_j p_j v_j
+        out = out * v_scale
     row_off = (q_start + tok).to(tl.int64) * N + head
     if NUM_SPLITS == 1:
         tl.store(o_ptr + row_off[:, None] * H + offs_d[None, :], out.to(o_ptr.dtype.element_ty),

@@ -18,6 +18,7 @@ from ._triton import kernels, launch
 __all__ = [
     "PagedCall",
     "combine_splits",
+    "kv_scale_kind",
     "paged_forward",
     "paged_kernels",
     "query_tiles",
@@ -120,8 +121,10 @@ def combine_splits(
     return num / jnp.where(den > 0.0, den, 1.0)[..., None]
 
 
-def paged_constexprs(call: PagedCall, q_rows, k_pages, page_table, has_sinks: bool) -> dict:
-    """The kernel's compile-time arguments, by name."""
+def paged_constexprs(
+    call: PagedCall, q_rows, k_pages, page_table, has_sinks: bool, kv_scales: int = 0
+) -> dict:
+    """The kernel's compile-time arguments, by name (``kv_scales``: `kv_scale_kind`)."""
     rows, heads, head_dim = q_rows.shape
     _, page, kv_heads, _ = k_pages.shape
     left, right = call.window if call.window is not None else (-1, -1)
@@ -133,7 +136,6 @@ def paged_constexprs(call: PagedCall, q_rows, k_pages, page_table, has_sinks: bo
         H=head_dim,
         PAGES_PER_SEQ=page_table.shape[1],
         PAGE=page,
-        PAGE_STRIDE=page * kv_heads * head_dim,
         ROW_STRIDE=kv_heads * head_dim,
         SCALE=float(call.scale),
         SOFT_CAP=float(call.soft_cap),
@@ -142,6 +144,7 @@ def paged_constexprs(call: PagedCall, q_rows, k_pages, page_table, has_sinks: bo
         WINDOW_RIGHT=right,
         # As in `_kernel_common`: the plain case folds log2(e) into the scale.
         LOG2_FACTOR=call.scale * LOG2E if plain else LOG2E,
+        KV_SCALES=kv_scales,
         HAS_SINKS=has_sinks,
         NUM_SPLITS=call.config.num_splits,
         TILE_T=call.tile.tokens,
@@ -149,6 +152,23 @@ def paged_constexprs(call: PagedCall, q_rows, k_pages, page_table, has_sinks: bo
         BLOCK_N=call.config.block_kv,
         BLOCK_D=head_block(head_dim),
     )
+
+
+def kv_scale_kind(k_scales: Array | None, v_scales: Array | None) -> int:
+    """The kernel's ``KV_SCALES``: 0 without scales, 1 when both are scalars, else 2 (per
+    token and kv head; a scalar one is then broadcast to the pool's shape)."""
+    if k_scales is None:
+        return 0
+    return 1 if k_scales.ndim == 0 and v_scales.ndim == 0 else 2
+
+
+def _scales_input(scales: Array | None, kind: int, shape: tuple[int, ...]) -> Array:
+    """What the kernel's scale pointer gets: float32 ``shape`` (kind 2), ``[1]`` (kind 1),
+    a dummy ``[1]`` (kind 0)."""
+    if kind == 0:
+        return jnp.zeros((1,), jnp.float32)
+    scales = jnp.asarray(scales, jnp.float32)
+    return jnp.broadcast_to(scales, shape) if kind == 2 else scales.reshape(1)
 
 
 def paged_forward(
@@ -159,10 +179,13 @@ def paged_forward(
     page_table: Int[Array, "B pages"],
     tiles: Int[Array, "tiles 5"],
     sinks: Float[Array, " N"] | None,
+    k_scales: Float[Array, "P page K"] | Float[Array, ""] | None = None,
+    v_scales: Float[Array, "P page K"] | Float[Array, ""] | None = None,
 ) -> Float[Array, "R N H"]:
     """Attention of the query rows ``q_rows`` over their sequences' pages: one launch of
     the split-KV kernel (grid ``(splits, tiles · K)``), then `combine_splits` when the
-    config splits the keys."""
+    config splits the keys. With fp8 pages, ``k_scales``/``v_scales`` (float32
+    ``[P, page, K]`` or scalars) dequantise them in the kernel."""
     rows, heads, head_dim = q_rows.shape
     kv_heads = k_pages.shape[2]
     splits = call.config.num_splits
@@ -175,13 +198,15 @@ def paged_forward(
             jax.ShapeDtypeStruct((splits, rows, heads), jnp.float32),
         )
     sinks_in = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    kind = kv_scale_kind(k_scales, v_scales)
+    scales = (_scales_input(s, kind, k_pages.shape[:3]) for s in (k_scales, v_scales))
     outs = launch(
         paged_kernels().paged_kernel,
         grid,
-        (q_rows, k_pages, v_pages, page_table, tiles, sinks_in),
+        (q_rows, k_pages, v_pages, *scales, page_table, tiles, sinks_in),
         # One split: the kernel writes no lse (an unused pointer, see paged_kernel).
         out_shapes if splits > 1 else (*out_shapes, jax.ShapeDtypeStruct((1,), jnp.float32)),
-        paged_constexprs(call, q_rows, k_pages, page_table, sinks is not None),
+        paged_constexprs(call, q_rows, k_pages, page_table, sinks is not None, kind),
         num_warps=call.config.num_warps,
         num_stages=call.config.num_stages,
     )

@@ -98,6 +98,23 @@ def _block_sequences(cu: Any, blocks: int, block_q: int) -> tuple[Any, Any]:
     return lo.astype(jnp.int32), jnp.maximum(hi, lo).astype(jnp.int32)
 
 
+def _kv_scale_kind(request: PagedAttentionRequest) -> int:
+    """The kernel's ``kv_scales``: 0 (no fp8), 1 (both scales scalars), 2 (per token)."""
+    if not request.is_quantized:
+        return 0
+    return 1 if request.k_scales.ndim == 0 and request.v_scales.ndim == 0 else 2
+
+
+def _kernel_scales(request: PagedAttentionRequest, kind: int) -> tuple[Any, Any]:
+    """``(k_scales, v_scales)`` as the kernel takes them: None, scalars, or both
+    ``[P, page_size, K]`` (a scalar one broadcast) for ``kind`` 0, 1, 2."""
+    if kind == 0:
+        return None, None
+    shape = request.k_pages.shape[:3]
+    scales = (jnp.asarray(s, jnp.float32) for s in (request.k_scales, request.v_scales))
+    return tuple(s if kind == 1 else jnp.broadcast_to(s, shape) for s in scales)
+
+
 def paged_attention_request(
     request: PagedAttentionRequest,
     *,
@@ -157,6 +174,7 @@ def paged_attention_request(
         window_left=None if window is None else int(window[0]),
         has_sinks=request.softmax_sinks is not None,
         interpret=interpret,
+        kv_scales=_kv_scale_kind(request),
     )
     sinks = request.softmax_sinks
     out = paged_forward(
@@ -169,6 +187,7 @@ def paged_attention_request(
         seq_lo,
         seq_hi,
         None if sinks is None else jnp.asarray(sinks, jnp.float32),
+        *_kernel_scales(request, st.kv_scales),
         st=st,
     )
     out = jnp.swapaxes(out.reshape(heads, blocks * block_q, head_dim)[:, :rows], 0, 1)
@@ -199,7 +218,8 @@ def paged_attention(
         config: a `RaggedPagedConfig`; default `ragged_paged_heuristic`.
         interpret: as in `paged_attention_request`.
         **options: ``cu_q_lens``, ``softmax_scale``, ``sliding_window``,
-            ``logits_soft_cap``, ``softmax_sinks``, as `validate_paged_attention` takes them.
+            ``logits_soft_cap``, ``softmax_sinks``, ``k_scales``, ``v_scales`` (with
+            ``float8_e4m3fn`` pages), as `validate_paged_attention` takes them.
 
     Returns:
         ``out`` shaped like ``q``, in ``q.dtype``.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import jax.numpy as jnp
 import msgspec
 import numpy as np
 
@@ -79,6 +80,8 @@ class PagedShape(msgspec.Struct, frozen=True, kw_only=True):
         heads, kv_heads, head_dim: N, K, H.
         page_size: tokens per page; pages_per_seq: columns of the page table.
         itemsize: bytes per element of q.
+        fp8_pages: the pages are ``float8_e4m3fn`` (their copies are budgeted at q's
+            itemsize, which pads to as many bytes; per-token scales add their own slots).
     """
 
     batch: int
@@ -90,6 +93,7 @@ class PagedShape(msgspec.Struct, frozen=True, kw_only=True):
     page_size: int
     pages_per_seq: int
     itemsize: int
+    fp8_pages: bool = False
 
     @property
     def rows(self) -> int:
@@ -117,6 +121,7 @@ def paged_shape(q: Any, k_pages: Any, page_table: Any, *, ragged: bool) -> Paged
         page_size=int(page_size),
         pages_per_seq=int(page_table.shape[1]),
         itemsize=int(np.dtype(q.dtype).itemsize),
+        fp8_pages=np.dtype(k_pages.dtype) == np.dtype(jnp.float8_e4m3fn),
     )
 
 
@@ -128,8 +133,9 @@ def paged_vmem_bytes(config: RaggedPagedConfig, shape: PagedShape) -> int:
     """A generous estimate of the kernel's VMEM use for ``config`` on a call of ``shape``.
 
     Double-buffered query and output blocks (every head), two slots of k and v pages
-    (kv heads padded to the sublane tile), the f32 accumulators, and the f32 score
-    temporaries of one kv head.
+    (kv heads padded to the sublane tile), with fp8 pages two slots of their f32 scales
+    (kv heads padded to the lanes), the f32 accumulators, and the f32 score temporaries of
+    one kv head.
     """
     bq = effective_block_q(config.block_q, shape.itemsize)
     lanes = _round_up(shape.head_dim, 128)
@@ -137,6 +143,9 @@ def paged_vmem_bytes(config: RaggedPagedConfig, shape: PagedShape) -> int:
     q_block = shape.heads * bq * lanes * shape.itemsize
     keys = config.pages_per_block * shape.page_size
     kv_slots = 2 * 2 * keys * _round_up(shape.kv_heads, sublane) * lanes * shape.itemsize
+    if shape.fp8_pages:
+        pages = config.pages_per_block * _round_up(shape.page_size, 8)
+        kv_slots += 2 * 2 * pages * _round_up(shape.kv_heads, 128) * 4
     rows = shape.heads * bq
     scratch = rows * lanes * 4 + 2 * rows * 128 * 4  # acc, and m, l padded to 128 lanes
     temps = 3 * shape.group * bq * _round_up(keys, 128) * 4 + 2 * keys * lanes * 4

@@ -14,6 +14,11 @@ see (causal bottom-right, the window's left edge), with an online softmax. A kv 
 async DMA into one of two VMEM slots; the next block's copy (the same sequence's next
 block, else the next sequence's first) starts before the current block is computed. Rows of the block owned by another sequence, keys past ``kv_lens[b]``
 and keys the rule hides are masked, so each row accumulates its own sequence's keys only.
+
+FP8 pages (``kv_scales`` 1: one scale per pool, in SMEM; 2: one per stored token and kv
+head, ``[P, page_size, K]`` copied with their pages into VMEM) are copied as e4m3 (half
+the bytes of bf16) and dequantised in the kernel, ``page * scale`` in float32 then q's
+dtype, before the block's matmuls (`ejk_sequtils.dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class PagedStatic:
         scale, soft_cap: softmax scale and the logits soft cap (or None).
         window_left: how far left of its position a query sees (None: no window).
         has_sinks: whether ``sinks`` f32 ``[N]`` is passed.
+        kv_scales: 0 (pages in q's dtype), or fp8 pages with 1 (scalar scales, f32 ``[2]``
+            in SMEM: k's, v's) or 2 (per-token scales ``[P, page_size, K]``, k's and v's).
         interpret: False on TPU, else the `pltpu.InterpretParams` to run with.
     """
 
@@ -58,6 +65,7 @@ class PagedStatic:
     window_left: int | None
     has_sinks: bool
     interpret: Any
+    kv_scales: int = 0
 
     @property
     def block_kv(self) -> int:
@@ -89,7 +97,8 @@ class _PageCopies:
             def _copy(p=p, index=index):
                 page = r["page_table"][self.seq * st.pages_per_seq + index]
                 page = jnp.clip(page, 0, st.num_pages - 1)  # traced tables are not checked
-                for name, kind in (("k", 0), ("v", 1)):
+                names = ("k", "v", "ks", "vs") if st.kv_scales == 2 else ("k", "v")
+                for kind, name in enumerate(names):
                     copy = pltpu.make_async_copy(
                         r[f"{name}_hbm"].at[page],
                         r[f"{name}_buf"].at[slot, p],
@@ -107,6 +116,21 @@ class _PageCopies:
 def _head_tile(buf: Any, slot: Any, head: int, st: PagedStatic) -> jax.Array:
     """kv head ``head`` of a slot ``[pages_per_block, page_size, K, H]``: ``[block_kv, H]``."""
     return buf[slot, :, :, head, :].reshape(st.block_kv, buf.shape[-1])
+
+
+def _dequantized_tile(
+    r: dict[str, Any], name: str, slot: Any, head: int, st: PagedStatic, dtype: Any
+) -> jax.Array:
+    """`_head_tile` of ``name`` ("k" or "v") in ``dtype``: fp8 pages times their scales
+    (per token: the slot's ``[block_kv, 1]`` column of kv head ``head``; or the scalar)."""
+    tile = _head_tile(r[f"{name}_buf"], slot, head, st)
+    if st.kv_scales == 0:
+        return tile
+    if st.kv_scales == 2:
+        scales = r[f"{name}s_buf"][slot, :, :, head : head + 1].reshape(st.block_kv, 1)
+    else:
+        scales = r["scales"][0 if name == "k" else 1]
+    return (tile.astype(jnp.float32) * scales).astype(dtype)
 
 
 class _Walk(NamedTuple):
@@ -238,8 +262,8 @@ def _block_step(
     for h in range(st.kv_heads):
         q = r["q"][h]
         q = q.reshape(st.group * st.block_q, q.shape[-1])
-        k = _head_tile(r["k_buf"], slot, h, st)
-        v = _head_tile(r["v_buf"], slot, h, st)
+        k = _dequantized_tile(r, "k", slot, h, st, q.dtype)
+        v = _dequantized_tile(r, "v", slot, h, st, q.dtype)
         v = jnp.where(held, v, jnp.zeros((), v.dtype))
         s = jnp.where(visible, logits(q, k, st.scale, st.soft_cap)[0], -jnp.inf)
         m_prev = r["m"][h]
@@ -272,6 +296,8 @@ def paged_forward(
     seq_lo: jax.Array,
     seq_hi: jax.Array,
     sinks: jax.Array | None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     st: PagedStatic,
 ) -> jax.Array:
@@ -285,6 +311,8 @@ def paged_forward(
         seq_lo, seq_hi: int32 ``[R / block_q]``: the sequences ``[lo, hi)`` that may own
             rows of each block.
         sinks: f32 ``[N]`` or None.
+        k_scales, v_scales: with ``st.kv_scales`` 2, f32 ``[P, page_size, K]`` (left in
+            HBM); with 1, f32 scalars; else None.
         st: the launch's static options.
     """
     kv_heads, group, num_rows, head_dim = q.shape
@@ -298,11 +326,22 @@ def paged_forward(
         names.append("sinks")
         args.append(sinks)
     slots = (2, st.pages_per_block, st.page_size, kv_heads, head_dim)
+    scale_bufs = {}
+    if st.kv_scales == 1:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        names.append("scales")
+        args.append(jnp.stack([k_scales, v_scales]).astype(jnp.float32))
+    elif st.kv_scales == 2:
+        in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
+        names += ["ks_hbm", "vs_hbm"]
+        args += [k_scales, v_scales]
+        scale_bufs = {name: pltpu.VMEM(slots[:-1], jnp.float32) for name in ("ks_buf", "vs_buf")}
     rows = group * bq
     scratch = {
         "k_buf": pltpu.VMEM(slots, k_pages.dtype),
         "v_buf": pltpu.VMEM(slots, v_pages.dtype),
-        "sem": pltpu.SemaphoreType.DMA((2, 2)),
+        **scale_bufs,
+        "sem": pltpu.SemaphoreType.DMA((4 if st.kv_scales == 2 else 2, 2)),
         "m": pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
         "l": pltpu.VMEM((kv_heads, rows, 1), jnp.float32),
         "acc": pltpu.VMEM((kv_heads, rows, head_dim), jnp.float32),

@@ -5,7 +5,8 @@ visibility rules (`visibility_mask`), the dropout keep-mask (`dropout_keep_mask`
 the float32 reference (`reference_attention`) and the validation of a call
 (`validate_attention`, returning the `AttentionRequest` every backend receives), and
 the same for paged attention in serving (`validate_paged_attention`,
-`paged_reference_attention`).
+`paged_reference_attention`), with what an FP8 KV page means (`dequantize_kv`,
+`quantize_kv`).
 """
 
 from ._cu_seqlens import cdiv as cdiv
@@ -24,6 +25,10 @@ from ._dropout import dropout_keep_mask as dropout_keep_mask
 from ._dropout import dropout_key as dropout_key
 from ._dropout import dropout_seed_u32 as dropout_seed_u32
 from ._dropout import dropout_threshold as dropout_threshold
+from ._kv_quant import FP8_KV_DTYPE as FP8_KV_DTYPE
+from ._kv_quant import FP8_KV_MAX as FP8_KV_MAX
+from ._kv_quant import dequantize_kv as dequantize_kv
+from ._kv_quant import quantize_kv as quantize_kv
 from ._masks import is_segment_representable as is_segment_representable
 from ._masks import mask_to_segment_ids as mask_to_segment_ids
 from ._masks import prepare_cu_seqlens_from_mask as prepare_cu_seqlens_from_mask
@@ -63,6 +68,8 @@ from ._zigzag import zigzag_positions as zigzag_positions
 __all__ = [
     "ATTENTION_TOLERANCES",
     "DROPOUT_HASH",
+    "FP8_KV_DTYPE",
+    "FP8_KV_MAX",
     "AttentionRequest",
     "PagedAttentionRequest",
     "assert_allclose",
@@ -71,6 +78,7 @@ __all__ = [
     "cdiv",
     "chunk_array",
     "cu_seqlens_to_segment_ids",
+    "dequantize_kv",
     "dropout_keep_mask",
     "dropout_key",
     "dropout_seed_u32",
@@ -96,6 +104,7 @@ __all__ = [
     "prepare_position_ids",
     "prepare_sequence_ids",
     "prepare_token_indices",
+    "quantize_kv",
     "ragged_rows",
     "random_document_ids",
     "reference_attention",

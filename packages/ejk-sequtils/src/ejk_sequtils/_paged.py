@@ -16,6 +16,10 @@ own (and, with ``sliding_window=(left, right)``, ``>= position - left``). A sequ
 ``kv_lens[b] == 0`` (an idle slot) and a query whose position is negative see no key and
 output zeros. Page-table entries past a sequence's last page are never read, whatever
 they hold, and neither are page slots past ``kv_lens[b]``.
+
+FP8 pages: ``k_pages``/``v_pages`` in ``float8_e4m3fn`` come with float32 ``k_scales``/``v_scales``
+``[P, page_size, K]`` (one per stored token and kv head) or scalars; a slot holds
+``page * scale`` (`dequantize_kv`), and the queries and the output keep their own dtype.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._kv_quant import FP8_KV_DTYPE, dequantize_kv
 from ._reference import reference_attention
 from ._request import (
+    _array,
     _concrete,
     _float_array,
     _int_array,
@@ -71,11 +77,18 @@ class PagedAttentionRequest:
     sliding_window: tuple[int, int] | None
     logits_soft_cap: float | None
     softmax_sinks: Any
+    k_scales: Any = None
+    v_scales: Any = None
 
     @property
     def is_ragged(self) -> bool:
         """True for the ``[total_q, N, H]`` form (``cu_q_lens`` given)."""
         return self.cu_q_lens is not None
+
+    @property
+    def is_quantized(self) -> bool:
+        """True for fp8 pages with scales (`dequantize_kv`)."""
+        return self.k_scales is not None
 
     @property
     def batch(self) -> int:
@@ -129,6 +142,7 @@ class PagedAttentionRequest:
             "sliding_window": self.sliding_window is not None,
             "logits_soft_cap": self.logits_soft_cap is not None,
             "softmax_sinks": self.softmax_sinks is not None,
+            "fp8_kv": self.is_quantized,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -181,19 +195,25 @@ def validate_paged_attention(
     sliding_window: Any = None,
     logits_soft_cap: Any = None,
     softmax_sinks: Any = None,
+    k_scales: Any = None,
+    v_scales: Any = None,
 ) -> PagedAttentionRequest:
     """Check every argument of a paged attention call and return them in normal form.
 
     Args:
         q: ``[B, T, N, H]``, or ``[total_q, N, H]`` with ``cu_q_lens``.
-        k_pages: ``[P, page_size, K, H]``, ``N % K == 0``, q's dtype.
-        v_pages: like ``k_pages``.
+        k_pages: ``[P, page_size, K, H]``, ``N % K == 0``, q's dtype, or ``float8_e4m3fn``
+            with ``k_scales``.
+        v_pages: like ``k_pages`` (the same dtype).
         page_table: int32 ``[B, pages_per_seq]``.
         kv_lens: int32 ``[B]``, each sequence's length including its new tokens.
         cu_q_lens: int32 ``[B + 1]`` (ragged form): offsets of each sequence's query rows,
             from 0 to ``total_q``.
         softmax_scale, sliding_window, logits_soft_cap, softmax_sinks: as in
             `validate_attention` (causal is always on, bottom-right).
+        k_scales, v_scales: with ``float8_e4m3fn`` pages (and only then), float32
+            ``[P, page_size, K]`` (one scale per stored token and kv head) or a scalar (a
+            float or a 0-d float32 array); a slot holds ``page * scale`` (`dequantize_kv`).
 
     Values are checked only when concrete (not traced inside ``jax.jit``): ``kv_lens`` in
     ``[0, pages_per_seq * page_size]``, the table's pages in use inside the pool, and
@@ -208,8 +228,8 @@ def validate_paged_attention(
     if q.ndim != (3 if ragged else 4):
         layout = "rank 3 [total_q, N, H] (with cu_q_lens)" if ragged else "rank 4 [B, T, N, H]"
         raise ValueError(f"q must be {layout}, got q.shape={q.shape}")
-    k_pages = _float_array(k_pages, "k_pages")
-    v_pages = _float_array(v_pages, "v_pages")
+    k_pages = _page_array(k_pages, "k_pages")
+    v_pages = _page_array(v_pages, "v_pages")
     if k_pages.ndim != 4:
         raise ValueError(
             f"k_pages must be rank 4 [P, page_size, K, H], got k_pages.shape={k_pages.shape}"
@@ -218,9 +238,11 @@ def validate_paged_attention(
         raise ValueError(
             f"v_pages must have k_pages' shape {k_pages.shape}, got v_pages.shape={v_pages.shape}"
         )
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    quantized = k_pages.dtype == FP8_KV_DTYPE
+    if v_pages.dtype != k_pages.dtype or (not quantized and k_pages.dtype != q.dtype):
         raise TypeError(
-            f"q, k_pages and v_pages must share one dtype, got q.dtype={q.dtype}, "
+            f"q, k_pages and v_pages must share one dtype (or k_pages and v_pages both "
+            f"float8_e4m3fn, with scales), got q.dtype={q.dtype}, "
             f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}"
         )
     heads, head_dim = q.shape[-2:]
@@ -236,6 +258,8 @@ def validate_paged_attention(
         )
     if page_size == 0:
         raise ValueError(f"k_pages must have page_size > 0, got k_pages.shape={k_pages.shape}")
+    k_scales = _validate_scales(k_scales, "k_scales", k_pages, "k_pages")
+    v_scales = _validate_scales(v_scales, "v_scales", v_pages, "v_pages")
 
     if ragged:
         cu_q_lens = _validate_cu_seqlens(cu_q_lens, "cu_q_lens", q.shape[0])
@@ -272,13 +296,57 @@ def validate_paged_attention(
         sliding_window=normalize_window(sliding_window),
         logits_soft_cap=_soft_cap(logits_soft_cap),
         softmax_sinks=None if softmax_sinks is None else _validate_sinks(softmax_sinks, heads),
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
+
+
+def _page_array(x: Any, name: str) -> Any:
+    """A pool of pages: a floating array (`_float_array`'s dtypes) or ``float8_e4m3fn``."""
+    x = _array(x, name, "a floating jax or NumPy array")
+    if x.dtype == FP8_KV_DTYPE:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1:
+        raise TypeError(
+            f"{name} in 8 bits must be float8_e4m3fn (with scales), got {name}.dtype={x.dtype}"
+        )
+    return _float_array(x, name)
+
+
+def _validate_scales(scales: Any, name: str, pages: Any, pages_name: str) -> Any:
+    """``scales`` of fp8 ``pages``: float32 ``[P, page_size, K]`` or a scalar (a Python
+    float becomes a float32 array); None for pages of any other dtype."""
+    if pages.dtype != FP8_KV_DTYPE:
+        if scales is not None:
+            raise TypeError(
+                f"{name} is only for float8_e4m3fn pages, got {name} with "
+                f"{pages_name}.dtype={pages.dtype}"
+            )
+        return None
+    shape = pages.shape[:3]
+    expected = f"float32 [P, page_size, K]={shape} or a scalar"
+    if scales is None:
+        raise ValueError(
+            f"{pages_name} of dtype float8_e4m3fn need {name} ({expected}), got {name}=None"
+        )
+    if isinstance(scales, float | int) and not isinstance(scales, bool):
+        return jnp.asarray(scales, jnp.float32)
+    scales = _array(scales, name, f"{expected}")
+    if scales.dtype != jnp.float32:
+        raise TypeError(f"{name} must be float32, got {name}.dtype={scales.dtype}")
+    if scales.shape not in ((), shape):
+        raise ValueError(
+            f"{name} must have shape [P, page_size, K]={shape} or (), got {name}.shape={scales.shape}"
+        )
+    return scales
 
 
 def gather_pages(
     pages: Float[AnyArray, "P page_size K H"],
     page_table: Int[AnyArray, "B pages_per_seq"],
     num_keys: Int[AnyArray, " B"],
+    *,
+    scales: Float[AnyArray, "P page_size K"] | Float[AnyArray, ""] | None = None,
 ) -> Float[Array, "B S K H"]:
     """Each sequence's pages laid end to end: a contiguous cache ``[B, pages_per_seq * page_size, K, H]``.
 
@@ -286,27 +354,36 @@ def gather_pages(
     it are zeros, and the table's entries past a sequence's last page are never read
     (whatever they hold). An entry in use that is not a page of the pool (only possible
     with traced values: `validate_paged_attention` rejects it otherwise) is clamped.
+    With ``scales`` (fp8 pages) the gathered slots are dequantised (`dequantize_kv`):
+    only the rows gathered, never the whole pool.
 
     Args:
         pages: ``[P, page_size, K, H]``.
         page_table: ``[B, pages_per_seq]`` page ids.
         num_keys: ``[B]`` tokens held by each sequence.
+        scales: None, or the pages' float32 scales ``[P, page_size, K]`` or scalar.
 
     Returns:
-        ``[B, pages_per_seq * page_size, K, H]`` in ``pages.dtype``.
+        ``[B, pages_per_seq * page_size, K, H]`` in ``pages.dtype``, float32 with ``scales``.
     """
     num_pages, page_size, kv_heads, head_dim = pages.shape
     batch, pages_per_seq = page_table.shape
     capacity = pages_per_seq * page_size
+    dtype = pages.dtype if scales is None else jnp.float32
     num_keys = jnp.asarray(num_keys, jnp.int32)
     if num_pages == 0:  # nothing to read: every sequence is empty
-        return jnp.zeros((batch, capacity, kv_heads, head_dim), pages.dtype)
+        return jnp.zeros((batch, capacity, kv_heads, head_dim), dtype)
     pages_used = (num_keys + page_size - 1) // page_size
     in_use = jnp.arange(pages_per_seq)[None, :] < pages_used[:, None]
     ids = jnp.clip(jnp.where(in_use, jnp.asarray(page_table, jnp.int32), 0), 0, num_pages - 1)
     gathered = jnp.asarray(pages)[ids].reshape(batch, capacity, kv_heads, head_dim)
+    if scales is not None:
+        scales = jnp.asarray(scales, jnp.float32)
+        if scales.ndim:
+            scales = scales[ids].reshape(batch, capacity, kv_heads)
+        gathered = dequantize_kv(gathered, scales)
     held = jnp.arange(capacity)[None, :] < num_keys[:, None]
-    return jnp.where(held[:, :, None, None], gathered, jnp.zeros((), pages.dtype))
+    return jnp.where(held[:, :, None, None], gathered, jnp.zeros((), dtype))
 
 
 def paged_visibility(
@@ -365,7 +442,8 @@ def paged_reference_attention(request: PagedAttentionRequest, *, return_lse: boo
     attends, through `reference_attention` (soft cap, sinks, GQA as there), to the keys
     of its sequence that the bottom-right causal rule and the window let it see. Rows
     that see no key (idle slots, negative positions) output zeros (lse -inf, or the
-    folded sink logit with sinks). It materialises every row's scores: for tests.
+    folded sink logit with sinks). FP8 pages are dequantised (`dequantize_kv`). It
+    materialises every row's scores: for tests.
 
     Args:
         request: from `validate_paged_attention`.
@@ -375,8 +453,9 @@ def paged_reference_attention(request: PagedAttentionRequest, *, return_lse: boo
         ``out`` in ``q.dtype`` shaped like ``q`` (``[B, T, N, H]`` or ``[total_q, N, H]``),
         and with ``return_lse`` the pair ``(out, lse)``, lse ``[B, N, T]`` or ``[N, total_q]``.
     """
-    keys = gather_pages(request.k_pages, request.page_table, request.kv_lens)
-    values = gather_pages(request.v_pages, request.page_table, request.kv_lens)
+    table, lens = request.page_table, request.kv_lens
+    keys = gather_pages(request.k_pages, table, lens, scales=request.k_scales)
+    values = gather_pages(request.v_pages, table, lens, scales=request.v_scales)
     kwargs = {
         "softmax_scale": request.softmax_scale,
         "logits_soft_cap": request.logits_soft_cap,

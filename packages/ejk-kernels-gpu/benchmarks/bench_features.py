@@ -12,6 +12,10 @@ pair and head forward, 3.5x that forward+backward):
   no soft cap: its row says so), and ejk without it.
 - ``head256``: B2 T4096 N16 K8 H256 causal. ``head64``: B8 T2048 N16 H64 causal.
 
+fa4-jax (`_fa4`: FlashAttention-4's kernels from JAX) runs every row it can express (the
+documents through ``flash_attn_varlen``; no soft cap); where it is not installed, its rows
+say so.
+
 After the rows it prints issue 20's targets as ratios of these times, each with its bound
 and whether the run met it (`_targets`; in the JSON as ``targets``).
 
@@ -31,6 +35,7 @@ import json
 import sys
 import time
 
+import _fa4
 import _targets
 import _tokamax
 import jax
@@ -89,6 +94,7 @@ def documents(docs=8, length=2048, n=16, h=128, groups=DEFAULT_GROUPS):
         ({**shape, "impl": "ejk", "as": "padded batch"}, _ejk(causal=True), tuple(batch)),
         ({**shape, "impl": "cudnn", "as": "dense mask"}, _cudnn(mask=dense[None, None]), (q, k, v, d_out)),
         ({**shape, "impl": "cudnn", "as": "padded batch"}, _cudnn(is_causal=True), tuple(batch)),
+        _fa4.entry({**shape, "as": "cu_seqlens"}, (q, k, v, d_out), (cu,), causal=True),
         *_tokamax.entries(ranges, (q, k, v, d_out), groups, documents=ids, causal=True),
         *_tokamax.entries(padded, tuple(batch), groups, causal=True),
     ]  # fmt: skip
@@ -101,6 +107,7 @@ def window(shape=(4, 4096, 32, 8, 128), left=1024, groups=DEFAULT_GROUPS):
     return 4 * b * n * h * _causal_pairs(t, left), [
         ({**row, "impl": "ejk"}, _ejk(causal=True, sliding_window=(left, 0)), args),
         ({**row, "impl": "cudnn"}, _cudnn(is_causal=True, local_window_size=(left, 0)), args),
+        _fa4.entry(row, args, causal=True, sliding_window=(left, 0)),
         *_tokamax.entries(row, args, groups, causal=True, sliding_window=(left, 0)),
     ]
 
@@ -115,6 +122,7 @@ def softcap(shape=(4, 4096, 32, 8, 128), cap=50.0, groups=DEFAULT_GROUPS):
         ({**capped, "impl": "ejk"}, _ejk(causal=True, logits_soft_cap=cap), args),
         ({**row, "impl": "ejk", "soft_cap": None}, _ejk(causal=True), args),
         ({**capped, "impl": "cudnn", "skipped": no_cap}, None, args),
+        _fa4.entry(capped, args, causal=True, logits_soft_cap=cap),
         *_tokamax.entries(capped, args, groups, causal=True, logits_soft_cap=cap),
     ]
 
@@ -126,6 +134,7 @@ def plain_causal(shape, groups=DEFAULT_GROUPS):
     return 4 * b * n * h * _causal_pairs(t), [
         ({**row, "impl": "ejk"}, _ejk(causal=True), args),
         ({**row, "impl": "cudnn"}, _cudnn(is_causal=True), args),
+        _fa4.entry(row, args, causal=True),
         *_tokamax.entries(row, args, groups, causal=True),
     ]
 

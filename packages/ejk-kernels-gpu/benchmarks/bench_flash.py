@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 
+import _fa4
 import _tokamax
 import jax
 from _inputs import attention_inputs
@@ -51,6 +52,11 @@ def _impls(causal, heads, kv_heads, fwd_cfg=None, bwd_cfg=None):
             q, k, v, is_causal=causal, implementation="xla"
         ),
     }
+    fa4, why = _fa4.call(causal=causal)
+    if fa4 is not None:
+        impls["fa4"] = fa4
+    else:
+        print(f"# {why}")
     try:
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -121,7 +127,7 @@ def _table(rows):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--only", default="", help="comma-separated impls (ejk,cudnn,xla,pallas,tokamax)"
+        "--only", default="", help="comma-separated impls (ejk,fa4,cudnn,xla,pallas,tokamax)"
     )
     parser.add_argument("--shapes", default="", help="comma-separated indices into SHAPES")
     parser.add_argument("--sweep", action="store_true", help="time ejk configs on the shapes")
@@ -178,7 +184,9 @@ def main() -> int:
         return 0
     fwd_cfgs = [cfg(text) for text in args.fwd_cfg.split(";")]
     bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
-    names = [n for n in ("ejk", "cudnn", "xla", "pallas", "tokamax") if not only or n in only]
+    names = [
+        n for n in ("ejk", "fa4", "cudnn", "xla", "pallas", "tokamax") if not only or n in only
+    ]
     groups = _tokamax.groups_of(args)
     for shape in shapes:
         variants = [(n, fwd_cfgs[0], bwd_cfgs[0], None) for n in names]

@@ -10,8 +10,12 @@ from ejk_sequtils import assert_allclose, attention_tolerance
 
 def close(actual, expected, dtype, quantity: str, name: str = "") -> None:
     """``actual`` within the one tolerance table (`ejk_sequtils.attention_tolerance`) of
-    ``expected``, the float32 reference's result for inputs of ``dtype``."""
-    tol = attention_tolerance(dtype, quantity)
+    ``expected``, the float32 reference's result for inputs of ``dtype``, at the precision
+    the kernels compute in here (`_triton.arithmetic_dtype`: bfloat16 interpreted runs in
+    float32)."""
+    from ejk_kernels_gpu._triton import arithmetic_dtype
+
+    tol = attention_tolerance(dtype, quantity, computed_in=arithmetic_dtype(dtype))
     assert_allclose(actual, expected, rtol=tol, atol=tol, err_msg=name or quantity)
 
 

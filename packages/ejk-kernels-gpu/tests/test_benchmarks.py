@@ -287,35 +287,6 @@ def test_document_starts_give_the_causal_keys_of_each_document(bench_path):
             tokamax.check_runs(np.asarray(bad))
 
 
-def test_tokamax_matches_ejk_reference_where_it_is_installed(bench_path):
-    """With tokamax importable (jax >= 0.11.1), its XLA implementation under the converted
-    arguments gives ejk's reference outputs, documents included."""
-    pytest.importorskip("tokamax")
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from ejk_sequtils import reference_attention
-
-    tokamax = importlib.import_module("_tokamax")
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (2, 48, 4, 16)) * 3
-    k, v = (jax.random.normal(x, (2, 48, 2, 16)) for x in keys[1:])
-    for ejk in (dict(causal=True, sliding_window=(9, 0)), dict(sliding_window=(5, 3)),
-                dict(causal=True, logits_soft_cap=2.0)):  # fmt: skip
-        fns, _ = tokamax.candidates(("xla",), **ejk)
-        np.testing.assert_allclose(
-            fns["xla"](q, k, v), reference_attention(q, k, v, **ejk), atol=1e-5
-        )
-    ids = jnp.repeat(jnp.asarray([[0, 1, 2], [4, 0, 9]], jnp.int32), 16, axis=1)
-    fns, _ = tokamax.candidates(("xla",), documents=True, causal=True)
-    np.testing.assert_allclose(
-        jax.jit(fns["xla"])(q, k, v, ids),
-        reference_attention(q, k, v, causal=True, segment_ids=ids),
-        atol=1e-5,
-    )
-
-
 def test_short_calls_run_longer_batches(bench_path, monkeypatch):
     """A timed batch runs at least ten calls, and enough short ones to fill about
     `_timing.BATCH_SECONDS`, so the host's lead per batch weighs little a call; each row

@@ -520,7 +520,7 @@ def gluon_launches_fixture(on_hopper):
     return seen
 
 
-def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edge):
+def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, close, edge):
     """Its launch: grid, constexprs, outputs (lse [B, N, T]); values, lse and gradients of
     the whole call (the backward kernels, interpreted, take the lse it returns)."""
     causal, q_len, kv_len, kv_heads, sinks = edge
@@ -561,9 +561,8 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, edg
         return jnp.sum(out.astype(jnp.bfloat16).astype(jnp.float32) ** 2) + jnp.sum(lse)
 
     ref_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(*f32)
-    for got, ref in zip(grads, ref_grads, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-        assert err < 2e-2
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        close(got, ref, q.dtype, "grad", name)
 
 
 # Masked calls the Gluon forward takes: (name, head_dim, q_len, kv_len, kwargs).
@@ -623,7 +622,7 @@ def _documents_or_packing(rng, kwargs, batch, q_len, max_len):
 
 
 @pytest.mark.parametrize("case", MASKED_CALLS, ids=[c[0] for c in MASKED_CALLS])
-def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, case):
+def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, close, case):
     """Windows, soft caps, documents (repeated ids, padding rows that see nothing), packed
     sequences, keys off the tile and head_dim 64/256 run the Gluon forward; the emulated
     kernel, fed the launch's own tables, gives the reference's values, lse and (through the
@@ -683,9 +682,12 @@ def test_masked_calls_take_it_with_the_reference_values(gluon_launches, rng, cas
     ulp = 2.0**-7 if dtype == jnp.bfloat16 else 0.0
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-3 * v_scale, rtol=ulp)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-3)  # -inf where no key
-    for got, ref in zip(grads, ref_grads, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-        assert err < 1e-2
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        # Saturated logits and v of 2^21: gradients of 1e13 whose dS = P·(dP - delta) cancel
+        # where a row's softmax is one key (delta from the 16-bit output): compare them in
+        # units of each gradient's largest element.
+        unit = float(jnp.max(jnp.abs(ref))) if v_scale != 1.0 else 1.0
+        close(got.astype(jnp.float32) / unit, ref / unit, dtype, "grad", name)
 
 
 @pytest.mark.parametrize(
@@ -1028,7 +1030,9 @@ def _loss_grads(attn, q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("cap", [None, 5.0], ids=["no cap", "soft cap"])
-def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launches, rng, edge, cap):
+def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(
+    gluon_launches, rng, close, edge, cap
+):
     """By default on Hopper at head_dim 128, 16-bit, query rows on whole 64-row steps, with
     or without a soft cap: its grid (128-key blocks by batch and kv head), constexprs and
     outputs; the gradients of a loss on the output and the lse (so delta carries the lse's
@@ -1082,13 +1086,12 @@ def test_the_gluon_dkdv_kernel_takes_unmasked_and_causal_backwards(gluon_launche
         reference_attention, *f32, causal=causal, softmax_sinks=s, logits_soft_cap=cap
     )
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-        assert err < 2e-2, name
+        close(got, want, q.dtype, "grad", name)
 
 
 @pytest.mark.parametrize("cap", [None, 5.0], ids=["no cap", "soft cap"])
 @pytest.mark.parametrize("causal", [False, True], ids=["unmasked", "causal"])
-def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, causal, cap):
+def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, close, causal, cap):
     """With ``atomic_dq`` its Gluon config computes dq in the dk/dv kernel (``DQ``: dS·k
     added into a float32 buffer that starts at zero, scaled after): no dq kernel runs, and
     the gradients match the reference through its emulation. At head_dim 64 (where its two
@@ -1117,8 +1120,7 @@ def test_the_gluon_dkdv_kernel_computes_dq_with_atomic_dq(gluon_launches, rng, c
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         ref = _loss_grads(reference_attention, *f32, **kwargs)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-            err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-            assert err < 2e-2, (head_dim, name)
+            close(got, want, q.dtype, "grad", f"{head_dim=} {name}")
 
 
 def _tabled_inputs(rng, kwargs, heads, kv_heads, head_dim):
@@ -1142,7 +1144,7 @@ TABLED_BACKWARDS = [
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), "dq inside"], ids=["MHA", "GQA", "dq inside"])
 @pytest.mark.parametrize("case", TABLED_BACKWARDS, ids=[c[0] for c in TABLED_BACKWARDS])
 def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
-    gluon_launches, rng, case, heads
+    gluon_launches, rng, close, case, heads
 ):
     """Windows, packed sequences and documents as segment ids (repeated ids, padding rows
     that see nothing, documents across the 128-key and 64-row tiles) run the Gluon dk/dv
@@ -1176,8 +1178,7 @@ def test_the_gluon_dkdv_kernel_takes_windows_packing_and_documents(
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-        assert err < 2e-2, name
+        close(got, want, q.dtype, "grad", name)
 
 
 HEAD_64_BACKWARDS = [
@@ -1191,7 +1192,7 @@ HEAD_64_BACKWARDS = [
 
 @pytest.mark.parametrize("case", HEAD_64_BACKWARDS, ids=[c[0] for c in HEAD_64_BACKWARDS])
 def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
-    gluon_launches, rng, case
+    gluon_launches, rng, close, case
 ):
     """At head_dim 64 with groups the Gluon dk/dv kernel runs by default, and beside it
     the ordinary dq kernel with 64x32 tiles, walking a dq block table built for those
@@ -1217,8 +1218,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-        assert err < 2e-2, name
+        close(got, want, q.dtype, "grad", name)
 
 
 @pytest.mark.parametrize(
@@ -1230,7 +1230,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     ],
     ids=["float32", "head_dim 96", "rows off the steps"],
 )
-def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
+def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, close, kwargs):
     """The Gluon dk/dv kernels have no float32 or head_dim 96 and need query rows on whole
     64-row steps: such calls (even with their config asked for) run the ordinary kernels,
     correctly."""
@@ -1245,15 +1245,13 @@ def test_other_backwards_run_the_ordinary_kernels(gluon_launches, rng, kwargs):
     assert gluon_launches.dkdv == gluon_launches.dq == []
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
-    tol = 1e-4 if dtype == jnp.float32 else 2e-2
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-        assert err < tol, name
+        close(got, want, dtype, "grad", name)
 
 
 @pytest.mark.parametrize("kv_heads, head_dim", [(4, 128), (2, 64)], ids=["mha 128", "gqa 64"])
 def test_context_blocks_with_offsets_take_the_gluon_backward(
-    gluon_launches, rng, kv_heads, head_dim
+    gluon_launches, rng, close, kv_heads, head_dim
 ):
     """A context block call with masks on global positions (the packed path: offsets as
     positions) takes the Gluon dk/dv kernel on the block tables, and beside it the Gluon
@@ -1293,8 +1291,7 @@ def test_context_blocks_with_offsets_take_the_gluon_backward(
     # not separable, so compare dk and dv (this block's whole gradient from these rows).
     want = jax.grad(loss, argnums=(1, 2))(f32[0][:, 128:], f32[1][:, :128], f32[2][:, :128])
     for name, got, ref in zip(("dk", "dv"), grads[1:], want, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-        assert err < 2e-2, name
+        close(got, ref, q.dtype, "grad", name)
 
 
 GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
@@ -1305,7 +1302,7 @@ GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, 
     [dict(causal=True), dict(), dict(causal=True, documents=True), dict(sliding_window=(70, 20))],
     ids=["causal", "unmasked", "documents", "window"],
 )
-def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, rng, kwargs):
+def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, rng, close, kwargs):
     """At head_dim 256 its config (64 resident keys) runs the column-split Gluon dk/dv
     kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the Gluon dq kernel beside
     it (`GLUON_DQ_256`: 128 query rows a program, 32 keys a step, walking a dq block table
@@ -1331,8 +1328,7 @@ def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, r
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = _loss_grads(reference_attention, *f32, **kwargs)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
-        assert err < 2e-2, name
+        close(got, want, q.dtype, "grad", name)
     # Asked for where it cannot run, the heuristic's backward runs instead: with dq inside
     # this kernel with dq beside; at head_dim 128 the Gluon dk/dv kernel of 128 keys.
     gluon_launches.dkdv.clear()

@@ -261,19 +261,26 @@ def test_query_tiles_cover_every_row_once():
     assert np.all(tiles[tiles[:, 3] > 0, 4] == np.asarray(q_lens + 3)[tiles[tiles[:, 3] > 0, 0]])
 
 
-@pytest.mark.parametrize("causal,q_len", [(False, 3), (True, 1)])
-def test_flash_attention_decode_takes_the_split_kv_kernel_with_flash_gradients(
-    rng, close, monkeypatch, causal, q_len
-):
-    """Few queries, many keys: the split-KV forward serves flash_attention (spied), values
-    and every gradient (flash backward) match the reference; top-left causal with one query
-    sees key 0 alone."""
-    monkeypatch.setattr(_decode_route, "MIN_DECODE_KEYS", 64)
+@pytest.fixture(name="decode_launches")
+def decode_launches_fixture(monkeypatch):
+    """The `PagedCall` of each split-KV launch the decode route makes (spied)."""
     launches = []
     forward = _decode_route.paged_forward
     monkeypatch.setattr(
         _decode_route, "paged_forward", lambda *a: launches.append(a[0]) or forward(*a)
     )
+    return launches
+
+
+@pytest.mark.parametrize("causal,q_len", [(False, 3), (True, 1)])
+def test_flash_attention_decode_takes_the_split_kv_kernel_with_flash_gradients(
+    rng, close, monkeypatch, decode_launches, causal, q_len
+):
+    """Few queries, many keys: the split-KV forward serves flash_attention (spied), values
+    and every gradient (flash backward) match the reference; top-left causal with one query
+    sees key 0 alone."""
+    monkeypatch.setattr(_decode_route, "MIN_DECODE_KEYS", 64)
+    launches = decode_launches
     q, k, v = (
         jnp.asarray(rng.standard_normal(s), jnp.float32)
         for s in [(2, q_len, 4, 16), (2, 70, 2, 16), (2, 70, 2, 16)]
@@ -291,6 +298,22 @@ def test_flash_attention_decode_takes_the_split_kv_kernel_with_flash_gradients(
     expected = jax.grad(loss(reference_attention), argnums=(0, 1, 2, 3))(q, k, v, sinks)
     for name, g, e in zip(("dq", "dk", "dv", "dsinks"), grads, expected, strict=True):
         close(g, e, jnp.float32, "grad", name)
+
+
+def test_flash_attention_decode_over_many_keys_merges_its_splits(rng, close, decode_launches):
+    """One query over 1100 keys (past the route's `MIN_DECODE_KEYS`, unpatched): the
+    heuristic splits the keys, and the splits' merge (`combine_splits`, with a sink and a
+    soft cap) gives the reference's values at float32's tolerance."""
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in [(2, 1, 4, 16), (2, 1100, 2, 16), (2, 1100, 2, 16)]
+    )
+    kwargs = dict(softmax_sinks=jnp.asarray(rng.standard_normal(4), jnp.float32))
+    kwargs.update(logits_soft_cap=3.0)
+    out = flash_attention(q, k, v, **kwargs)
+    [call] = decode_launches
+    assert call.config.num_splits > 1
+    close(out, reference_attention(q, k, v, **kwargs), jnp.float32, "out")
 
 
 def test_flash_attention_route_leaves_other_calls():

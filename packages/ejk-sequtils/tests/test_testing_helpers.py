@@ -1,4 +1,4 @@
-"""assert_allclose, generate_attention_inputs and random_document_ids."""
+"""assert_allclose, attention_tolerance, generate_attention_inputs and random_document_ids."""
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,26 @@ def test_assert_allclose_passes_and_reports():
         es.assert_allclose(jnp.ones(3), np.ones(3, np.float64), check_dtype=True)
     with pytest.raises(AssertionError, match="elements differ"):
         es.assert_allclose(jnp.array([np.nan]), np.array([np.nan]), equal_nan=False)
+
+
+def test_attention_tolerance_at_a_wider_arithmetic():
+    """bfloat16 computed in float32 (Triton's interpreter): float32's tolerance plus one
+    bfloat16 epsilon (2^-7) per rounding: out 1, lse 0, gradients 3; a 1.03 scale fails."""
+    eps = 2.0**-7
+    wide = lambda q: es.attention_tolerance(jnp.bfloat16, q, computed_in=np.float32)
+    assert wide("out") == pytest.approx(1e-4 + eps)
+    assert wide("lse") == es.attention_tolerance(np.float32, "lse")
+    assert wide("grad") == pytest.approx(2e-4 + 3 * eps)
+    assert all(wide(q) < es.attention_tolerance(jnp.bfloat16, q) for q in ("out", "lse", "grad"))
+    assert wide("grad") < 0.03  # 1.03·x against x: 0.03·|x| > tol·(1 + |x|) for |x| >= 4
+    same = es.attention_tolerance(jnp.bfloat16, "grad", computed_in=jnp.bfloat16)
+    assert same == es.attention_tolerance(jnp.bfloat16, "grad")
+    with pytest.raises(
+        ValueError, match="computed_in='bfloat16' must be wider than dtype='float32'"
+    ):
+        es.attention_tolerance(np.float32, computed_in=jnp.bfloat16)
+    with pytest.raises(ValueError, match="no attention tolerance for dtype='int32'"):
+        es.attention_tolerance(jnp.bfloat16, computed_in=np.int32)
 
 
 def test_generate_attention_inputs():

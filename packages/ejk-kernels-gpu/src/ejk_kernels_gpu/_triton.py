@@ -130,6 +130,13 @@ def _interpretable(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype == _BFLOAT16 else dtype
 
 
+def arithmetic_dtype(dtype: Any) -> np.dtype:
+    """The dtype the kernels' arithmetic on ``dtype`` buffers runs in: ``dtype`` compiled,
+    float32 for bfloat16 in the interpreter (`_interpretable`). Tests compare at this
+    precision (``computed_in`` of `ejk_sequtils.attention_tolerance`)."""
+    return _interpretable(np.dtype(dtype)) if kernels().INTERPRET else np.dtype(dtype)
+
+
 def _interpret_call(
     kernel: Any,
     grid: tuple[int, ...],

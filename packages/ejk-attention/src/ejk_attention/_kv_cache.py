@@ -26,6 +26,8 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
+from ejk_sequtils import describe_value
+
 __all__ = ["PagedKVCache"]
 
 AnyArray = Array | np.ndarray
@@ -93,7 +95,7 @@ class PagedKVCache:
             ("pages_per_seq", pages_per_seq),
         ):
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"{name} must be an int, got {name}={value!r}")
+                raise TypeError(f"{name} must be an int, got {name}={describe_value(value)}")
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {name}={value}")
         if not jnp.issubdtype(dtype, jnp.floating):

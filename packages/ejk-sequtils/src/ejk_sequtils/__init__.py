@@ -8,6 +8,7 @@ the same for paged attention in serving (`validate_paged_attention`,
 `paged_reference_attention`).
 """
 
+from ._checks import describe_value as describe_value
 from ._cu_seqlens import cdiv as cdiv
 from ._cu_seqlens import cu_seqlens_to_segment_ids as cu_seqlens_to_segment_ids
 from ._cu_seqlens import position_ids_to_segment_ids as position_ids_to_segment_ids
@@ -71,6 +72,7 @@ __all__ = [
     "cdiv",
     "chunk_array",
     "cu_seqlens_to_segment_ids",
+    "describe_value",
     "dropout_keep_mask",
     "dropout_key",
     "dropout_seed_u32",

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import check_non_decreasing, describe_value
 from ._reference import fold_sinks
 from ._visibility import normalize_window, split_segment_ids
 
@@ -101,7 +102,7 @@ def _array(x: Any, name: str, what: str) -> Any:
         return x
     if isinstance(x, np.generic):
         return np.asarray(x)
-    raise TypeError(f"{name} must be {what}, got {x!r} of type {type(x).__name__}")
+    raise TypeError(f"{name} must be {what}, got {describe_value(x)}")
 
 
 def _float_array(x: Any, name: str) -> Any:
@@ -128,13 +129,13 @@ def _concrete(x: Any) -> np.ndarray | None:
 
 def _real(x: Any, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}")
+        raise TypeError(f"{name} must be a real number, got {describe_value(x)}")
     return float(x)
 
 
 def _flag(x: Any, name: str) -> bool:
     if not isinstance(x, bool | np.bool_):
-        raise TypeError(f"{name} must be a bool, got {x!r} of type {type(x).__name__}")
+        raise TypeError(f"{name} must be a bool, got {describe_value(x)}")
     return bool(x)
 
 
@@ -168,8 +169,7 @@ def _validate_cu_seqlens(cu: Any, name: str, length: int) -> Any:
     if value is not None:
         if value[0] != 0:
             raise ValueError(f"{name} must start at 0, got {name}[0]={int(value[0])}")
-        if np.any(np.diff(value) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {name}={value.tolist()}")
+        check_non_decreasing(value, name)
         if value[-1] > length:
             raise ValueError(
                 f"{name} ends at {int(value[-1])}, past the {length} packed tokens of its input"
@@ -211,7 +211,7 @@ def _validate_seed(dropout_seed: Any, dropout_rate: Any) -> Any:
         raise ValueError(f"dropout_seed is required when dropout_rate={dropout_rate!r} > 0")
     expected = "an int, an int32/uint32 scalar array or a jax.random.key"
     if isinstance(dropout_seed, bool):
-        raise TypeError(f"dropout_seed must be {expected}, got {dropout_seed!r}")
+        raise TypeError(f"dropout_seed must be {expected}, got {describe_value(dropout_seed)}")
     if isinstance(dropout_seed, numbers.Integral):
         return int(dropout_seed)
     if isinstance(dropout_seed, jax.Array) and jax.dtypes.issubdtype(

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from ._checks import describe_value
+
 __all__ = ["normalize_window", "visibility_mask"]
 
 AnyArray = Array | np.ndarray
@@ -43,21 +45,28 @@ def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
     if sliding_window is None:
         return None
     if isinstance(sliding_window, bool):
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
+        raise TypeError(
+            f"sliding_window must be an int or (left, right), got {describe_value(sliding_window)}"
+        )
     if isinstance(sliding_window, numbers.Integral):
         pair = (int(sliding_window), int(sliding_window))
     elif isinstance(sliding_window, Sequence) and not isinstance(sliding_window, str):
         if len(sliding_window) != 2:
             raise ValueError(
-                f"sliding_window must be an int or (left, right), got {sliding_window!r}"
+                "sliding_window must be an int or (left, right), got "
+                f"{describe_value(sliding_window)}"
             )
         if not all(
             isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in sliding_window
         ):
-            raise TypeError(f"sliding_window sizes must be ints, got {sliding_window!r}")
+            raise TypeError(
+                f"sliding_window sizes must be ints, got {describe_value(sliding_window)}"
+            )
         pair = (int(sliding_window[0]), int(sliding_window[1]))
     else:
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
+        raise TypeError(
+            f"sliding_window must be an int or (left, right), got {describe_value(sliding_window)}"
+        )
     if pair[0] < 0 or pair[1] < 0:
         raise ValueError(f"sliding_window sizes must be >= 0, got {sliding_window!r}")
     return pair

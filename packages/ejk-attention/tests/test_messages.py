@@ -7,11 +7,13 @@ the message).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ejk_attention import (
+    dot_product_attention,
     flash_attention,
     paged_attention,
     ragged_paged_attention,
@@ -63,3 +65,56 @@ def test_a_decreasing_cu_seqlens_shows_the_first_drop_only(no_shape_checks):
     assert str(err.value) == (
         "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[1]=1999 > cu_seqlens_q[2]=1998"
     )
+
+
+_Q = jnp.ones((1, 16, 2, 16), jnp.float32)
+# dot_product_attention's own names (jax.nn's), never flash_attention's (q, softmax_scale,
+# causal, sliding_window): every backend refuses a bad call with the same message.
+DPA_BAD = [
+    ({"local_window_size": (-2, 0)}, ValueError, r"^local_window_size sizes must be >= 0"),
+    ({"local_window_size": (1, 2, 3)}, ValueError, r"^local_window_size must be an int or"),
+    ({"scale": "0.5"}, TypeError, r"^scale must be a real number or None, got '0.5'"),
+    (
+        {"key": _Q.astype(jnp.float16)},
+        ValueError,
+        r"^query, key and value must share one dtype .*key.dtype=float16",
+    ),
+    ({"query": _Q.astype(jnp.int32)}, ValueError, r"^query, key and value must have a floating"),
+    (
+        {"key": jnp.ones((1, 16, 3, 16)), "value": jnp.ones((1, 16, 3, 16))},
+        ValueError,
+        r"^query heads N=2 must be a multiple of key heads K=3",
+    ),
+    (
+        {"key": jnp.ones((1, 16, 2, 8)), "value": jnp.ones((1, 16, 2, 8))},
+        ValueError,
+        r"^query \[B, T, N, H\] must have key's B and H",
+    ),
+    ({"value": jnp.ones((1, 15, 2, 16))}, ValueError, r"^key and value must have one shape"),
+]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    DPA_BAD,
+    ids=["window", "window3", "scale", "mixed", "int", "heads", "head_dim", "value"],
+)
+def test_dot_product_attention_names_its_own_arguments(
+    implementation, changes, error, match, no_shape_checks
+):
+    args = {"query": _Q, "key": _Q, "value": _Q, **changes}
+    with pytest.raises(error, match=match):
+        dot_product_attention(**args, implementation=implementation)
+
+
+def test_dot_product_attention_takes_jax_nns_scales_and_flags(no_shape_checks):
+    """A scale jax.nn takes but the kernels do not (<= 0) moves on to the next backend; an
+    int ``is_causal`` is a flag, as in jax.nn."""
+    want = jax.nn.dot_product_attention(_Q, _Q * 0.5, _Q, scale=-0.25, is_causal=True)
+    got = dot_product_attention(
+        _Q, _Q * 0.5, _Q, scale=-0.25, is_causal=1, implementation=("triton", "xla")
+    )
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(NotImplementedError, match=r"triton takes a finite scale > 0, got scale=0"):
+        dot_product_attention(_Q, _Q, _Q, scale=0.0, implementation="triton")

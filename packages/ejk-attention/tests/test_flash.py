@@ -215,7 +215,7 @@ BAD_TYPES = [
     ({"q": _F.astype(np.int32)}, r"q must have a floating dtype, got q.dtype=int32"),
     (
         {"k": jnp.zeros((B, S, K, H), jnp.float16)},
-        r"q, k and v must share one dtype, got q.dtype=float32, k.dtype=float16",
+        r"q, k and v must share one dtype \(no promotion: cast them first\), got q.dtype=float32, k.dtype=float16",
     ),
     ({"causal": 1}, r"causal must be a bool, got 1"),
     ({"softmax_scale": "0.5"}, r"softmax_scale must be a real number, got '0.5'"),

@@ -118,3 +118,20 @@ def test_dot_product_attention_takes_jax_nns_scales_and_flags(no_shape_checks):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(NotImplementedError, match=r"triton takes a finite scale > 0, got scale=0"):
         dot_product_attention(_Q, _Q, _Q, scale=0.0, implementation="triton")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_dot_product_attention_converts_numpy_float64_as_jax_nn_does(implementation):
+    """jax.nn converts its inputs with jnp.asarray (float64 NumPy is float32 with x64 off),
+    then needs one dtype; every backend of the drop-in does the same."""
+    q64 = np.asarray(np.random.default_rng(0).standard_normal(_Q.shape))
+    want = jax.nn.dot_product_attention(q64, _Q, _Q * 0.5)
+    got = dot_product_attention(q64, _Q, _Q * 0.5, implementation=implementation)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flash_attention_says_it_does_not_promote(no_shape_checks):
+    q64 = np.zeros(_Q.shape)
+    with pytest.raises(TypeError, match=r"must share one dtype \(no promotion: cast them first\)"):
+        flash_attention(q64, _Q, _Q)

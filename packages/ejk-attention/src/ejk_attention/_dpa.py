@@ -217,9 +217,11 @@ def dot_product_attention(
     """A drop-in for ``jax.nn.dot_product_attention``: its values and gradients, on ejk's backends.
 
     Args:
-        query: ``[B, T, N, H]`` or ``[T, N, H]``.
+        query: ``[B, T, N, H]`` or ``[T, N, H]``; any array-like (``jnp.asarray`` converts
+            it, so a float64 NumPy array is float32 unless x64 is on).
         key: ``[B, S, K, H]`` or ``[S, K, H]``, ``N % K == 0``.
-        value: same shape and dtype as ``key``.
+        value: same shape as ``key``. After conversion query, key and value share one
+            floating dtype: jax.nn's rule, no promotion (ValueError otherwise).
         bias: additive logits bias broadcastable to ``[B, N, T, S]``.
         mask: boolean, True where a logit takes part; broadcastable to ``[B, N, T, S]``.
         scale: logits scale; default ``H ** -0.5``.

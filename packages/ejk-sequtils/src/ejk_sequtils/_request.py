@@ -272,8 +272,8 @@ def validate_attention(
             raise ValueError(f"{name} must be rank 4 {layout}, got {name}.shape={x.shape}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
-            f"q, k and v must share one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
-            f"v.dtype={v.dtype}"
+            f"q, k and v must share one dtype (no promotion: cast them first), got "
+            f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}"
         )
     batch, q_len, heads, head_dim = q.shape
     if k.shape[0] != batch:

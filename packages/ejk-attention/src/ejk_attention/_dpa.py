@@ -34,6 +34,7 @@ from ejk_sequtils import describe_value, normalize_window, visibility_mask
 
 from ._backends import default_order, resolve_implementation
 from ._bias import hiding_bias
+from ._eager import eager_jit
 from ._flash import flash_attention
 
 __all__ = ["dot_product_attention"]
@@ -239,6 +240,43 @@ def dot_product_attention(
         The attention output shaped like ``query`` (and the residual with ``return_residual``).
         Emptied rows follow jax.nn (see the module docstring).
     """
+    # Concrete arrays: one compiled function per signature instead of op-by-op dispatch.
+    return _eager_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=normalize_window(local_window_size, "local_window_size"),
+        names=resolve_implementation(implementation),
+        return_residual=return_residual,
+        backends=tuple(_BACKENDS.items()),
+    )
+
+
+def _attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    *,
+    scale: Any,
+    is_causal: Any,
+    local_window_size: tuple[int, int] | None,
+    names: tuple[str, ...] | None,
+    return_residual: bool,
+    backends: tuple[tuple[str, Any], ...],
+) -> Any:
+    """`dot_product_attention` with its window normalized and its implementation names
+    resolved; ``backends`` is `_BACKENDS`' items (a cache key of `_eager_attention`: a
+    test replacing one gets a new trace). Checks look at shapes and dtypes only."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched != (key.ndim == 3) or unbatched != (value.ndim == 3):
@@ -252,20 +290,20 @@ def dot_product_attention(
     batch, q_len, heads, _ = query.shape
     kv_len = key.shape[1]
     bias, mask = _masks(bias, mask, batch, heads, q_len, kv_len)
-    window = normalize_window(local_window_size, "local_window_size")
     kw = {
         "scale": scale,
         "is_causal": is_causal,
         "query_seq_lengths": _lengths(query_seq_lengths, batch, "query_seq_lengths"),
         "key_value_seq_lengths": _lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
-        "local_window_size": window,
+        "local_window_size": local_window_size,
         "return_residual": return_residual,
     }
-    names = resolve_implementation(implementation) or default_order(_platform(query))
+    names = names or default_order(_platform(query))
+    backends = dict(backends)
     reasons = []
     for name in names:
         try:
-            result = _BACKENDS[name](name, query, key, value, bias, mask, kw)
+            result = backends[name](name, query, key, value, bias, mask, kw)
             break
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")
@@ -276,3 +314,9 @@ def dot_product_attention(
     if not unbatched:
         return result
     return (result[0][0], result[1][0]) if return_residual else result[0]
+
+
+_eager_attention = eager_jit(
+    _attention,
+    ("scale", "is_causal", "local_window_size", "names", "return_residual", "backends"),
+)

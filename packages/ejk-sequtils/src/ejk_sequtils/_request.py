@@ -26,7 +26,8 @@ from ._visibility import normalize_window, split_segment_ids
 
 __all__ = ["AttentionRequest", "validate_attention"]
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+# As NumPy dtypes: comparing a dtype with jnp's scalar types runs Python code (eager calls pay it).
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,7 +178,7 @@ def test_no_backend_serves_gives_every_reason():
             ValueError,
             r"query_seq_lengths must be an integer array of shape \(2,\)",
         ),
-        ({"local_window_size": (1, 2, 3)}, ValueError, r"sliding_window must be an int or"),
+        ({"local_window_size": (1, 2, 3)}, ValueError, r"local_window_size must be an int or"),
     ],
 )
 def test_bad_arguments_are_named(kw, exc, match):

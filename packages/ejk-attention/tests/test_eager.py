@@ -1,4 +1,4 @@
-"""Eager `flash_attention` calls run one compiled function per signature (`_eager`, `_flash`).
+"""Eager calls of the public entry points run one compiled function per signature (`_eager`).
 
 The compiled function is traced once and reused: a spy backend counts how often the
 dispatch runs (it runs only while tracing). Results equal those of the same call under
@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import _backends, flash_attention, reference_attention
+from ejk_attention import (
+    _backends,
+    _paged,
+    dot_product_attention,
+    flash_attention,
+    paged_attention,
+    ragged_paged_attention,
+    reference_attention,
+)
 from ejk_sequtils import attention_tolerance
 
 B, T, S, N, K, H = 2, 19, 23, 6, 2, 8
@@ -142,3 +150,79 @@ def test_numpy_inputs():
     want = reference_attention(q, k, v, causal=True)
     tol = attention_tolerance(q.dtype)
     np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+
+
+# dot_product_attention, paged_attention and ragged_paged_attention take the same path
+# (`_eager.eager_jit`): a spy backend counts how often each dispatch runs.
+
+
+@pytest.fixture
+def dpa_xla_runs(monkeypatch):
+    """dot_product_attention's xla backend (jax.nn), recording the query it ran on."""
+    from ejk_attention import _dpa
+
+    runs = []
+    original = _dpa._BACKENDS["xla"]
+
+    def counting(name, query, *args):
+        runs.append(query)
+        return original(name, query, *args)
+
+    monkeypatch.setitem(_dpa._BACKENDS, "xla", counting)
+    return runs
+
+
+def test_eager_dot_product_attention_is_traced_once(dpa_xla_runs, no_shape_checks):
+    q, k, v = _qkv()
+    first = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert len(dpa_xla_runs) == 1 and isinstance(dpa_xla_runs[0], jax.core.Tracer)
+    second = dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    assert len(dpa_xla_runs) == 1  # the compiled function, reused
+    np.testing.assert_array_equal(first, second)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(first, want, rtol=1e-6, atol=1e-6)
+    dot_product_attention(q, k, v, implementation="xla")  # another option: a new trace
+    assert len(dpa_xla_runs) == 2
+    dot_product_attention(np.asarray(q).tolist(), k, v, implementation="xla")  # a list: op by op
+    assert len(dpa_xla_runs) == 3 and not isinstance(dpa_xla_runs[2], jax.core.Tracer)
+
+
+@pytest.fixture
+def paged_xla_runs(monkeypatch):
+    """The paged xla backend, recording the request of each run."""
+    runs = []
+
+    class Counting(_paged.PagedXlaBackend):
+        def run(self, request, config, bwd_config):
+            runs.append(request)
+            return super().run(request, config, bwd_config)
+
+    monkeypatch.setitem(_paged.PAGED_BACKENDS, "xla", Counting())
+    return runs
+
+
+def _paged_inputs():
+    q, k, v = _qkv(b=2, t=3, s=16)
+    k_pages, v_pages = (x.reshape(8, 4, K, H) for x in (k, v))
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    return q, k_pages, v_pages, table, jnp.array([16, 9], jnp.int32)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
+def test_eager_paged_calls_are_traced_once(paged_xla_runs, ragged):
+    q, k_pages, v_pages, table, lens = _paged_inputs()
+    if ragged:
+        call = lambda lens: ragged_paged_attention(
+            q.reshape(6, N, H), k_pages, v_pages, table, lens, jnp.array([0, 3, 6], jnp.int32)
+        )
+    else:
+        call = lambda lens: paged_attention(q, k_pages, v_pages, table, lens)
+    first = call(lens)
+    assert len(paged_xla_runs) == 1 and isinstance(paged_xla_runs[0].q, jax.core.Tracer)
+    np.testing.assert_array_equal(call(lens), first)
+    other = call(jnp.array([12, 16], jnp.int32))  # new values, same signature
+    assert len(paged_xla_runs) == 1
+    assert not np.allclose(other, first)
+    # Values are still checked on every eager call, before the compiled function runs.
+    with pytest.raises(ValueError, match=r"kv_lens must be in \[0, pages_per_seq"):
+        call(jnp.array([16, 17], jnp.int32))

@@ -228,6 +228,9 @@ def test_pallas_is_the_default_on_tpu_with_the_executors_config(monkeypatch):
     monkeypatch.setattr(
         ejk_kernels_tpu, "paged_attention_request", lambda r, config: seen.append(config) or r.q
     )
+    # Eager calls run a compiled function traced once per signature: the patches above (and
+    # below) are no cache key, so each one drops what earlier calls compiled.
+    _paged._eager_call.clear_cache()
     args = _inputs(5, [3, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1))
     paged_attention(*args)
     backend = _paged.PAGED_BACKENDS["pallas"]
@@ -238,6 +241,7 @@ def test_pallas_is_the_default_on_tpu_with_the_executors_config(monkeypatch):
     paged_attention(*args, config=config)
     assert seen[1] is config
     monkeypatch.setattr(ejk_kernels_tpu, "unsupported_paged_reason", lambda r: "no, because")
+    _paged._eager_call.clear_cache()
     out = paged_attention(*args)
     assert len(seen) == 2  # pallas refused: xla served it
     assert_allclose(out, _expected(*args), rtol=1e-4, atol=1e-4)

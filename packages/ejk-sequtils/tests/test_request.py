@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_sequtils import AttentionRequest, fold_sinks, validate_attention
+from ejk_sequtils import AttentionRequest, describe_value, fold_sinks, validate_attention
 
 B, T, S, N, K, H = 2, 7, 9, 6, 2, 8
 
@@ -109,3 +109,22 @@ def test_a_prng_key_seeds_dropout(qkv):
     assert traced(key) == r.dropout_seed
     with pytest.raises(ValueError, match=r"a single PRNG key, got dropout_seed.shape=\(2,\)"):
         validate_attention(*qkv, dropout_rate=0.2, dropout_seed=jax.random.split(key))
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (np.zeros((2, 32, 4, 16), np.float32).tolist(), "list of shape (2, 32, 4, 16)"),
+        (jnp.zeros((3, 5), jnp.bfloat16), "ArrayImpl of shape (3, 5) and dtype bfloat16"),
+        (np.zeros(7, np.int32), "ndarray of shape (7,) and dtype int32"),
+        ([[0, 1], [2]], "list of length 2"),
+        ((-2, 0), "(-2, 0) of type tuple"),
+        (2.5, "2.5 of type float"),
+    ],
+)
+def test_describe_value_shows_arrays_by_shape_and_dtype(value, shown):
+    assert describe_value(value) == shown
+
+
+def test_describe_value_bounds_a_long_repr():
+    assert len(describe_value("x" * 500)) < 80

@@ -19,6 +19,8 @@ and zeros here.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +30,11 @@ import numpy as np
 from jax import Array
 from jaxtyping import Bool, Float, Int
 
-from ejk_sequtils import normalize_window, visibility_mask
+from ejk_sequtils import describe_value, normalize_window, visibility_mask
 
 from ._backends import default_order, resolve_implementation
 from ._bias import hiding_bias
+from ._eager import eager_jit
 from ._flash import flash_attention
 
 __all__ = ["dot_product_attention"]
@@ -59,6 +62,42 @@ def _lengths(lengths: AnyArray | None, batch: int, name: str) -> Array | None:
             f"{name}.dtype={lengths.dtype}"
         )
     return lengths
+
+
+def _check_inputs(query: Array, key: Array, value: Array, scale: Any) -> None:
+    """jax.nn's rules for ``query``/``key``/``value`` and ``scale``, checked before any backend
+    runs, so every backend refuses a bad call with the same message in this function's names.
+
+    Like jax.nn there is no dtype promotion: the three share one floating dtype after
+    ``jnp.asarray`` (which makes a float64 NumPy array float32 unless x64 is on). Shape and
+    dtype errors are ``ValueError``, as jax.nn raises them.
+    """
+    if query.ndim != 4:
+        raise ValueError(f"query must be rank 3 or 4, got query.shape={query.shape}")
+    dtypes = f"query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}"
+    if not jnp.issubdtype(query.dtype, jnp.floating):
+        raise ValueError(f"query, key and value must have a floating dtype, got {dtypes}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            f"query, key and value must share one dtype (as in jax.nn, no promotion: cast "
+            f"them first), got {dtypes}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key and value must have one shape [B, S, K, H], got key.shape={key.shape}, "
+            f"value.shape={value.shape}"
+        )
+    if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+        raise ValueError(
+            f"query [B, T, N, H] must have key's B and H, got query.shape={query.shape}, "
+            f"key.shape={key.shape}"
+        )
+    if key.shape[2] == 0 or query.shape[2] % key.shape[2] != 0:
+        raise ValueError(
+            f"query heads N={query.shape[2]} must be a multiple of key heads K={key.shape[2]}"
+        )
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {describe_value(scale)}")
 
 
 def _ids(lengths: Array | None, batch: int, size: int) -> Array:
@@ -103,6 +142,10 @@ def _jax_nn(implementation: str, query, key, value, bias, mask, kw: dict) -> Any
 
 def _flash(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
     """`flash_attention` on ``implementation``, with jax.nn's emptied rows and residual."""
+    scale = kw["scale"]
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        # jax.nn takes any scale; the kernels a finite one > 0: the next backend serves it.
+        raise NotImplementedError(f"{implementation} takes a finite scale > 0, got scale={scale}")
     batch, q_len, heads, _ = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_lens, kv_lens = kw["query_seq_lengths"], kw["key_value_seq_lengths"]
@@ -116,7 +159,7 @@ def _flash(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
         value,
         hiding_bias(bias, mask, q_len, kv_len),
         softmax_scale=kw["scale"],
-        causal=kw["is_causal"],
+        causal=bool(kw["is_causal"]),
         sliding_window=window,
         segment_ids=segment_ids,
         return_lse=True,
@@ -175,9 +218,11 @@ def dot_product_attention(
     """A drop-in for ``jax.nn.dot_product_attention``: its values and gradients, on ejk's backends.
 
     Args:
-        query: ``[B, T, N, H]`` or ``[T, N, H]``.
+        query: ``[B, T, N, H]`` or ``[T, N, H]``; any array-like (``jnp.asarray`` converts
+            it, so a float64 NumPy array is float32 unless x64 is on).
         key: ``[B, S, K, H]`` or ``[S, K, H]``, ``N % K == 0``.
-        value: same shape and dtype as ``key``.
+        value: same shape as ``key``. After conversion query, key and value share one
+            floating dtype: jax.nn's rule, no promotion (ValueError otherwise).
         bias: additive logits bias broadcastable to ``[B, N, T, S]``.
         mask: boolean, True where a logit takes part; broadcastable to ``[B, N, T, S]``.
         scale: logits scale; default ``H ** -0.5``.
@@ -195,6 +240,43 @@ def dot_product_attention(
         The attention output shaped like ``query`` (and the residual with ``return_residual``).
         Emptied rows follow jax.nn (see the module docstring).
     """
+    # Concrete arrays: one compiled function per signature instead of op-by-op dispatch.
+    return _eager_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=normalize_window(local_window_size, "local_window_size"),
+        names=resolve_implementation(implementation),
+        return_residual=return_residual,
+        backends=tuple(_BACKENDS.items()),
+    )
+
+
+def _attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    *,
+    scale: Any,
+    is_causal: Any,
+    local_window_size: tuple[int, int] | None,
+    names: tuple[str, ...] | None,
+    return_residual: bool,
+    backends: tuple[tuple[str, Any], ...],
+) -> Any:
+    """`dot_product_attention` with its window normalized and its implementation names
+    resolved; ``backends`` is `_BACKENDS`' items (a cache key of `_eager_attention`: a
+    test replacing one gets a new trace). Checks look at shapes and dtypes only."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched != (key.ndim == 3) or unbatched != (value.ndim == 3):
@@ -204,25 +286,24 @@ def dot_product_attention(
         )
     if unbatched:
         query, key, value = query[None], key[None], value[None]
-    if query.ndim != 4:
-        raise ValueError(f"query must be rank 3 or 4, got query.shape={query.shape}")
+    _check_inputs(query, key, value, scale)
     batch, q_len, heads, _ = query.shape
-    kv_len = key.shape[1] if key.ndim == 4 else 0
+    kv_len = key.shape[1]
     bias, mask = _masks(bias, mask, batch, heads, q_len, kv_len)
-    window = normalize_window(local_window_size)
     kw = {
         "scale": scale,
         "is_causal": is_causal,
         "query_seq_lengths": _lengths(query_seq_lengths, batch, "query_seq_lengths"),
         "key_value_seq_lengths": _lengths(key_value_seq_lengths, batch, "key_value_seq_lengths"),
-        "local_window_size": window,
+        "local_window_size": local_window_size,
         "return_residual": return_residual,
     }
-    names = resolve_implementation(implementation) or default_order(_platform(query))
+    names = names or default_order(_platform(query))
+    backends = dict(backends)
     reasons = []
     for name in names:
         try:
-            result = _BACKENDS[name](name, query, key, value, bias, mask, kw)
+            result = backends[name](name, query, key, value, bias, mask, kw)
             break
         except NotImplementedError as err:
             reasons.append(f"{name}: {err}")
@@ -233,3 +314,9 @@ def dot_product_attention(
     if not unbatched:
         return result
     return (result[0][0], result[1][0]) if return_residual else result[0]
+
+
+_eager_attention = eager_jit(
+    _attention,
+    ("scale", "is_causal", "local_window_size", "names", "return_residual", "backends"),
+)

@@ -7,6 +7,10 @@ given and which are the same array, the shapes and dtypes jit sees, and the call
 static arguments) and reuses the compiled function. Everything the dispatch decides
 (the tuned backend, the executor's configs, the fall-through between backends) is
 decided while tracing, as it is under a user's ``jit``.
+
+`eager_jit` does the same for a function of arrays and keyword options
+(`dot_product_attention`, `paged_attention`, `ragged_paged_attention`): jit's own
+dispatch keys the compiled function by the arrays' shapes and the static options.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from ejk_sequtils import AttentionRequest
 
 from ._backends import BACKENDS, platform_of
 
-__all__ = ["run_compiled"]
+__all__ = ["eager_jit", "run_compiled"]
 
 # The request's fields that hold arrays (traced); every other field is a static option.
 _ARRAY_FIELDS = (
@@ -124,3 +129,40 @@ def _compiled(signature: _Signature) -> Callable[[tuple[Any, ...]], Any]:
         return signature.fn(request, *signature.extra)
 
     return jax.jit(run)
+
+
+def eager_jit(fn: Callable[..., Any], static_argnames: tuple[str, ...]) -> Callable[..., Any]:
+    """``fn``, run under one cached ``jax.jit`` per signature when its arrays are concrete.
+
+    ``fn`` takes its arrays (or None) positionally and the ``static_argnames`` (hashable
+    options) by keyword. A call runs ``fn`` directly, as before, when an array is a tracer
+    (the caller is being traced), something jit would change (a list, a float64 NumPy array
+    with x64 off) or on another platform than the default one, or an option is unhashable.
+    Checks in ``fn`` run while tracing: they may look at shapes and dtypes, never values.
+    """
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+
+    @functools.wraps(fn)
+    def call(*arrays: Any, **options: Any) -> Any:
+        leaves = jax.tree.leaves(arrays)  # None is no leaf
+        if all(_concrete(x) and _on_one_default_device(x) for x in leaves):
+            try:
+                hash(tuple(options.values()))
+            except TypeError:
+                return fn(*arrays, **options)
+            return jitted(*arrays, **options)
+        return fn(*arrays, **options)
+
+    # What a test that patches a module the dispatch reads (not a cache key) calls after it.
+    call.clear_cache = jitted.clear_cache  # type: ignore[attr-defined]
+    return call
+
+
+def _on_one_default_device(x: Any) -> bool:
+    """A NumPy array (jit puts it there), or a jax array on one device of the default platform."""
+    if not isinstance(x, jax.Array):
+        return True
+    sharding = x.sharding
+    if not isinstance(sharding, SingleDeviceSharding):
+        return False
+    return next(iter(sharding.device_set)).platform == jax.default_backend()

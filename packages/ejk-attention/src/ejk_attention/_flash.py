@@ -86,7 +86,9 @@ def flash_attention(
     Args:
         q: queries ``[B, T, N, H]``.
         k: keys ``[B, S, K, H]`` with ``N % K == 0``; query head n reads kv head ``n // (N // K)``.
-        v: values ``[B, S, K, Hv]``, same dtype as q and k.
+        v: values ``[B, S, K, Hv]``, same dtype as q and k: no promotion (unlike jnp's
+            arithmetic), mixed dtypes raise TypeError, and NumPy arrays keep their dtype
+            (float64 included); cast first. `dot_product_attention` follows jax.nn instead.
         bias: additive logits bias ``[1|B, 1|N, T, S]``.
         attention_mask: boolean ``[1|B, 1|N, T, S]``, True where a query may see a key
             (ejKernel's spelling): the same as a ``-inf`` bias on the hidden keys, so a row

@@ -31,7 +31,7 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ejk_sequtils import FP8_KV_DTYPE, quantize_kv
+from ejk_sequtils import FP8_KV_DTYPE, describe_value, quantize_kv
 
 from ._paged import paged_attention
 
@@ -109,7 +109,7 @@ class PagedKVCache:
             ("pages_per_seq", pages_per_seq),
         ):
             if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"{name} must be an int, got {name}={value!r}")
+                raise TypeError(f"{name} must be an int, got {name}={describe_value(value)}")
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {name}={value}")
         if not jnp.issubdtype(dtype, jnp.floating):

@@ -29,6 +29,7 @@ from ._backends import (
     resolve_implementation,
     run_first,
 )
+from ._eager import eager_jit
 from ._paged_xla import xla_paged_attention
 
 __all__ = ["PAGED_BACKENDS", "paged_attention", "ragged_paged_attention"]
@@ -141,11 +142,67 @@ PAGED_BACKENDS: dict[str, Backend] = {
 }
 
 
-def _run(request: PagedAttentionRequest, implementation: Any, config: Any) -> Array:
-    names = resolve_implementation(implementation)
+def _call(
+    q: Any,
+    k_pages: Any,
+    v_pages: Any,
+    page_table: Any,
+    kv_lens: Any,
+    cu_q_lens: Any,
+    softmax_sinks: Any,
+    k_scales: Any,
+    v_scales: Any,
+    *,
+    softmax_scale: Any,
+    sliding_window: Any,
+    logits_soft_cap: Any,
+    names: tuple[str, ...] | None,
+    config: Any,
+    backends: tuple[tuple[str, Backend], ...],
+) -> Array:
+    """A paged call (``cu_q_lens`` None: `paged_attention`) on the first backend of ``names``
+    that serves it; ``backends`` is `PAGED_BACKENDS`' items (a cache key of `_eager_call`:
+    a test replacing one gets a new trace)."""
+    request = validate_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens=cu_q_lens,
+        softmax_scale=softmax_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+    )
     if names is None:
         names = tuple(n for n in default_order(platform_of(request)) if n in PAGED_BACKENDS)
-    return run_first(request, names, config, backends=PAGED_BACKENDS)[1]
+    return run_first(request, names, config, backends=dict(backends))[1]
+
+
+_eager_call = eager_jit(
+    _call,
+    ("softmax_scale", "sliding_window", "logits_soft_cap", "names", "config", "backends"),
+)
+
+
+def _run(
+    arrays: tuple[Any, ...], request: PagedAttentionRequest, implementation: Any, config: Any
+) -> Array:
+    """``arrays`` (the call's, then ``cu_q_lens``, ``softmax_sinks`` and the FP8 scales), validated as
+    ``request`` (values too, where concrete), under one compiled function per signature
+    when concrete (the checks that run while tracing see shapes and dtypes only)."""
+    return _eager_call(
+        *arrays,
+        softmax_scale=request.softmax_scale,
+        sliding_window=request.sliding_window,
+        logits_soft_cap=request.logits_soft_cap,
+        names=resolve_implementation(implementation),
+        config=config,
+        backends=tuple(PAGED_BACKENDS.items()),
+    )
 
 
 def paged_attention(
@@ -219,7 +276,9 @@ def paged_attention(
         k_scales=k_scales,
         v_scales=v_scales,
     )
-    return _run(request, implementation, config)
+    arrays = (q, k_pages, v_pages, page_table, kv_lens, None, softmax_sinks)
+    arrays += (request.k_scales, request.v_scales)  # a scalar scale as a float32 array
+    return _run(arrays, request, implementation, config)
 
 
 def ragged_paged_attention(
@@ -274,4 +333,6 @@ def ragged_paged_attention(
         k_scales=k_scales,
         v_scales=v_scales,
     )
-    return _run(request, implementation, config)
+    arrays = (q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, softmax_sinks)
+    arrays += (request.k_scales, request.v_scales)
+    return _run(arrays, request, implementation, config)

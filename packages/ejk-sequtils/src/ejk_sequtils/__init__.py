@@ -9,6 +9,7 @@ the same for paged attention in serving (`validate_paged_attention`,
 `quantize_kv`).
 """
 
+from ._checks import describe_value as describe_value
 from ._cu_seqlens import cdiv as cdiv
 from ._cu_seqlens import cu_seqlens_to_segment_ids as cu_seqlens_to_segment_ids
 from ._cu_seqlens import position_ids_to_segment_ids as position_ids_to_segment_ids
@@ -79,6 +80,7 @@ __all__ = [
     "chunk_array",
     "cu_seqlens_to_segment_ids",
     "dequantize_kv",
+    "describe_value",
     "dropout_keep_mask",
     "dropout_key",
     "dropout_seed_u32",

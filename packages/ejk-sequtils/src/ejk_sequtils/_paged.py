@@ -147,14 +147,22 @@ class PagedAttentionRequest:
         return frozenset(name for name, on in used.items() if on)
 
 
+_INT32 = np.dtype(np.int32)  # not jnp.int32: comparing a dtype with it runs Python code
+
+
 def _int32_array(x: Any, name: str, layout: str, shape: tuple[int, ...]) -> Any:
     """``x`` as an int32 array of ``shape`` (``layout`` names its axes in messages)."""
     x = _int_array(x, name)
-    if x.dtype != jnp.int32:
+    if x.dtype != _INT32:
         raise TypeError(f"{name} must be int32, got {name}.dtype={x.dtype} (use .astype(int32))")
     if x.shape != shape:
         raise ValueError(f"{name} must have shape {layout}={shape}, got {name}.shape={x.shape}")
     return x
+
+
+def _outside(values: np.ndarray, low: int, high: int) -> bool:
+    """Some entry of ``values`` lies outside ``[low, high]``."""
+    return values.size > 0 and (values.min() < low or values.max() > high)
 
 
 def _check_lengths(page_table: Any, kv_lens: Any, page_size: int, num_pages: int) -> None:
@@ -163,15 +171,17 @@ def _check_lengths(page_table: Any, kv_lens: Any, page_size: int, num_pages: int
     if lens is None:
         return
     capacity = page_table.shape[1] * page_size
-    bad = np.flatnonzero((lens < 0) | (lens > capacity))
-    if bad.size:
+    # Eager calls pay for these checks on every call: two reductions first, then (only for
+    # bad input) the search for the entry to name.
+    bad = np.flatnonzero((lens < 0) | (lens > capacity)) if _outside(lens, 0, capacity) else ()
+    if len(bad):
         b = int(bad[0])
         raise ValueError(
             f"kv_lens must be in [0, pages_per_seq * page_size = {capacity}], got "
             f"kv_lens[{b}]={int(lens[b])}"
         )
     table = _concrete(page_table)
-    if table is None:
+    if table is None or not _outside(table, 0, num_pages - 1):
         return
     in_use = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page_size)
     bad = np.argwhere(in_use & ((table < 0) | (table >= num_pages)))
@@ -263,7 +273,7 @@ def validate_paged_attention(
 
     if ragged:
         cu_q_lens = _validate_cu_seqlens(cu_q_lens, "cu_q_lens", q.shape[0])
-        if cu_q_lens.dtype != jnp.int32:
+        if cu_q_lens.dtype != _INT32:
             raise TypeError(f"cu_q_lens must be int32, got cu_q_lens.dtype={cu_q_lens.dtype}")
         cu = _concrete(cu_q_lens)
         if cu is not None and cu[-1] != q.shape[0]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
+from ._checks import describe_value
 from ._dropout import dropout_keep_mask
 from ._visibility import SegmentIds, visibility_mask
 
@@ -115,6 +116,9 @@ def reference_attention(
     Returns:
         ``out [B, T, N, Hv]`` in ``q.dtype``, and with ``return_lse`` the pair ``(out, lse [B, N, T])``.
     """
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not hasattr(x, "ndim"):
+            raise TypeError(f"{name} must be a jax or NumPy array, got {describe_value(x)}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"q, k, v must be rank 4 [B, T, N, H]; got {q.shape}, {k.shape}, {v.shape}"

@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import check_non_decreasing, describe_value
 from ._reference import fold_sinks
 from ._visibility import normalize_window, split_segment_ids
 
 __all__ = ["AttentionRequest", "validate_attention"]
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+# As NumPy dtypes: comparing a dtype with jnp's scalar types runs Python code (eager calls pay it).
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,7 @@ def _array(x: Any, name: str, what: str) -> Any:
         return x
     if isinstance(x, np.generic):
         return np.asarray(x)
-    raise TypeError(f"{name} must be {what}, got {x!r} of type {type(x).__name__}")
+    raise TypeError(f"{name} must be {what}, got {describe_value(x)}")
 
 
 def _float_array(x: Any, name: str) -> Any:
@@ -128,13 +130,13 @@ def _concrete(x: Any) -> np.ndarray | None:
 
 def _real(x: Any, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {x!r} of type {type(x).__name__}")
+        raise TypeError(f"{name} must be a real number, got {describe_value(x)}")
     return float(x)
 
 
 def _flag(x: Any, name: str) -> bool:
     if not isinstance(x, bool | np.bool_):
-        raise TypeError(f"{name} must be a bool, got {x!r} of type {type(x).__name__}")
+        raise TypeError(f"{name} must be a bool, got {describe_value(x)}")
     return bool(x)
 
 
@@ -168,8 +170,7 @@ def _validate_cu_seqlens(cu: Any, name: str, length: int) -> Any:
     if value is not None:
         if value[0] != 0:
             raise ValueError(f"{name} must start at 0, got {name}[0]={int(value[0])}")
-        if np.any(np.diff(value) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {name}={value.tolist()}")
+        check_non_decreasing(value, name)
         if value[-1] > length:
             raise ValueError(
                 f"{name} ends at {int(value[-1])}, past the {length} packed tokens of its input"
@@ -211,7 +212,7 @@ def _validate_seed(dropout_seed: Any, dropout_rate: Any) -> Any:
         raise ValueError(f"dropout_seed is required when dropout_rate={dropout_rate!r} > 0")
     expected = "an int, an int32/uint32 scalar array or a jax.random.key"
     if isinstance(dropout_seed, bool):
-        raise TypeError(f"dropout_seed must be {expected}, got {dropout_seed!r}")
+        raise TypeError(f"dropout_seed must be {expected}, got {describe_value(dropout_seed)}")
     if isinstance(dropout_seed, numbers.Integral):
         return int(dropout_seed)
     if isinstance(dropout_seed, jax.Array) and jax.dtypes.issubdtype(
@@ -272,8 +273,8 @@ def validate_attention(
             raise ValueError(f"{name} must be rank 4 {layout}, got {name}.shape={x.shape}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(
-            f"q, k and v must share one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
-            f"v.dtype={v.dtype}"
+            f"q, k and v must share one dtype (no promotion: cast them first), got "
+            f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}"
         )
     batch, q_len, heads, head_dim = q.shape
     if k.shape[0] != batch:

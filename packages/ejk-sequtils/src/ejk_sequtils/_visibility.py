@@ -27,14 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from ._checks import describe_value
+
 __all__ = ["normalize_window", "visibility_mask"]
 
 AnyArray = Array | np.ndarray
 SegmentIds = Int[AnyArray, "B T"] | tuple[Int[AnyArray, "B T"], Int[AnyArray, "B S"]]
 
 
-def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
+def normalize_window(sliding_window: Any, name: str = "sliding_window") -> tuple[int, int] | None:
     """``sliding_window`` as ``(left, right)`` ints >= 0, or None.
+
+    ``name`` is the argument's name in the caller's signature, for the messages
+    (``dot_product_attention`` passes ``"local_window_size"``).
 
     Raises:
         TypeError: not None, an int or a pair of ints.
@@ -42,24 +47,23 @@ def normalize_window(sliding_window: Any) -> tuple[int, int] | None:
     """
     if sliding_window is None:
         return None
+    expected = f"{name} must be an int or (left, right), got {describe_value(sliding_window)}"
     if isinstance(sliding_window, bool):
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
+        raise TypeError(expected)
     if isinstance(sliding_window, numbers.Integral):
         pair = (int(sliding_window), int(sliding_window))
     elif isinstance(sliding_window, Sequence) and not isinstance(sliding_window, str):
         if len(sliding_window) != 2:
-            raise ValueError(
-                f"sliding_window must be an int or (left, right), got {sliding_window!r}"
-            )
+            raise ValueError(expected)
         if not all(
             isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in sliding_window
         ):
-            raise TypeError(f"sliding_window sizes must be ints, got {sliding_window!r}")
+            raise TypeError(f"{name} sizes must be ints, got {describe_value(sliding_window)}")
         pair = (int(sliding_window[0]), int(sliding_window[1]))
     else:
-        raise TypeError(f"sliding_window must be an int or (left, right), got {sliding_window!r}")
+        raise TypeError(expected)
     if pair[0] < 0 or pair[1] < 0:
-        raise ValueError(f"sliding_window sizes must be >= 0, got {sliding_window!r}")
+        raise ValueError(f"{name} sizes must be >= 0, got {sliding_window!r}")
     return pair
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ejk_attention import flash_attention, reference_attention
-from ejk_kernels_gpu._triton import arithmetic_dtype
+from ejk_kernels_gpu.build._triton import arithmetic_dtype
 from ejk_sequtils import attention_tolerance
 
 # Pairwise-distinct sizes, so a swapped axis fails loudly.

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejk_kernels_gpu import FlashConfig, _backward_launch, _forward_launch, flash_attention
+from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu.flash import _backward_launch, _forward_launch
 from ejk_sequtils import random_document_ids, reference_attention
 
 BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
@@ -401,11 +402,11 @@ CASES = [
     ("gluon bwd documents padded tail h128", 2, 1024, 1024, 8, 2, 128, GG, dict(documents="padded", causal=True)),
     ("gluon bwd h256 documents padded tail fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents="padded", dtype=jnp.float16)),
     # 32 (batch, head) groups of 64 query blocks: the persistent forward takes the last 9
-    # rows-major, the first 23 in the grid's order (`_options.rows_major`)
+    # rows-major, the first 23 in the grid's order (`flash._options.rows_major`)
     ("gluon causal last groups rows-major", 1, 8192, 8192, 32, 8, 128, GG, dict(causal=True)),
     # head_dim 64 by the heuristics: the Gluon dk/dv kernel with groups or a soft cap, the
     # ordinary dq kernel beside it (64x32 tiles, its own dq block table) without a cap
-    # (`_config.dq_beside`), the Gluon one with; windows keep the ordinary forward.
+    # (`flash._config.dq_beside`), the Gluon one with; windows keep the ordinary forward.
     ("gluon bwd h64 gqa causal T>S sinks", 1, 1536, 1000, 16, 4, 64, GG, dict(causal=True, sinks=True)),
     ("gluon bwd h64 gqa documents fp16", 2, 2048, 2048, 8, 2, 64, GG, dict(documents=True, causal=True, dtype=jnp.float16)),
     ("gluon bwd h64 gqa window 2-sided", 1, 2048, 2048, 16, 4, 64, {"bwd": "gluon"}, dict(sliding_window=(300, 100))),
@@ -433,7 +434,7 @@ def main() -> int:
     parser.add_argument("--commit", default="", help="the commit under test (for the JSON)")
     parser.add_argument("--repeat", type=int, default=1, help="run each picked case this often")
     args = parser.parse_args()
-    from ejk_kernels_gpu._triton import hopper_gpu
+    from ejk_kernels_gpu.build._triton import hopper_gpu
 
     hopper = hopper_gpu()
     device = jax.devices()[0]

@@ -11,9 +11,9 @@ from ejk_sequtils import assert_allclose, attention_tolerance
 def close(actual, expected, dtype, quantity: str, name: str = "") -> None:
     """``actual`` within the one tolerance table (`ejk_sequtils.attention_tolerance`) of
     ``expected``, the float32 reference's result for inputs of ``dtype``, at the precision
-    the kernels compute in here (`_triton.arithmetic_dtype`: bfloat16 interpreted runs in
+    the kernels compute in here (`build._triton.arithmetic_dtype`: bfloat16 interpreted runs in
     float32)."""
-    from ejk_kernels_gpu._triton import arithmetic_dtype
+    from ejk_kernels_gpu.build._triton import arithmetic_dtype
 
     tol = attention_tolerance(dtype, quantity, computed_in=arithmetic_dtype(dtype))
     assert_allclose(actual, expected, rtol=tol, atol=tol, err_msg=name or quantity)
@@ -62,11 +62,11 @@ def edge_fixture(request):
 
 @pytest.fixture(name="on_hopper")
 def on_hopper_fixture(monkeypatch):
-    """Pretend to be on Hopper and watch `_forward_launch.launch` and
-    `_backward_launch.launch`. Returns ``watch(hook)``: ``hook(name, grid, inputs, outs,
+    """Pretend to be on Hopper and watch `flash._forward_launch.launch` and
+    `flash._backward_launch.launch`. Returns ``watch(hook)``: ``hook(name, grid, inputs, outs,
     consts, kwargs)`` sees every launch (``name``: the kernel's) and may return outputs that
     stand in for it (None: the launch runs as usual)."""
-    from ejk_kernels_gpu import _backward_launch, _forward_launch, _options
+    from ejk_kernels_gpu.flash import _backward_launch, _forward_launch, _options
 
     monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
 

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from ejk_kernels_gpu._aot import GLUON_SPILL_BYTES, TABLE_BUILDS
-from ejk_kernels_gpu._config import SHARED_MEMORY_LIMIT
+from ejk_kernels_gpu.aot.flash import GLUON_SPILL_BYTES, TABLE_BUILDS
+from ejk_kernels_gpu.flash._config import SHARED_MEMORY_LIMIT
 
 pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the sa
 def _compile(*args: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "ejk_kernels_gpu._aot", *args],
+        [sys.executable, "-m", "ejk_kernels_gpu.aot.flash", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -122,10 +122,10 @@ def _threads(row: dict) -> int:
 
 
 def test_the_three_consumer_gluon_forward_builds_for_hopper():
-    """The soft cap's three-consumer tile (192 rows, 64 keys a step; `_config.THREE_CONSUMERS`)
+    """The soft cap's three-consumer tile (192 rows, 64 keys a step; `flash._config.THREE_CONSUMERS`)
     at head_dim 64 and 128, bf16 and fp16, causal (the heuristic's) and with segment ids
     (the tuning space's): four warpgroups, 160 registers a consumer thread and no spill
-    without a table (one value reloaded with one: `_aot.GLUON_SPILL_BYTES`). The build
+    without a table (one value reloaded with one: `aot.flash.GLUON_SPILL_BYTES`). The build
     for 4096 rows, off its tile, runs persistent (its last tile's third consumer idle,
     `_release_tile`): its output has a buffer of its own."""
     rows = _compile_16_bit(
@@ -154,7 +154,7 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     documents, alone and resuming a previous call's rows, at head_dim 128) at head_dim 64,
     128 and 256: three
     warpgroups, within shared memory, no register spills beyond the one value the
-    persistent builds with per-block masks reload (`_aot.GLUON_SPILL_BYTES`; the unmasked
+    persistent builds with per-block masks reload (`aot.flash.GLUON_SPILL_BYTES`; the unmasked
     and causal builds above spill nothing). (Every mask at once, and packed sequences at
     head_dim 256, spill a few dozen bytes: not offered here as clean.)"""
     rows = _compile(
@@ -193,9 +193,9 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
     64 and 128, bf16 and fp16: the Gluon one with three consumers, but at head_dim 64
-    without a cap the ordinary one with 64x32 tiles (`_config.dq_beside`). Three warpgroups
+    without a cap the ordinary one with 64x32 tiles (`flash._config.dq_beside`). Three warpgroups
     (four in the dq kernel), within shared memory and scratch; the Gluon dq kernel spills
-    nothing, the dk/dv kernel at most the bytes `_aot.GLUON_SPILL_BYTES` allows."""
+    nothing, the dk/dv kernel at most the bytes `aot.flash.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
         "--head-dims", "64,128", "--variants", "plain,causal,softcap", "--space", "heuristic",
         "--kernels", "dq_kernel,dkdv_kernel",
@@ -210,7 +210,7 @@ def test_the_gluon_backward_kernels_build_for_hopper():
         if head_dim == 128 or variant == "softcap"
     }
     assert all(r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
-    # Without a block table its three consumers (`_config.GLUON_DQ_THREE`: 192 rows, two
+    # Without a block table its three consumers (`flash._config.GLUON_DQ_THREE`: 192 rows, two
     # slots, four warpgroups)
     tiles = {(r["config"]["block_q"], r["config"]["num_stages"], r["threads"]) for r in gluon_dq}
     assert tiles == {(192, 2, 512)}
@@ -242,9 +242,9 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     """The Gluon dk/dv kernel (two and three slots) with windows, documents as segment ids,
     packed sequences and context parallelism's global positions with documents (the block
     tables' paths) at head_dim 64 and 128, and the Gluon dq kernel beside it at 128
-    (pipelined, three slots; at 64 the ordinary one, `_config.dq_beside`): three
+    (pipelined, three slots; at 64 the ordinary one, `flash._config.dq_beside`): three
     warpgroups, within shared memory; the dq kernel spills nothing, the dk/dv kernel at
-    most its allowance (`_aot.GLUON_SPILL_BYTES`)."""
+    most its allowance (`aot.flash.GLUON_SPILL_BYTES`)."""
     rows = _compile(
         "--head-dims", "64,128", "--variants", "window,documents,packed,relative",
         "--space", "heuristic",
@@ -290,7 +290,7 @@ def test_the_gluon_dkdv_kernel_builds_dk_and_dv_side_by_side_for_hopper():
 
 
 def test_the_head_dim_256_gluon_backward_kernels_build_for_hopper():
-    """The column-split Gluon dk/dv kernel (`_gluon_backward_wide`) and the Gluon dq kernel
+    """The column-split Gluon dk/dv kernel (`kernels.gluon._backward_wide`) and the Gluon dq kernel
     beside it (32 keys a step) unmasked, causal, with a window, segment ids and a soft cap:
     three warpgroups, within shared memory and scratch; the dk/dv kernel within its spill
     allowance (none unmasked, causal or windowed), the dq kernel without spills."""
@@ -341,9 +341,9 @@ def test_warp_specialised_backward_builds_for_hopper():
 
 
 def test_segment_table_kernel_compiles_for_hopper_without_spills():
-    """`_masks.fused_segment_table`'s builds (`_aot.TABLE_BUILDS`): no wgmma, no spills."""
+    """`flash._tables.fused_segment_table`'s builds (`aot.flash.TABLE_BUILDS`): no wgmma, no spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-m", "ejk_kernels_gpu._aot", "--kernels", "segment_table"]
+    command = [sys.executable, "-m", "ejk_kernels_gpu.aot.flash", "--kernels", "segment_table"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(TABLE_BUILDS), proc.stderr[-3000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ejk_kernels_gpu import _triton
+from ejk_kernels_gpu.build import _triton as _triton
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

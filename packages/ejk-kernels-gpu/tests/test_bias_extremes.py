@@ -4,7 +4,7 @@ hides a key (values, lse and gradients against the float32 reference, in the int
 A row whose every visible logit carries the same huge negative bias has a uniform
 softmax; its lse, ``m + log(l)`` with ``|m| >= 1e8``, rounds to ``m`` in float32, so the
 backward cannot rebuild P from it and takes the row max and log row sum apart (see
-`ejk_kernels_gpu._kernel_common`). No RuntimeWarning may come out of the interpreter
+`ejk_kernels_gpu.kernels.triton._common`). No RuntimeWarning may come out of the interpreter
 (the suite turns warnings into errors).
 """
 

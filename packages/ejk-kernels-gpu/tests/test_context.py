@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu._context import BlockMasks, block_backward, block_forward
+from ejk_kernels_gpu.context._blocks import BlockMasks, block_backward, block_forward
 from ejk_sequtils import reference_attention
 
 B, T, N, K, H = 2, 48, 4, 2, 16
@@ -223,9 +223,9 @@ def test_query_chunks_are_checked():
 def test_relative_calls_compare_positions_without_sequence_ids(rng, make_inputs):
     """Global positions are the packed path without its sequence ids (one sequence): the
     kernels get no id tables and build without ``SEQ_IDS`` (its loads spilled registers in
-    the Gluon builds: `_aot`'s "relative" variant)."""
-    from ejk_kernels_gpu._context import block_options, block_tables
-    from ejk_kernels_gpu._options import gluon_constexprs, kernel_constexprs
+    the Gluon builds: `aot.flash`'s "relative" variant)."""
+    from ejk_kernels_gpu.context._blocks import block_options, block_tables
+    from ejk_kernels_gpu.flash._options import gluon_constexprs, kernel_constexprs
 
     q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
     masks = BlockMasks(scale=0.25, causal=True, relative=True)
@@ -318,9 +318,9 @@ def test_keys_and_values_as_one_array_give_the_same_results(rng, make_inputs):
 )
 def test_block_calls_refuse_backward_configs_no_kernel_runs(rng, make_inputs, bwd, match):
     """Context parallelism's block calls check a backward config as `flash_attention` does
-    (`_options.check_bwd_config`), not only its own entry point."""
+    (`flash._options.check_bwd_config`), not only its own entry point."""
     from ejk_kernels_gpu import FlashConfig
-    from ejk_kernels_gpu._context import block_options
+    from ejk_kernels_gpu.context._blocks import block_options
 
     q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
     masks = BlockMasks(scale=0.25, causal=True)

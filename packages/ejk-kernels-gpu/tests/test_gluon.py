@@ -21,8 +21,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, _jax_triton_fix, flash_attention
-from ejk_kernels_gpu._config import (
+from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu.build import _jax_triton_fix
+from ejk_kernels_gpu.build._triton import multiprocessors
+from ejk_kernels_gpu.flash._config import (
     _GLUON_CONFIGS,
     GLUON_DQ_64,
     THREE_CONSUMERS,
@@ -32,8 +34,7 @@ from ejk_kernels_gpu._config import (
     gluon_fits,
     ordinary_config,
 )
-from ejk_kernels_gpu._schedule import forward_order
-from ejk_kernels_gpu._triton import multiprocessors
+from ejk_kernels_gpu.flash._schedule import forward_order
 from ejk_sequtils import random_document_ids, reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
@@ -105,7 +106,7 @@ def test_soft_cap_calls_take_three_consumers_at_head_dim_128():
     ],
 )  # fmt: skip
 def test_calls_with_a_soft_cap_and_no_table_run_three_consumers(on_hopper, kwargs, three):
-    from ejk_kernels_gpu._options import call_options, gluon_constexprs
+    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -174,7 +175,7 @@ def test_ordinary_config_keeps_the_tiles():
 
 
 def _visible(c, b, rows, keys, tabs, lengths, ids=True):
-    """The Gluon kernels' mask rule (`_gluon_common.visible`) in NumPy: ``[rows, keys]``,
+    """The Gluon kernels' mask rule (`kernels.gluon._common.visible`) in NumPy: ``[rows, keys]``,
     True where row sees key (keys past the end, other packed sequences or segments,
     outside causal or the window on positions hidden). ``tabs``: the launch's mask tables
     (q/k sequence ids, q/k positions, q/k segment ids); ``ids`` False: segment ids are
@@ -203,7 +204,7 @@ def _visible(c, b, rows, keys, tabs, lengths, ids=True):
 def _tiles(order, count, consts):
     """The tiles a Gluon kernel's programs take, in order (``(b·N + n)·n_m + query block``):
     with ``ORDERED`` the launch's order, with ``ROWS_MAJOR`` the counter's
-    (`_schedule.forward_order`); either must be a permutation of them; else the grid's (a
+    (`flash._schedule.forward_order`); either must be a permutation of them; else the grid's (a
     placeholder order)."""
     if consts["ORDERED"]:
         np.testing.assert_array_equal(np.sort(order), np.arange(count))
@@ -237,12 +238,12 @@ def _emulate_gluon(inputs, consts):
     without segment ids). A table that sends a block needing a mask down the unmasked
     path, misses a visible block or leaves other ids after its full range in a causal call,
     gives a wrong answer here. With ``ORDERED`` tiles are taken in the order the launch
-    passes (`_schedule.launch_order`), which must be a permutation of them. With
+    passes (`flash._schedule.launch_order`), which must be a permutation of them. With
     ``FIXED_SHIFT`` (a soft cap) the first block sets each row's shift, floored at
     CAP_OUT - `_SHIFT_ROOM`, and later blocks keep it (no max, no rescaling). With
     ``RESUME`` rows start from the previous (o, lse) (m = lse in log2 units, l = 1), and
     tiles that see no key leave the outputs as the previous call's."""
-    from ejk_kernels_gpu._gluon_forward_kernel import _SHIFT_ROOM  # (Triton set up by now)
+    from ejk_kernels_gpu.kernels.gluon._forward import _SHIFT_ROOM  # (Triton set up by now)
 
     q, k, v, sinks, prev_o, prev_lse, qsid, ksid, qpos, kpos, qseg, kseg, ranges, order, _ = (
         np.asarray(x) for x in inputs
@@ -548,7 +549,7 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, clo
     # the launch's tile order for one program a tile, causal; persistent ones, the grid's
     assert consts["ORDERED"] == (causal and not persistent)
     assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
-    # causal calls of up to 8192 keys take two slots (`_options.short_causal`), others three
+    # causal calls of up to 8192 keys take two slots (`flash._options.short_causal`), others three
     slots = 2 if causal else 3
     assert (consts["BM"], consts["BN"], consts["STAGES"], kw["num_warps"]) == (128, 128, slots, 4)
     assert outs[:3] == [(q.shape, q.dtype), ((2, heads, q_len), jnp.float32), ((1,), jnp.int32)]
@@ -785,7 +786,7 @@ def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch, scratch_ptx)
     ],
 )
 def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg, persistent):
-    from ejk_kernels_gpu._options import CallOptions, gluon_persistent
+    from ejk_kernels_gpu.flash._options import CallOptions, gluon_persistent
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
@@ -815,8 +816,8 @@ def test_short_causal_calls_take_their_last_tiles_rows_major(shape, causal, seg,
     sequences of at most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here); the last
     groups holding `TAIL_WAVES` multiprocessors' worth of the heaviest tiles in causal
     calls without a table of at most `TAIL_BLOCKS` query blocks."""
-    from ejk_kernels_gpu import _options
-    from ejk_kernels_gpu._options import CallOptions, gluon_persistent, rows_major
+    from ejk_kernels_gpu.flash import _options
+    from ejk_kernels_gpu.flash._options import CallOptions, gluon_persistent, rows_major
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
@@ -863,7 +864,7 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
     documents and causal calls of up to 8192 keys (its output then gets a buffer of its own,
     ``OBUF``: the next tile's q loads during a tile's epilogue), three otherwise (no room for
     it); head_dim 64 has room with three; one program a tile, or head_dim 256, never."""
-    from ejk_kernels_gpu._options import call_options, gluon_constexprs, gluon_obuf
+    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs, gluon_obuf
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -894,8 +895,8 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
 def test_head_dim_64_calls_take_the_gluon_forward_but_under_a_window(on_hopper, kwargs, gluon):
     """At head_dim 64 the forward heuristic takes the Gluon forward (three slots) for every
     call it can run but those with a sliding window, where it measured slower than the
-    ordinary kernel (H200, `_config._GLUON_HEURISTIC_HEAD_DIMS`)."""
-    from ejk_kernels_gpu._options import call_options
+    ordinary kernel (H200, `flash._config._GLUON_HEURISTIC_HEAD_DIMS`)."""
+    from ejk_kernels_gpu.flash._options import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -931,8 +932,8 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
     """At head_dim 64 the backward heuristic takes the Gluon dk/dv kernel (two slots) with
     groups or a soft cap, the ordinary dq kernel beside it without a cap and the Gluon one
     with (three consumers without a block table); MHA without a cap keeps the ordinary
-    kernels (H200, `_config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `_config.dq_beside`)."""
-    from ejk_kernels_gpu._options import call_options
+    kernels (H200, `flash._config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `flash._config.dq_beside`)."""
+    from ejk_kernels_gpu.flash._options import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -947,7 +948,7 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
         cap = "logits_soft_cap" in kwargs
         dq = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
         assert dq_beside(opts.bwd_cfg, 64, cap, tabled=True) == (GLUON_DQ_64 if cap else dq)
-        # without a table and with a cap its three consumers (`_config.GLUON_DQ_THREE`)
+        # without a table and with a cap its three consumers (`flash._config.GLUON_DQ_THREE`)
         three = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
         assert dq_beside(opts.bwd_cfg, 64, cap, tabled=False) == (three if cap else dq)
 
@@ -968,7 +969,7 @@ def test_soft_caps_up_to_55_in_bf16_fix_each_rows_shift(
 ):
     """The Gluon forward keeps each row's shift from a tile's first key block on
     (``FIXED_SHIFT``) where the cap bounds the logits within bf16's range."""
-    from ejk_kernels_gpu._options import call_options, gluon_constexprs
+    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs
     from ejk_sequtils import validate_attention
 
     q = jnp.zeros((1, 1024, 8, 128), dtype)
@@ -985,7 +986,7 @@ GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, glu
 
 
 def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_allowed():
-    from ejk_kernels_gpu._config import bwd_heuristic, bwd_search_space
+    from ejk_kernels_gpu.flash._config import bwd_heuristic, bwd_search_space
 
     assert bwd_heuristic(128, 2, False, 4, gluon=True) == GLUON_DKDV
     # MHA without a soft cap: dq in it, three slots; with a cap dq beside it
@@ -1196,7 +1197,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
 ):
     """At head_dim 64 with groups the Gluon dk/dv kernel runs by default, and beside it
     the ordinary dq kernel with 64x32 tiles, walking a dq block table built for those
-    (`_config.dq_beside`); with a soft cap the Gluon dq kernel. The gradients, through the
+    (`flash._config.dq_beside`); with a soft cap the Gluon dq kernel. The gradients, through the
     dk/dv kernel's emulation and the interpreted dq kernel, match the reference."""
     _, kwargs = case
     kwargs = dict(kwargs)
@@ -1207,7 +1208,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     assert grid == (3, batch * kv_heads) and (consts["BM"], consts["BN"]) == (64, 128)
     if "logits_soft_cap" in kwargs:
         [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
-        # (384 rows: two programs of 192, its three consumers, `_config.GLUON_DQ_THREE`)
+        # (384 rows: two programs of 192, its three consumers, `flash._config.GLUON_DQ_THREE`)
         assert gluon_launches.ordinary_dq == [] and dq_grid == (2, batch * heads)
         assert dq_consts["BM"] == 192
     else:
@@ -1257,7 +1258,7 @@ def test_context_blocks_with_offsets_take_the_gluon_backward(
     positions) takes the Gluon dk/dv kernel on the block tables, and beside it the Gluon
     dq kernel (at head_dim 64 the ordinary one, on its own table); the key block's
     gradients from the global output and lse match the reference's share."""
-    from ejk_kernels_gpu._context import BlockMasks, block_backward
+    from ejk_kernels_gpu.context._blocks import BlockMasks, block_backward
 
     q, w = (jnp.asarray(rng.standard_normal((1, 256, 4, head_dim)), jnp.bfloat16) for _ in range(2))
     k, v = (
@@ -1304,7 +1305,7 @@ GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, 
 )
 def test_the_head_dim_256_gluon_dkdv_kernel_splits_the_columns(gluon_launches, rng, close, kwargs):
     """At head_dim 256 its config (64 resident keys) runs the column-split Gluon dk/dv
-    kernel (`_gluon_backward_wide`; grid of 64-key blocks) with the Gluon dq kernel beside
+    kernel (`kernels.gluon._backward_wide`; grid of 64-key blocks) with the Gluon dq kernel beside
     it (`GLUON_DQ_256`: 128 query rows a program, 32 keys a step, walking a dq block table
     built for those tiles); the gradients, through their emulations, match the reference. Its config with
     dq inside, or at another head_dim, gives way to the heuristic's backward (this one
@@ -1347,7 +1348,7 @@ def test_resumed_context_rows_continue_in_the_kernel(gluon_launches, rng):
     the previous call's outputs passed in, aliased as the outputs); the two calls give the
     reference's rows, documents crossing the blocks' edge included, and the resumed call
     builds without the fixed shift."""
-    from ejk_kernels_gpu._context import BlockMasks, block_forward
+    from ejk_kernels_gpu.context._blocks import BlockMasks, block_forward
 
     t, a, b = 512, 256, 512  # device 1 of two: rows and own keys [256, 512)
     q, k, v = (jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(3))
@@ -1379,7 +1380,7 @@ def test_keys_and_values_as_one_array_reach_every_gluon_kernel(
     """``kv`` (all-gather's keys and values gathered as one array): the Gluon forward,
     dk/dv and dq kernels (at head_dim 64 the ordinary dq kernel beside) take it with
     ``KV_PAIR`` and give the results of k and v apart."""
-    from ejk_kernels_gpu._context import BlockMasks, block_backward, block_forward
+    from ejk_kernels_gpu.context._blocks import BlockMasks, block_backward, block_forward
 
     t = 256
     q, d_out = (
@@ -1415,7 +1416,7 @@ def test_context_rows_against_the_whole_sequence_take_the_tile_order(
     positions alone its tiles come in the launch's order (heaviest first: the late
     chunk's tiles walk the whole sequence, the early one's a few blocks), with documents
     in the grid's (the order's sort would cost more than it gains)."""
-    from ejk_kernels_gpu._context import BlockMasks, block_forward
+    from ejk_kernels_gpu.context._blocks import BlockMasks, block_forward
 
     t, chunk = 512, 128  # device 0 of two: global chunks 0 and 3
     rows = np.concatenate([np.arange(0, chunk), np.arange(t - chunk, t)])
@@ -1440,10 +1441,10 @@ def test_forward_takes_its_counter_from_the_table_kernel(gluon_launches, rng, mo
     ids), the persistent forward takes over the zero it wrote as its counter (aliased, no
     memset). Here the kernel builds a context call's masks
     from positions, and the values stay the reference's."""
-    from ejk_kernels_gpu import _masks
-    from ejk_kernels_gpu._context import BlockMasks, block_forward
+    from ejk_kernels_gpu.context._blocks import BlockMasks, block_forward
+    from ejk_kernels_gpu.flash import _tables
 
-    monkeypatch.setattr(_masks._triton, "interpreting", lambda: False)  # the fused path
+    monkeypatch.setattr(_tables._triton, "interpreting", lambda: False)  # the fused path
     t, chunk = 512, 128  # device 0 of two: global chunks 0 and 3
     rows = np.concatenate([np.arange(0, chunk), np.arange(t - chunk, t)])
     q, k, v = (jnp.asarray(rng.standard_normal((1, t, 4, 128)), jnp.bfloat16) for _ in range(3))

@@ -1,17 +1,17 @@
-"""The launch order of the kernels' programs (`_kernel_common.grid_order`), in Triton's interpreter."""
+"""The launch order of the kernels' programs (`kernels.triton._common.grid_order`), in Triton's interpreter."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import _triton
+from ejk_kernels_gpu.build import _triton as _triton
 
 _triton.kernels()  # chooses Triton's backend (here the interpreter) before triton imports
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from ejk_kernels_gpu._kernel_common import GRID_GROUP, grid_order  # noqa: E402
+from ejk_kernels_gpu.kernels.triton._common import GRID_GROUP, grid_order  # noqa: E402
 
 
 @triton.jit

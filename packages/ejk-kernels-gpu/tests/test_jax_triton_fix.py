@@ -9,8 +9,8 @@ from types import ModuleType
 
 import pytest
 
-from ejk_kernels_gpu import _jax_triton_fix
-from ejk_kernels_gpu._jax_triton_fix import redirect_scratch
+from ejk_kernels_gpu.build import _jax_triton_fix
+from ejk_kernels_gpu.build._jax_triton_fix import redirect_scratch
 
 
 def test_refuses_parameters_out_of_order(scratch_ptx):
@@ -71,7 +71,7 @@ def test_every_kernel_with_a_scratch_argument_is_redirected():
     """A kernel whose last explicit pointer is ``scratch_ptr`` gets its PTX redirected
     (`SCRATCH_KERNELS`): one left out reads its TMA descriptors' scratch from a null
     pointer on the GPU (an illegal address, with no error at compile time)."""
-    from ejk_kernels_gpu import _jit_kernels
+    from ejk_kernels_gpu.kernels import _all as _jit_kernels
 
     with_scratch = {
         name

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, _masks
-from ejk_kernels_gpu._options import CallOptions
+from ejk_kernels_gpu import FlashConfig
+from ejk_kernels_gpu.flash import _tables
+from ejk_kernels_gpu.flash._options import CallOptions
 from ejk_sequtils import visibility_mask
 
 CU_Q = [0, 9, 9, 30, 38]
@@ -57,12 +58,12 @@ def test_block_tables_cover_every_visible_pair(kw):
             cu_seqlens_k=None if cu is None else cu[1],
         )
     )[0, 0]
-    packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
+    packing = None if cu is None else _tables.Packing(cu[0], cu[1], q_len, kv_len)
     causal = kw.get("causal", False)
     skipped = 0
     for of_queries, block, inner in ((True, 16, 8), (False, 8, 16)):
-        lo, hi = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=of_queries)
-        table = _masks.block_table(lo, hi, block, inner)
+        lo, hi = _tables.ranges(q_len, kv_len, causal, window, packing, of_queries=of_queries)
+        table = _tables.block_table(lo, hi, block, inner)
         want = vis if of_queries else vis.T
         seen, full = _visited(table, *want.shape[:1], block, inner, want.shape[1])
         assert not np.any(want & ~seen), "a visible pair is skipped"
@@ -96,10 +97,10 @@ def _tables_with_ids(q_ids, kv_ids, packing=None, *, causal=False, sliding_windo
         varlen=packing is not None, fwd_cfg=FlashConfig(block_q=32, block_k=16),
         bwd_cfg=FlashConfig(block_q=16, block_k=32),
     )  # fmt: skip
-    rows = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
-    cols = _masks.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
+    rows = _tables.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
+    cols = _tables.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
     ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    *tables, _ = _masks.range_tables(opts, rows, cols, ids, head_dim=64)
+    *tables, _ = _tables.range_tables(opts, rows, cols, ids, head_dim=64)
     return tables
 
 
@@ -132,7 +133,7 @@ def test_segment_tables_skip_other_documents_and_cover_every_visible_pair(kw, re
             cu_seqlens_k=None if cu is None else cu[1],
         )
     )[:, 0]
-    packing = None if cu is None else _masks.Packing(cu[0], cu[1], q_len, kv_len)
+    packing = None if cu is None else _tables.Packing(cu[0], cu[1], q_len, kv_len)
     fwd, dq, dkdv = _tables_with_ids(q_ids, kv_ids, packing, **kw)
     skipped = full_pairs = 0
     for tables, of_queries, block, inner in ((fwd, True, 32, 16), (dq, True, 16, 32), (dkdv, False, 16, 32)):  # fmt: skip
@@ -153,7 +154,7 @@ def test_segment_block_table_of_ids_in_separate_runs():
     # Blocks of 2 rows against inner blocks of 3 keys (the last one short).
     ids = jnp.asarray([[0, 0, 1, 1, 2, -1, 3]], jnp.int32)
     other = jnp.asarray([[1, 1, 1, 0, 0, 0, 2, 2, 2, 0, 3]], jnp.int32)
-    table = np.asarray(_masks.segment_block_table(ids, other, 2, 3))[0]
+    table = np.asarray(_tables.segment_block_table(ids, other, 2, 3))[0]
     np.testing.assert_array_equal(
         table,
         [
@@ -176,7 +177,7 @@ def test_segment_block_table_covers_every_meeting_pair(seed):
     if seed % 2:  # runs, as documents come
         ids, other_ids = np.sort(ids), np.sort(other_ids)
     block, inner = int(rng.integers(1, 6)), int(rng.integers(1, 6))
-    tables = _masks.segment_block_table(jnp.asarray(ids), jnp.asarray(other_ids), block, inner)
+    tables = _tables.segment_block_table(jnp.asarray(ids), jnp.asarray(other_ids), block, inner)
     for b in range(batch):
         want = (ids[b][:, None] == other_ids[b][None, :]) & (ids[b][:, None] >= 0)
         seen, full = _visited(tables[b], length, block, inner, other)
@@ -223,11 +224,11 @@ def test_documents_of_whole_tiles_keep_their_unmasked_blocks():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
-    # The one-kernel table (run by Triton's interpreter here) against `_masks`' definition:
+    # The one-kernel table (run by Triton's interpreter here) against `_tables`' definition:
     # random, sorted, padded and cross ids, odd block sizes, masks' tables of causal and
     # window calls, and chunks of a few inner blocks so the kernel walks several.
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(_masks, "CHUNK_ELEMENTS", int(rng.choice([4, 16, 4096])))
+    monkeypatch.setattr(_tables, "CHUNK_ELEMENTS", int(rng.choice([4, 16, 4096])))
     batch, length, other = 2, int(rng.integers(1, 70)), int(rng.integers(1, 70))
     ids = rng.integers(-2, 5, (batch, length)).astype(np.int32)
     other_ids = rng.integers(-2, 5, (batch, other)).astype(np.int32)
@@ -238,8 +239,8 @@ def test_fused_segment_table_gives_the_jnp_tables(seed, monkeypatch):
     block, inner = int(rng.choice([1, 3, 4, 16])), int(rng.choice([1, 5, 8, 16]))
     window = None if seed % 3 else (int(rng.integers(0, 30)), int(rng.integers(0, 5)))
     causal = seed % 3 != 1
-    lo, hi = _masks.ranges(length, other, causal, window, None, of_queries=True)
-    table = _masks.block_table(lo, hi, block, inner)
+    lo, hi = _tables.ranges(length, other, causal, window, None, of_queries=True)
+    table = _tables.block_table(lo, hi, block, inner)
     _assert_fused_table(table, table, jnp.asarray(ids), jnp.asarray(other_ids), block, inner)
 
 
@@ -248,13 +249,13 @@ def _assert_fused_table(masks, table, ids, other_ids, block, inner):
     `_intersect` of ``table`` (the masks' table in jnp) and `segment_block_table`, with and
     without the causal forward's rule, and writes the counter's zero."""
     for after_full in (False, True):
-        want = _masks._intersect(
+        want = _tables._intersect(
             table,
-            _masks.segment_block_table(ids, other_ids, block, inner),
+            _tables.segment_block_table(ids, other_ids, block, inner),
             inner,
             positions_after_full=after_full,
         )
-        got, counter = _masks.fused_segment_table(
+        got, counter = _tables.fused_segment_table(
             masks, ids, other_ids, block, inner, positions_after_full=after_full
         )
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(after_full))
@@ -277,7 +278,7 @@ def test_position_ranges_in_the_table_kernel_give_the_jnp_tables(seed, monkeypat
     # kernel from the positions, against `PositionRanges.lo_hi` through `block_table`;
     # with one document (the masks' entries as they are) or a few.
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(_masks, "CHUNK_ELEMENTS", int(rng.choice([4, 4096])))
+    monkeypatch.setattr(_tables, "CHUNK_ELEMENTS", int(rng.choice([4, 4096])))
     chunks = int(rng.choice([1, 2, 3]))
     length, other = int(rng.integers(1, 40)), chunks * int(rng.integers(1, 25))
     of_queries = bool(seed % 2)
@@ -285,23 +286,25 @@ def test_position_ranges_in_the_table_kernel_give_the_jnp_tables(seed, monkeypat
     other_pos = _chunk_positions(rng, other, chunks)
     causal = seed % 3 != 2
     window = None if seed % 3 == 0 else (int(rng.integers(0, 30)), int(rng.integers(0, 9)))
-    ranges = _masks.PositionRanges.of(pos, other_pos, chunks, causal, window, of_queries=of_queries)
+    ranges = _tables.PositionRanges.of(
+        pos, other_pos, chunks, causal, window, of_queries=of_queries
+    )
     block, inner = int(rng.choice([1, 3, 16])), int(rng.choice([1, 5, 16]))
     ids = np.sort(rng.integers(-1, 3, (2, length)))
     other_ids = np.sort(rng.integers(-1, 3, (2, other)))
     if seed % 4 < 2:
         ids, other_ids = np.zeros_like(ids), np.zeros_like(other_ids)
     ids, other_ids = jnp.asarray(ids, jnp.int32), jnp.asarray(other_ids, jnp.int32)
-    table = _masks.mask_table(ranges, block, inner)
+    table = _tables.mask_table(ranges, block, inner)
     _assert_fused_table(ranges, table, ids, other_ids, block, inner)
 
 
 def test_position_ranges_refuse_uneven_chunks_and_negative_bounds():
     pos = jnp.arange(4, dtype=jnp.int32)
     with pytest.raises(ValueError, match="5 indices in 2 chunks"):
-        _masks.PositionRanges(pos, jnp.arange(5, dtype=jnp.int32), 2, None, 0)
+        _tables.PositionRanges(pos, jnp.arange(5, dtype=jnp.int32), 2, None, 0)
     with pytest.raises(ValueError, match="upper is >= 0 or None, got -1"):
-        _masks.PositionRanges(pos, pos, 1, -1, None)
+        _tables.PositionRanges(pos, pos, 1, -1, None)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -314,7 +317,7 @@ def test_position_ranges_hold_exactly_the_pairs_that_positions_allow(seed):
     other_pos = _chunk_positions(rng, chunks * int(rng.integers(1, 20)), chunks)
     window = None if seed % 2 else (int(rng.integers(0, 20)), int(rng.integers(0, 6)))
     for of_queries in (True, False):
-        ranges = _masks.PositionRanges.of(
+        ranges = _tables.PositionRanges.of(
             pos, other_pos, chunks, True, window, of_queries=of_queries
         )
         lo, hi = (np.asarray(x) for x in ranges.lo_hi())
@@ -340,11 +343,11 @@ def test_range_tables_fused_or_not_agree(window):
         varlen=False, fwd_cfg=FlashConfig(block_q=32, block_k=16),
         bwd_cfg=FlashConfig(block_q=16, block_k=32),
     )  # fmt: skip
-    rows = _masks.ranges(128, 128, True, window, None, of_queries=True)
-    cols = _masks.ranges(128, 128, True, window, None, of_queries=False)
+    rows = _tables.ranges(128, 128, True, window, None, of_queries=True)
+    cols = _tables.ranges(128, 128, True, window, None, of_queries=False)
     ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    *fused, counter = _masks.range_tables(opts, rows, cols, ids, head_dim=64, fused=True)
-    *plain, none = _masks.range_tables(opts, rows, cols, ids, head_dim=64, fused=False)
+    *fused, counter = _tables.range_tables(opts, rows, cols, ids, head_dim=64, fused=True)
+    *plain, none = _tables.range_tables(opts, rows, cols, ids, head_dim=64, fused=False)
     for got, want in zip(fused, plain, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(counter), [0])

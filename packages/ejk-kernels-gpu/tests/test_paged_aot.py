@@ -13,17 +13,17 @@ import sys
 
 import pytest
 
-from ejk_kernels_gpu._paged_aot import BUILDS
+from ejk_kernels_gpu.aot.paged import BUILDS
 
 pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
 
 
 def _compile(*args: str) -> list[dict]:
-    """The JSON rows of ``python -m ejk_kernels_gpu._paged_aot *args`` (interpreter off);
+    """The JSON rows of ``python -m ejk_kernels_gpu.aot.paged *args`` (interpreter off);
     every build compiled, within shared memory and without spills."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    command = [sys.executable, "-m", "ejk_kernels_gpu._paged_aot", *args]
+    command = [sys.executable, "-m", "ejk_kernels_gpu.aot.paged", *args]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     rows = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith("{")]
     bad = [r for r in rows if "error" in r or not r["fits"] or r["spill_stores"] != 0]

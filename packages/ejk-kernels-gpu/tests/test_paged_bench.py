@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import _triton
+from ejk_kernels_gpu.build import _triton as _triton
 from ejk_sequtils import dequantize_kv, gather_pages
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, _backward_launch, _options, flash_attention
-from ejk_kernels_gpu._config import fwd_heuristic, fwd_search_space, ordinary_config
-from ejk_kernels_gpu._jax_triton_fix import redirect_scratch, threads_required
+from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu.build._jax_triton_fix import redirect_scratch, threads_required
+from ejk_kernels_gpu.flash import _backward_launch, _options
+from ejk_kernels_gpu.flash._config import fwd_heuristic, fwd_search_space, ordinary_config
 from ejk_sequtils import reference_attention
 
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)

@@ -4,7 +4,7 @@ A `Call` (see `_context_plan`) is a block of queries against a block of keys. It
 forward returns the block's ``(out, lse)``, merged by the caller through the lse; its
 backward returns the block's ``(dq, dk, dv)`` given the GLOBAL output and lse of the
 rows (``P = exp(s - lse)``, ``dS = P ∘ (dP - delta)``, ``delta = rowsum(dO ∘ O) - dlse``;
-FlashAttention-2, Alg. 2). ``"triton"`` runs `ejk_kernels_gpu._context`; ``"xla"`` is the
+FlashAttention-2, Alg. 2). ``"triton"`` runs `ejk_kernels_gpu.context`; ``"xla"`` is the
 same arithmetic in einsums with float32 score blocks (every platform).
 """
 
@@ -47,7 +47,7 @@ class CallMasks:
 
 
 def _block_masks(cm: CallMasks, call: Call) -> Any:
-    from ejk_kernels_gpu._context import BlockMasks
+    from ejk_kernels_gpu.context import BlockMasks
 
     causal, window, relative = cm.of(call)
     return BlockMasks(
@@ -108,7 +108,7 @@ def call_forward(
     ``ids``: the ``(q_ids, k_ids)`` pair or None; offsets used by relative calls;
     ``dropout_key``: the call's `ejk_sequtils.dropout_key` with dropout, else None)."""
     if cm.kernels:
-        from ejk_kernels_gpu._context import block_forward
+        from ejk_kernels_gpu.context import block_forward
 
         masks = _block_masks(cm, call)
         return block_forward(
@@ -138,7 +138,7 @@ def call_backward(
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of one call given the rows' global ``out``, ``lse`` and cotangents."""
     if cm.kernels:
-        from ejk_kernels_gpu._context import block_backward
+        from ejk_kernels_gpu.context import block_backward
 
         masks = _block_masks(cm, call)
         return block_backward(

@@ -2,7 +2,7 @@
 
 Once every device's keys and values are gathered, a device's query rows (one contiguous
 block, or the zigzag layout's two chunks) need no steps: one kernel call against the
-whole sequence in global order, masks on global positions (`ejk_kernels_gpu._context`
+whole sequence in global order, masks on global positions (`ejk_kernels_gpu.context`
 with one ``q_offset`` per chunk), gives the rows' output and lse. Nothing is merged, no
 float32 accumulator is kept, the kernels walk long rows (one tile sees every key block it
 may, not one chunk's), and with documents the block tables skip other documents' blocks
@@ -57,7 +57,7 @@ def device_blocks(x: Array, size: int, zigzag: bool) -> Array:
 
 
 def _block_masks(cm: CallMasks) -> Any:
-    from ejk_kernels_gpu._context import BlockMasks
+    from ejk_kernels_gpu.context import BlockMasks
 
     relative = cm.causal or cm.window is not None
     return BlockMasks(
@@ -117,7 +117,7 @@ def gathered_forward(
     device's keys (the own block's ids made padding, so its blocks are skipped) resuming
     the first call's rows inside the kernel (`block_forward`'s ``resume``): no merge pass,
     and tiles of rows whose documents start in the own block write nothing."""
-    from ejk_kernels_gpu._context import block_forward
+    from ejk_kernels_gpu.context import block_forward
 
     masks = _block_masks(cm)
     q_offset = tuple(layout.offsets(me, layout.q_len))
@@ -148,7 +148,7 @@ def gathered_backward(
     dk and dv are the two halves of one array (the kernel writes them side by side,
     `block_backward`'s ``joint_dkdv``): joined again for the reduce-scatter
     (`_ring._reduce_scatter`), XLA takes that array itself, with no copy."""
-    from ejk_kernels_gpu._context import block_backward
+    from ejk_kernels_gpu.context import block_backward
 
     q, _, _, q_ids, _, out, lse = res
     d_out, d_lse = cts

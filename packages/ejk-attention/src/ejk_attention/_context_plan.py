@@ -10,7 +10,7 @@ between a few static lists of `Call`s on static slices:
 - ``"full"``: every query of the slice sees every key (plain non-causal call);
 - ``"causal"``: the slices are the same positions (the causal diagonal, local indices);
 - ``"relative"``: anything else visible: masks on global positions (the packed path of
-  the kernels, `ejk_kernels_gpu._context`);
+  the kernels, `ejk_kernels_gpu.context`);
 - no call at all when the mask hides the pair.
 
 Causal self-attention with equal chunks (contiguous or zigzag, no window) has a plan of

@@ -11,7 +11,6 @@ in their interpreters (slowly: for tests). FP8 caches (``float8_e4m3fn`` pages w
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +58,7 @@ class PagedXlaBackend(Backend):
 
 class _PagedKernelBackend(Backend):
     """A kernel package's paged attention: ``paged_attention_request(request, config=)``,
-    ``unsupported_paged_reason(request)`` and the `ejk_executor` kernel ``kernel_class``.
+    ``unsupported_paged_reason(request)`` and its `ejk_executor` kernel (`_kernel`).
 
     The package is looked up when called, so the facade works without it (or with a
     version that has no paged kernel). The config comes from the executor (explicit
@@ -69,10 +68,14 @@ class _PagedKernelBackend(Backend):
     """
 
     package = ""
-    kernel_class = ""
 
     def _module(self) -> Any:
-        return importlib.import_module(self.package)
+        """The kernel package (imported here, so the facade works without it)."""
+        raise NotImplementedError
+
+    def _kernel(self) -> Any:
+        """Its `ejk_executor.Kernel` class for paged attention."""
+        raise NotImplementedError
 
     def supported(self, request: PagedAttentionRequest, platform: str) -> str | None:
         del platform  # off their device the kernels run in an interpreter
@@ -88,9 +91,7 @@ class _PagedKernelBackend(Backend):
     def invocations(self, request: PagedAttentionRequest) -> dict[str, Any]:
         from ejk_executor import Invocation
 
-        kernel = getattr(self._module(), self.kernel_class, None)
-        if kernel is None:
-            return {}
+        kernel = self._kernel()
         args = (request.q, request.k_pages, request.v_pages, request.page_table, request.kv_lens)
         kwargs = {
             "cu_q_lens": request.cu_q_lens,
@@ -123,7 +124,16 @@ class PagedTritonBackend(_PagedKernelBackend):
 
     name = "triton"
     package = "ejk_kernels_gpu"
-    kernel_class = "PagedAttention"
+
+    def _module(self) -> Any:
+        import ejk_kernels_gpu
+
+        return ejk_kernels_gpu
+
+    def _kernel(self) -> Any:
+        from ejk_kernels_gpu import PagedAttention
+
+        return PagedAttention
 
 
 class PagedPallasBackend(_PagedKernelBackend):
@@ -132,7 +142,16 @@ class PagedPallasBackend(_PagedKernelBackend):
 
     name = "pallas"
     package = "ejk_kernels_tpu"
-    kernel_class = "RaggedPagedAttention"
+
+    def _module(self) -> Any:
+        import ejk_kernels_tpu
+
+        return ejk_kernels_tpu
+
+    def _kernel(self) -> Any:
+        from ejk_kernels_tpu import RaggedPagedAttention
+
+        return RaggedPagedAttention
 
 
 PAGED_BACKENDS: dict[str, Backend] = {

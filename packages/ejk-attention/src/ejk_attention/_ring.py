@@ -17,7 +17,7 @@ strategies bring the other devices' key blocks:
 
 Every step runs the calls of `_context_plan.step_plan` (masks on global positions;
 hidden blocks skipped with ``lax.switch``) through the Triton kernels
-(`ejk_kernels_gpu._context`) or XLA einsums (`_context_calls`); partial results merge
+(`ejk_kernels_gpu.context`) or XLA einsums (`_context_calls`); partial results merge
 through the log-sum-exp. With dropout every call is one query chunk against one key
 chunk and hashes their global positions (`ejk_sequtils.dropout_key`), so the devices
 drop what one device running the whole sequence would. The backward (custom VJP) runs

@@ -69,15 +69,18 @@ def backend_key(request: AttentionRequest, fingerprint: str) -> str:
 def cache_types() -> tuple[type, ...]:
     """Config classes of every installed ejk kernel package, so the cache can decode them."""
     types: list[type] = [BackendChoice]
-    for module, name in (
-        ("ejk_kernels_gpu", "FlashConfig"),
-        ("ejk_kernels_gpu", "PagedConfig"),
-        ("ejk_kernels_tpu", "BlockSparseConfig"),
-    ):
-        try:
-            types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
+    try:
+        from ejk_kernels_gpu import FlashConfig, PagedConfig
+
+        types += [FlashConfig, PagedConfig]
+    except ImportError:
+        pass
+    try:
+        from ejk_kernels_tpu import BlockSparseConfig
+
+        types.append(BlockSparseConfig)
+    except ImportError:
+        pass
     return tuple(types)
 
 

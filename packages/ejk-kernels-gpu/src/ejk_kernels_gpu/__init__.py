@@ -1,29 +1,32 @@
 """Triton flash attention kernels (forward and backward) and the split-KV paged attention
 kernel for serving, called from JAX.
 
-On a GPU the kernels run through jax-triton; on a CPU through Triton's
-interpreter (called with a host callback), so the same kernels are tested in CI.
+On a GPU the kernels run through jax-triton; on a CPU through Triton's interpreter (called
+with a host callback), so the same kernels are tested in CI. Subpackages by role: `flash`
+(the public entry, the selection policy, the launches), `paged` (serving), `context` (the
+blocks context parallelism runs), `kernels` (every Triton and Gluon kernel), `build`
+(backend choice, launch, the jax-triton glue) and `aot` (sm_90 builds without a GPU).
 """
 
-from ._api import attention as attention
-from ._api import flash_attention as flash_attention
-from ._api import unsupported_reason as unsupported_reason
-from ._config import FlashConfig as FlashConfig
-from ._config import bwd_heuristic as bwd_heuristic
-from ._config import bwd_search_space as bwd_search_space
-from ._config import fits_shared_memory as fits_shared_memory
-from ._config import fwd_heuristic as fwd_heuristic
-from ._config import fwd_search_space as fwd_search_space
-from ._decode_route import routes_to_decode as routes_to_decode
-from ._executor_kernels import FlashAttentionBackward as FlashAttentionBackward
-from ._executor_kernels import FlashAttentionForward as FlashAttentionForward
-from ._paged_api import paged_attention as paged_attention
-from ._paged_api import paged_attention_request as paged_attention_request
-from ._paged_api import unsupported_paged_reason as unsupported_paged_reason
-from ._paged_config import PagedConfig as PagedConfig
-from ._paged_config import paged_heuristic as paged_heuristic
-from ._paged_config import paged_search_space as paged_search_space
-from ._paged_executor import PagedAttention as PagedAttention
+from .flash import FlashAttentionBackward as FlashAttentionBackward
+from .flash import FlashAttentionForward as FlashAttentionForward
+from .flash import FlashConfig as FlashConfig
+from .flash import attention as attention
+from .flash import bwd_heuristic as bwd_heuristic
+from .flash import bwd_search_space as bwd_search_space
+from .flash import fits_shared_memory as fits_shared_memory
+from .flash import flash_attention as flash_attention
+from .flash import fwd_heuristic as fwd_heuristic
+from .flash import fwd_search_space as fwd_search_space
+from .flash import routes_to_decode as routes_to_decode
+from .flash import unsupported_reason as unsupported_reason
+from .paged import PagedAttention as PagedAttention
+from .paged import PagedConfig as PagedConfig
+from .paged import paged_attention as paged_attention
+from .paged import paged_attention_request as paged_attention_request
+from .paged import paged_heuristic as paged_heuristic
+from .paged import paged_search_space as paged_search_space
+from .paged import unsupported_paged_reason as unsupported_paged_reason
 
 __all__ = [
     "FlashAttentionBackward",

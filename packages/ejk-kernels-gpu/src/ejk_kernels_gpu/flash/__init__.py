@@ -1,0 +1,32 @@
+"""Flash attention: the public entry (`flash_attention`, `attention`; `flash._api`), which build and
+config a call gets (`flash._options`, `flash._config`), its block tables (`_tables`), the launches
+(`flash._forward_launch`, `flash._backward_launch`, their order `flash._schedule`), the custom VJP (`flash._vjp`),
+decoding on the split-KV kernel (`_decode`) and the executor kernels (`_executor`)."""
+
+from ._api import attention as attention
+from ._api import flash_attention as flash_attention
+from ._api import unsupported_reason as unsupported_reason
+from ._config import FlashConfig as FlashConfig
+from ._config import bwd_heuristic as bwd_heuristic
+from ._config import bwd_search_space as bwd_search_space
+from ._config import fits_shared_memory as fits_shared_memory
+from ._config import fwd_heuristic as fwd_heuristic
+from ._config import fwd_search_space as fwd_search_space
+from ._decode import routes_to_decode as routes_to_decode
+from ._executor import FlashAttentionBackward as FlashAttentionBackward
+from ._executor import FlashAttentionForward as FlashAttentionForward
+
+__all__ = [
+    "FlashAttentionBackward",
+    "FlashAttentionForward",
+    "FlashConfig",
+    "attention",
+    "bwd_heuristic",
+    "bwd_search_space",
+    "fits_shared_memory",
+    "flash_attention",
+    "fwd_heuristic",
+    "fwd_search_space",
+    "routes_to_decode",
+    "unsupported_reason",
+]

@@ -201,6 +201,26 @@ def test_a_cached_config_outside_the_kernels_bounds_is_dropped(tmp_path, kernels
     assert len(PersistentCache(tmp_path)) == 0  # dropped on disk too
 
 
+def test_a_kernel_can_accept_from_disk_only_configs_of_its_space(tmp_path, kernels):
+    class Spaced(kernels["MatKernel"]):
+        cached_cfg_in_space = True
+
+    kernel = Spaced()
+    inv = Executor(ConfigSelectorChain()).invocation(kernel, *_ab())
+    for cfg in kernel.config_space(inv):
+        assert kernel.cached_cfg_problem(inv, cfg) is None
+    assert kernels["MatKernel"]().cached_cfg_problem(inv, kernels["MatCfg"](block=2**40)) is None
+    ex = _stored(tmp_path, kernel, kernels, kernels["MatCfg"](block=2**40))
+    with pytest.warns(
+        CacheWarning, match=r"not in its search space for this call \(toy_matmul\); choosing"
+    ):
+        assert ex.choose(kernel, *_ab()) == (kernels["MatCfg"](block=16), "heuristic")
+    assert len(PersistentCache(tmp_path)) == 0
+    tuned = kernels["MatCfg"](block=32)  # one of its space, as the autotuner stores
+    ex = _stored(tmp_path, kernel, kernels, tuned)
+    assert ex.choose(kernel, *_ab()) == (tuned, "persistent")
+
+
 def test_a_cached_config_that_fails_at_launch_falls_back_to_the_heuristic(tmp_path, kernels):
     class Fragile(kernels["MatKernel"]):
         def run(self, a, b, *, cfg, scale=1.0):

@@ -21,7 +21,7 @@ from ejk_attention.cli import main
 from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache
 from ejk_kernels_gpu import FlashConfig
-from ejk_sequtils import validate_attention
+from ejk_sequtils import validate_attention, validate_paged_attention
 
 
 @pytest.fixture
@@ -70,6 +70,63 @@ def test_a_crafted_kernel_config_on_disk_gives_the_heuristic(block_q, t):
         match=r"not in its search space for this call \(ejk_kernels_gpu\.flash_attention_fwd\); choosing",
     ):
         out = flash_attention(q, k, v, implementation="triton")
+    np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=2e-5)
+    assert key not in open_cache().keys()
+
+
+def _paged_inputs(seed):
+    """A paged call (2 sequences, table of 3 pages of 8) of a shape no other test uses."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    pages = jnp.asarray(rng.standard_normal((6, 8, 2, 16)), jnp.float32)
+    table = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+    return q, pages, -pages, table, jnp.asarray([17, 9 + seed % 8], jnp.int32)
+
+
+def _crafted_paged_config(implementation):
+    if implementation == "triton":
+        from ejk_kernels_gpu import PagedConfig
+
+        return PagedConfig(block_m=2**40, block_kv=2**20, num_splits=2**30)
+    from ejk_kernels_tpu import RaggedPagedConfig
+
+    return RaggedPagedConfig(block_q=2**40, pages_per_block=2**20)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "kernel"),
+    [("triton", "ejk_kernels_gpu.paged_attention"), ("pallas", "ejk_kernels_tpu.paged_attention")],
+)
+def test_a_crafted_paged_config_on_disk_gives_the_heuristic(implementation, kernel):
+    from ejk_attention import paged_attention
+    from ejk_attention._paged import PAGED_BACKENDS
+
+    args = _paged_inputs(len(implementation))
+    request = validate_paged_attention(*args)
+    key = PAGED_BACKENDS[implementation].invocations(request)["forward"].call_key
+    crafted = _crafted_paged_config(implementation)
+    open_cache().register(type(crafted))
+    open_cache().put(key, crafted)
+    with pytest.warns(
+        CacheWarning, match=rf"not in its search space for this call \({kernel}\); choosing"
+    ):
+        out = paged_attention(*args, implementation=implementation)
+    want = paged_attention(*args, implementation="xla")
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    assert key not in open_cache().keys()
+
+
+def test_a_crafted_block_sparse_config_on_disk_gives_the_heuristic():
+    from ejk_kernels_tpu import BlockSparseConfig
+
+    q, k, v = _qkv(37)
+    key = BACKENDS["pallas"].invocations(validate_attention(q, k, v))["forward"].call_key
+    open_cache().put(key, BlockSparseConfig(block_q=2**40, block_kv_dkv=2**20))
+    with pytest.warns(
+        CacheWarning,
+        match=r"not in its search space for this call \(ejk_kernels_tpu\.blocksparse_attention\)",
+    ):
+        out = flash_attention(q, k, v, implementation="pallas")
     np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=2e-5)
     assert key not in open_cache().keys()
 

@@ -7,9 +7,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import shutil
+import stat
 import subprocess
+import threading
+import time
 
+import filelock
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,6 +178,47 @@ def _a_cache_with_entries(tmp_path, n=3):
     for i in range(n):
         cache.put(f"key-{i:04d}-" + "x" * 200, BackendChoice("xla", float(i)))
     return cache_dir
+
+
+def test_cache_clear_takes_the_writers_lock(tmp_path, capsys):
+    """A writer holding the lock finishes first: its entry is cleared with the rest, and
+    ``clear`` counts it; one that writes after the clear keeps its entry."""
+    import msgspec
+
+    from ejk_executor import write_atomic
+
+    cache_dir = _a_cache_with_entries(tmp_path)
+    path = cache_dir / "configs-v1.json"
+    status = []
+    clearing = threading.Thread(
+        target=lambda: status.append(main(["cache", "--cache-dir", str(cache_dir), "clear"]))
+    )
+    with filelock.FileLock(str(path) + ".lock"):  # a writer in the middle of a merge
+        clearing.start()
+        time.sleep(1.0)
+        assert path.exists() and not status, "clear removed the file under a writer's lock"
+        data = json.loads(path.read_bytes())
+        data["entries"]["late"] = {"type": data["entries"][min(data["entries"])]["type"],
+                                   "cfg": {"implementation": "xla", "fwd_bwd_ms": 9.0}}  # fmt: skip
+        write_atomic(path, lambda f: f.write(msgspec.json.encode(data)))
+    clearing.join(timeout=60)
+    assert status == [0]
+    assert "removed 4 entries" in capsys.readouterr().out
+    assert not path.exists()
+    open_cache(cache_dir, fresh=True).put("after", BackendChoice("xla", 1.0))
+    assert PersistentCache(cache_dir).keys() == ["after"]
+
+
+def test_cache_clear_leaves_a_file_it_cannot_read_and_says_so(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    os.mkfifo(cache_dir / "configs-v1.json")
+    with pytest.warns(CacheWarning, match="not a regular file.*leaving it alone"):
+        assert main(["cache", "--cache-dir", str(cache_dir), "clear"]) == 1
+    captured = capsys.readouterr()
+    assert "removed" not in captured.out
+    assert captured.err.startswith("ejk cache clear: error: ") and "left as it is" in captured.err
+    assert stat.S_ISFIFO(os.lstat(cache_dir / "configs-v1.json").st_mode)
 
 
 def test_export_to_a_folder_that_cannot_be_written_fails_with_the_reason(tmp_path, capsys):

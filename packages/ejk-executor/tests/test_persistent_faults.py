@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -93,6 +94,20 @@ def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
         before.st_size,
     )
     assert cache.get("k") == FwdParams(num_warps=2)  # kept in memory
+
+
+def test_clear_counts_what_the_file_holds_and_leaves_what_it_cannot_read(tmp_path):
+    path = tmp_path / "c.json"
+    a, b = PersistentCache(path), PersistentCache(path)
+    a.put("k1", FwdParams())
+    b.put("k2", FwdParams(num_warps=8))  # written since a's last read
+    assert a.clear() == 2 and not path.exists() and a.keys() == []
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    cache = PersistentCache(fifo)
+    with pytest.warns(CacheWarning, match="leaving it alone"):
+        assert cache.clear() == 0
+    assert cache.memory_only and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def _drop_root_override():

@@ -532,9 +532,9 @@ def _cache(args: argparse.Namespace) -> int:
         console.print(_describe(cache.get(args.key)), soft_wrap=True)
         return 0
     if args.action == "clear":
-        n = len(cache)
-        if cache.path.exists():
-            cache.path.unlink()
+        n = cache.clear()  # under the writers' file lock
+        if cache.memory_only:  # the file could not be read or removed: the warning says why
+            return _fail("cache clear", f"{cache.path} was left as it is (see the warning)")
         open_cache(args.cache_dir, fresh=True)  # forget what this process had read
         console.print(f"removed {n} entries from {cache.path}")
         return 0

@@ -273,6 +273,14 @@ def test_import_of_a_bad_file_fails_and_leaves_the_file_alone(tmp_path, capsys):
     assert len(PersistentCache(cache_dir)) == 3
 
 
+def test_import_of_a_missing_file_fails_with_the_reason(tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert main(["cache", "--cache-dir", str(tmp_path / "cache"), "import", str(missing)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"ejk cache import: error: no such file: {missing}\n"
+    assert "imported" not in captured.out and not missing.exists()
+
+
 def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):
     exported = tmp_path / "good.json"
     PersistentCache(exported, types=(BackendChoice,)).put("k", BackendChoice("xla"))

@@ -539,8 +539,7 @@ def _cache(args: argparse.Namespace) -> int:
         console.print(f"removed {n} entries from {cache.path}")
         return 0
     if args.action == "import" and not Path(args.path).exists():
-        console.print(f"no such file: {args.path}")
-        return 1
+        return _fail("cache import", f"no such file: {args.path}")
     try:
         copied, skipped, dst = _copy_entries(args, cache, cache_types())
     except (OSError, ValueError) as err:  # the user's file is reported, never moved or renamed

@@ -281,6 +281,23 @@ def test_import_of_a_missing_file_fails_with_the_reason(tmp_path, capsys):
     assert "imported" not in captured.out and not missing.exists()
 
 
+@pytest.mark.parametrize("action", ["import", "export"])
+def test_a_file_not_named_json_is_refused_not_taken_for_a_folder(tmp_path, capsys, action):
+    """A cache file saved as ``backup.bak`` was read as the folder ``backup.bak/`` holding
+    ``configs-v1.json``: ``import`` said "imported 0 entries" and exited 0."""
+    cache_dir = _a_cache_with_entries(tmp_path)
+    given = tmp_path / "backup.bak"
+    shutil.copy(cache_dir / "configs-v1.json", given)
+    before = given.read_bytes()
+    assert main(["cache", "--cache-dir", str(cache_dir), action, str(given)]) == 1
+    captured = capsys.readouterr()
+    assert f"{action}ed" not in captured.out
+    assert (
+        captured.err.startswith(f"ejk cache {action}: error: {given} ") and ".json" in captured.err
+    )
+    assert given.read_bytes() == before
+
+
 def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):
     exported = tmp_path / "good.json"
     PersistentCache(exported, types=(BackendChoice,)).put("k", BackendChoice("xla"))

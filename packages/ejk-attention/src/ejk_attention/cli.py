@@ -540,6 +540,10 @@ def _cache(args: argparse.Namespace) -> int:
         return 0
     if args.action == "import" and not Path(args.path).exists():
         return _fail("cache import", f"no such file: {args.path}")
+    given = Path(args.path)
+    if given.exists() and not given.is_dir() and given.suffix != ".json":
+        # PersistentCache would take it for a folder holding configs-v1.json
+        return _fail(f"cache {args.action}", f"{args.path} is not named *.json (nor a folder)")
     try:
         copied, skipped, dst = _copy_entries(args, cache, cache_types())
     except (OSError, ValueError) as err:  # the user's file is reported, never moved or renamed

@@ -209,16 +209,19 @@ def test_cache_clear_takes_the_writers_lock(tmp_path, capsys):
     assert PersistentCache(cache_dir).keys() == ["after"]
 
 
-def test_cache_clear_leaves_a_file_it_cannot_read_and_says_so(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_cache_clear_leaves_a_file_it_cannot_read_and_says_so(tmp_path, capsys, kind):
+    """Before: a FIFO was unlinked (exit 0), a directory gave an IsADirectoryError traceback."""
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
-    os.mkfifo(cache_dir / "configs-v1.json")
+    (os.mkfifo if kind == "fifo" else os.mkdir)(cache_dir / "configs-v1.json")
     with pytest.warns(CacheWarning, match="not a regular file.*leaving it alone"):
         assert main(["cache", "--cache-dir", str(cache_dir), "clear"]) == 1
     captured = capsys.readouterr()
     assert "removed" not in captured.out
     assert captured.err.startswith("ejk cache clear: error: ") and "left as it is" in captured.err
-    assert stat.S_ISFIFO(os.lstat(cache_dir / "configs-v1.json").st_mode)
+    mode = os.lstat(cache_dir / "configs-v1.json").st_mode
+    assert stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISDIR(mode)
 
 
 def test_export_to_a_folder_that_cannot_be_written_fails_with_the_reason(tmp_path, capsys):

@@ -58,12 +58,14 @@ def _make(kind, path):
         os.mkfifo(path)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
     else:  # one byte over the documented 64 MB limit (sparse: no disk used)
         with open(path, "wb") as f:
             f.truncate(64 * 2**20 + 1)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "oversize"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "oversize"])
 def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
     path = tmp_path / "c.json"
     _make(kind, path)
@@ -87,6 +89,9 @@ def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
     assert done["got"] is None and cache.memory_only
     (message,) = done["warnings"]
     assert "leaving it alone" in message and str(path) in message
+    assert (
+        "larger than the limit" if kind == "oversize" else f"not a regular file: '{path}'"
+    ) in message
     after = os.lstat(path)
     assert (after.st_ino, after.st_mode, after.st_size) == (
         before.st_ino,

@@ -7,9 +7,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import shutil
+import stat
 import subprocess
+import threading
+import time
 
+import filelock
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +26,7 @@ from ejk_attention.cli import main
 from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache
 from ejk_kernels_gpu import FlashConfig
-from ejk_sequtils import validate_attention
+from ejk_sequtils import validate_attention, validate_paged_attention
 
 
 @pytest.fixture
@@ -74,6 +79,63 @@ def test_a_crafted_kernel_config_on_disk_gives_the_heuristic(block_q, t):
     assert key not in open_cache().keys()
 
 
+def _paged_inputs(seed):
+    """A paged call (2 sequences, table of 3 pages of 8) of a shape no other test uses."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    pages = jnp.asarray(rng.standard_normal((6, 8, 2, 16)), jnp.float32)
+    table = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+    return q, pages, -pages, table, jnp.asarray([17, 9 + seed % 8], jnp.int32)
+
+
+def _crafted_paged_config(implementation):
+    if implementation == "triton":
+        from ejk_kernels_gpu import PagedConfig
+
+        return PagedConfig(block_m=2**40, block_kv=2**20, num_splits=2**30)
+    from ejk_kernels_tpu import RaggedPagedConfig
+
+    return RaggedPagedConfig(block_q=2**40, pages_per_block=2**20)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "kernel"),
+    [("triton", "ejk_kernels_gpu.paged_attention"), ("pallas", "ejk_kernels_tpu.paged_attention")],
+)
+def test_a_crafted_paged_config_on_disk_gives_the_heuristic(implementation, kernel):
+    from ejk_attention import paged_attention
+    from ejk_attention._paged import PAGED_BACKENDS
+
+    args = _paged_inputs(len(implementation))
+    request = validate_paged_attention(*args)
+    key = PAGED_BACKENDS[implementation].invocations(request)["forward"].call_key
+    crafted = _crafted_paged_config(implementation)
+    open_cache().register(type(crafted))
+    open_cache().put(key, crafted)
+    with pytest.warns(
+        CacheWarning, match=rf"not in its search space for this call \({kernel}\); choosing"
+    ):
+        out = paged_attention(*args, implementation=implementation)
+    want = paged_attention(*args, implementation="xla")
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    assert key not in open_cache().keys()
+
+
+def test_a_crafted_block_sparse_config_on_disk_gives_the_heuristic():
+    from ejk_kernels_tpu import BlockSparseConfig
+
+    q, k, v = _qkv(37)
+    key = BACKENDS["pallas"].invocations(validate_attention(q, k, v))["forward"].call_key
+    open_cache().put(key, BlockSparseConfig(block_q=2**40, block_kv_dkv=2**20))
+    with pytest.warns(
+        CacheWarning,
+        match=r"not in its search space for this call \(ejk_kernels_tpu\.blocksparse_attention\)",
+    ):
+        out = flash_attention(q, k, v, implementation="pallas")
+    np.testing.assert_allclose(out, flash_attention(q, k, v, implementation="xla"), atol=2e-5)
+    assert key not in open_cache().keys()
+
+
 def test_a_cached_kernel_config_that_fails_at_launch_is_dropped(monkeypatch):
     q, k, v = _qkv(29)
     request = validate_attention(q, k, v)
@@ -116,6 +178,50 @@ def _a_cache_with_entries(tmp_path, n=3):
     for i in range(n):
         cache.put(f"key-{i:04d}-" + "x" * 200, BackendChoice("xla", float(i)))
     return cache_dir
+
+
+def test_cache_clear_takes_the_writers_lock(tmp_path, capsys):
+    """A writer holding the lock finishes first: its entry is cleared with the rest, and
+    ``clear`` counts it; one that writes after the clear keeps its entry."""
+    import msgspec
+
+    from ejk_executor import write_atomic
+
+    cache_dir = _a_cache_with_entries(tmp_path)
+    path = cache_dir / "configs-v1.json"
+    status = []
+    clearing = threading.Thread(
+        target=lambda: status.append(main(["cache", "--cache-dir", str(cache_dir), "clear"]))
+    )
+    with filelock.FileLock(str(path) + ".lock"):  # a writer in the middle of a merge
+        clearing.start()
+        time.sleep(1.0)
+        assert path.exists() and not status, "clear removed the file under a writer's lock"
+        data = json.loads(path.read_bytes())
+        data["entries"]["late"] = {"type": data["entries"][min(data["entries"])]["type"],
+                                   "cfg": {"implementation": "xla", "fwd_bwd_ms": 9.0}}  # fmt: skip
+        write_atomic(path, lambda f: f.write(msgspec.json.encode(data)))
+    clearing.join(timeout=60)
+    assert status == [0]
+    assert "removed 4 entries" in capsys.readouterr().out
+    assert not path.exists()
+    open_cache(cache_dir, fresh=True).put("after", BackendChoice("xla", 1.0))
+    assert PersistentCache(cache_dir).keys() == ["after"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_cache_clear_leaves_a_file_it_cannot_read_and_says_so(tmp_path, capsys, kind):
+    """Before: a FIFO was unlinked (exit 0), a directory gave an IsADirectoryError traceback."""
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (os.mkfifo if kind == "fifo" else os.mkdir)(cache_dir / "configs-v1.json")
+    with pytest.warns(CacheWarning, match="not a regular file.*leaving it alone"):
+        assert main(["cache", "--cache-dir", str(cache_dir), "clear"]) == 1
+    captured = capsys.readouterr()
+    assert "removed" not in captured.out
+    assert captured.err.startswith("ejk cache clear: error: ") and "left as it is" in captured.err
+    mode = os.lstat(cache_dir / "configs-v1.json").st_mode
+    assert stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISDIR(mode)
 
 
 def test_export_to_a_folder_that_cannot_be_written_fails_with_the_reason(tmp_path, capsys):
@@ -168,6 +274,31 @@ def test_import_of_a_bad_file_fails_and_leaves_the_file_alone(tmp_path, capsys):
     assert bad.read_bytes() == b'{"format": 1, "entries": {"k": '
     assert sorted(p.name for p in tmp_path.iterdir()) == ["BAD.json", "cache"]
     assert len(PersistentCache(cache_dir)) == 3
+
+
+def test_import_of_a_missing_file_fails_with_the_reason(tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert main(["cache", "--cache-dir", str(tmp_path / "cache"), "import", str(missing)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"ejk cache import: error: no such file: {missing}\n"
+    assert "imported" not in captured.out and not missing.exists()
+
+
+@pytest.mark.parametrize("action", ["import", "export"])
+def test_a_file_not_named_json_is_refused_not_taken_for_a_folder(tmp_path, capsys, action):
+    """A cache file saved as ``backup.bak`` was read as the folder ``backup.bak/`` holding
+    ``configs-v1.json``: ``import`` said "imported 0 entries" and exited 0."""
+    cache_dir = _a_cache_with_entries(tmp_path)
+    given = tmp_path / "backup.bak"
+    shutil.copy(cache_dir / "configs-v1.json", given)
+    before = given.read_bytes()
+    assert main(["cache", "--cache-dir", str(cache_dir), action, str(given)]) == 1
+    captured = capsys.readouterr()
+    assert f"{action}ed" not in captured.out
+    assert (
+        captured.err.startswith(f"ejk cache {action}: error: {given} ") and ".json" in captured.err
+    )
+    assert given.read_bytes() == before
 
 
 def test_import_into_a_cache_that_cannot_be_written_fails(tmp_path, capsys):

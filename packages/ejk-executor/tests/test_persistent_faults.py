@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -57,12 +58,14 @@ def _make(kind, path):
         os.mkfifo(path)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
+    elif kind == "directory":
+        path.mkdir()
     else:  # one byte over the documented 64 MB limit (sparse: no disk used)
         with open(path, "wb") as f:
             f.truncate(64 * 2**20 + 1)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "oversize"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "oversize"])
 def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
     path = tmp_path / "c.json"
     _make(kind, path)
@@ -86,6 +89,9 @@ def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
     assert done["got"] is None and cache.memory_only
     (message,) = done["warnings"]
     assert "leaving it alone" in message and str(path) in message
+    assert (
+        "larger than the limit" if kind == "oversize" else f"not a regular file: '{path}'"
+    ) in message
     after = os.lstat(path)
     assert (after.st_ino, after.st_mode, after.st_size) == (
         before.st_ino,
@@ -93,6 +99,20 @@ def test_a_fifo_device_or_huge_file_is_never_read_nor_replaced(tmp_path, kind):
         before.st_size,
     )
     assert cache.get("k") == FwdParams(num_warps=2)  # kept in memory
+
+
+def test_clear_counts_what_the_file_holds_and_leaves_what_it_cannot_read(tmp_path):
+    path = tmp_path / "c.json"
+    a, b = PersistentCache(path), PersistentCache(path)
+    a.put("k1", FwdParams())
+    b.put("k2", FwdParams(num_warps=8))  # written since a's last read
+    assert a.clear() == 2 and not path.exists() and a.keys() == []
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    cache = PersistentCache(fifo)
+    with pytest.warns(CacheWarning, match="leaving it alone"):
+        assert cache.clear() == 0
+    assert cache.memory_only and stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def _drop_root_override():
@@ -199,6 +219,26 @@ def test_a_cached_config_outside_the_kernels_bounds_is_dropped(tmp_path, kernels
     with pytest.warns(CacheWarning, match=r"block=1099511627776 exceeds 128; choosing another"):
         assert ex.choose(kernel, *_ab()) == (kernels["MatCfg"](block=16), "heuristic")
     assert len(PersistentCache(tmp_path)) == 0  # dropped on disk too
+
+
+def test_a_kernel_can_accept_from_disk_only_configs_of_its_space(tmp_path, kernels):
+    class Spaced(kernels["MatKernel"]):
+        cached_cfg_in_space = True
+
+    kernel = Spaced()
+    inv = Executor(ConfigSelectorChain()).invocation(kernel, *_ab())
+    for cfg in kernel.config_space(inv):
+        assert kernel.cached_cfg_problem(inv, cfg) is None
+    assert kernels["MatKernel"]().cached_cfg_problem(inv, kernels["MatCfg"](block=2**40)) is None
+    ex = _stored(tmp_path, kernel, kernels, kernels["MatCfg"](block=2**40))
+    with pytest.warns(
+        CacheWarning, match=r"not in its search space for this call \(toy_matmul\); choosing"
+    ):
+        assert ex.choose(kernel, *_ab()) == (kernels["MatCfg"](block=16), "heuristic")
+    assert len(PersistentCache(tmp_path)) == 0
+    tuned = kernels["MatCfg"](block=32)  # one of its space, as the autotuner stores
+    ex = _stored(tmp_path, kernel, kernels, tuned)
+    assert ex.choose(kernel, *_ab()) == (tuned, "persistent")
 
 
 def test_a_cached_config_that_fails_at_launch_falls_back_to_the_heuristic(tmp_path, kernels):

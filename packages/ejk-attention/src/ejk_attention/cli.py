@@ -532,15 +532,18 @@ def _cache(args: argparse.Namespace) -> int:
         console.print(_describe(cache.get(args.key)), soft_wrap=True)
         return 0
     if args.action == "clear":
-        n = len(cache)
-        if cache.path.exists():
-            cache.path.unlink()
+        n = cache.clear()  # under the writers' file lock
+        if cache.memory_only:  # the file could not be read or removed: the warning says why
+            return _fail("cache clear", f"{cache.path} was left as it is (see the warning)")
         open_cache(args.cache_dir, fresh=True)  # forget what this process had read
         console.print(f"removed {n} entries from {cache.path}")
         return 0
     if args.action == "import" and not Path(args.path).exists():
-        console.print(f"no such file: {args.path}")
-        return 1
+        return _fail("cache import", f"no such file: {args.path}")
+    given = Path(args.path)
+    if given.exists() and not given.is_dir() and given.suffix != ".json":
+        # PersistentCache would take it for a folder holding configs-v1.json
+        return _fail(f"cache {args.action}", f"{args.path} is not named *.json (nor a folder)")
     try:
         copied, skipped, dst = _copy_entries(args, cache, cache_types())
     except (OSError, ValueError) as err:  # the user's file is reported, never moved or renamed

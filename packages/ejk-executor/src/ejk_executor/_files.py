@@ -66,10 +66,11 @@ def read_regular(path: Path, limit: int = MAX_FILE_BYTES) -> tuple[bytes, Identi
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
     except FileNotFoundError:
         return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # checked before fdopen, which names a folder by its fd
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
         data = f.read(limit + 1)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than the limit of {limit} bytes", str(path))

@@ -51,6 +51,9 @@ class Kernel(Generic[Cfg, Out]):
     name: str = ""
     version: str = "1"
     config_type: type | None = None
+    # True: a config read from the persistent cache must be one of ``config_space(inv)``
+    # (what the autotuner can have stored); see `cached_cfg_problem`.
+    cached_cfg_in_space: bool = False
 
     def __init__(
         self,
@@ -93,10 +96,13 @@ class Kernel(Generic[Cfg, Out]):
 
         A file on disk can hold any config of ``config_type``: a kernel whose configs
         can exceed what runs (tile sizes, shared memory) checks them against its own
-        bounds here. Default: every config may run.
+        bounds here. Default: with ``cached_cfg_in_space`` set, only the members of
+        ``config_space(inv)`` may run (a search space pruned to what fits the device is
+        the kernel's bounds); else every config may.
         """
-        del inv, cfg
-        return None
+        if not self.cached_cfg_in_space or cfg in list(self.config_space(inv)):
+            return None
+        return f"{cfg!r} is not in its search space for this call ({self.name})"
 
     # The methods below are used by the executor; subclasses rarely override them.
 

@@ -293,18 +293,35 @@ class PersistentCache:
             if not self._memory_only and self.path.exists():
                 self._store({}, drop=key)
 
-    def clear(self) -> None:
-        """Remove every entry, in memory and on disk (the file is deleted under the lock)."""
+    def clear(self) -> int:
+        """Remove every entry, in memory and on disk; the number of entries the file held.
+
+        The file is read and deleted under the writers' file lock: a concurrent write lands
+        wholly before (its entry is cleared, and counted) or after (its entry is kept). A
+        file this cache cannot read is left alone (`memory_only` turns true, one warning).
+        """
         with self._lock:
             self._raw.clear()
             self._decoded.clear()
             if self._memory_only or not self.path.exists():
-                return
+                return 0
             try:
                 with self._file_lock:
+                    self._refresh(force=True)  # what the file holds now, a writer's last entry too
+                    if self._memory_only:  # unreadable: not ours to delete
+                        self._raw.clear()
+                        self._decoded.clear()
+                        return 0
+                    removed = len(self._raw)
                     self.path.unlink(missing_ok=True)
+                    self._raw.clear()
+                    self._decoded.clear()
                     self._stamp = None
+                    self._set_aside = False
+                    return removed
             except OSError as e:
+                if self._strict:
+                    raise
                 self._memory_only = True
                 warnings.warn(
                     f"cannot clear config cache {self.path} ({e}); keeping configs in "
@@ -312,6 +329,7 @@ class PersistentCache:
                     CacheWarning,
                     stacklevel=2,
                 )
+                return 0
 
     def _store(self, new: dict[str, _Entry], drop: str | None = None) -> None:
         try:

@@ -28,6 +28,7 @@ class BlockSparseAttention(Kernel[BlockSparseConfig, Any]):
     name = "ejk_kernels_tpu.blocksparse_attention"
     version = "1"
     config_type = BlockSparseConfig
+    cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
     def run(self, q, k, v, *, cfg: BlockSparseConfig, mask=None, **kwargs: Any) -> Any:
         return blocksparse_attention(q, k, v, mask, config=cfg, **kwargs)

@@ -35,6 +35,7 @@ class RaggedPagedAttention(Kernel[RaggedPagedConfig, Any]):
     name = "ejk_kernels_tpu.paged_attention"
     version = "1"
     config_type = RaggedPagedConfig
+    cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
     def run(self, *args: Any, cfg: RaggedPagedConfig, **kwargs: Any) -> Any:
         return paged_attention(*args, config=cfg, **kwargs)

@@ -42,6 +42,7 @@ class PagedAttention(Kernel[PagedConfig, Any]):
     name = "ejk_kernels_gpu.paged_attention"
     version = "1"
     config_type = PagedConfig
+    cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
     def run(self, *args: Any, cfg: PagedConfig, **kwargs: Any) -> Any:
         return paged_attention(*args, config=cfg, **kwargs)

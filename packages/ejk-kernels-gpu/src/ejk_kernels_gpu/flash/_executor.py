@@ -75,6 +75,7 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
     version = "4"  # 2: the Gluon forward joined the space; 3: masked calls and head_dim 64/256 too;
     # 4: its three-consumer tile for soft caps
     config_type = FlashConfig
+    cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
     def run(self, *args: Any, cfg: FlashConfig, **kwargs: Any) -> Any:
         return flash_attention(*args, config=cfg, **kwargs)
@@ -88,9 +89,6 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
             soft_cap=inv.kwargs.get("logits_soft_cap") is not None,
         )  # fmt: skip
 
-    def cached_cfg_problem(self, inv: Invocation[FlashConfig, Any], cfg: FlashConfig) -> str | None:
-        return _outside_space(self, inv, cfg)
-
 
 class FlashAttentionBackward(Kernel[FlashConfig, Any]):
     """Gradients of ``sum(flash_attention(...) * d_out)`` w.r.t. q, k, v, timed per backward config.
@@ -101,6 +99,7 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
     name = "ejk_kernels_gpu.flash_attention_bwd"
     version = "2"  # 2: the Gluon dk/dv kernel joined the space
     config_type = FlashConfig
+    cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
     def run(self, q, k, v, d_out, bias=None, *, cfg: FlashConfig, **kwargs: Any) -> Any:
         def fwd(q, k, v):
@@ -121,19 +120,6 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         return bwd_search_space(
             *_shape_info(inv, 4), gluon=gluon, soft_cap=opts.soft_cap > 0.0, tables=opts.tabled()
         )
-
-    def cached_cfg_problem(self, inv: Invocation[FlashConfig, Any], cfg: FlashConfig) -> str | None:
-        return _outside_space(self, inv, cfg)
-
-
-def _outside_space(
-    kernel: Kernel[FlashConfig, Any], inv: Invocation[FlashConfig, Any], cfg: FlashConfig
-) -> str | None:
-    """None if ``cfg`` is one the autotuner could have stored for ``inv`` (its search space:
-    the tiles the kernel offers, pruned to what fits in shared memory); else why not."""
-    if cfg in list(kernel.config_space(inv)):
-        return None
-    return f"{cfg!r} is not in its search space for this call ({kernel.name})"
 
 
 def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:

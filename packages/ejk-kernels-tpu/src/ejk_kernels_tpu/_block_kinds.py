@@ -24,8 +24,8 @@ __all__ = ["block_kind_info", "rescale_kinds"]
 
 
 def _rescale_axis(
-    kinds: Int[Array, "*dims"], axis: int, block: int, new_block: int, length: int, padded: int
-) -> Int[Array, "*dims"]:
+    kinds: Int[Array, "*blocks"], axis: int, block: int, new_block: int, length: int, padded: int
+) -> Int[Array, "*new_blocks"]:
     """``kinds`` along ``axis`` (blocks of ``block`` over ``length``) as blocks of
     ``new_block`` over ``padded``; a new block holding padding is never full."""
     fine = math.gcd(block, new_block)

@@ -32,9 +32,9 @@ BLOCK = (8, 4)
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _qkv(dtype=jnp.float32, t=T, s=S, seed=0):
+def _qkv(dtype=jnp.float32, t=T, s=S, seed=0, hv=HV):
     rng = np.random.default_rng(seed)
-    shapes = ((B, t, N, H), (B, s, K, H), (B, s, K, HV))
+    shapes = ((B, t, N, H), (B, s, K, H), (B, s, K, hv))
     return tuple(jnp.asarray(rng.standard_normal(x), dtype) for x in shapes)
 
 
@@ -490,10 +490,135 @@ def test_implementations():
     np.testing.assert_array_equal(flex_attention(q, k, v, implementation=("triton", "xla")), want)
     with pytest.raises(NotImplementedError, match="no Triton kernel yet"):
         flex_attention(q, k, v, implementation="triton")
-    with pytest.raises(NotImplementedError, match="no Pallas kernel yet"):
-        flex_attention(q, k, v, implementation="pallas")
+    with pytest.raises(NotImplementedError, match="head_dim 5 == q's 8"):
+        flex_attention(q, k, v, implementation="pallas")  # the kernels need Hv == H
     with pytest.raises(ValueError, match="implementation must be one of"):
         flex_attention(q, k, v, implementation="bogus")
+
+
+# The Pallas backend (ejk_kernels_tpu's block-sparse kernels, in Pallas' TPU interpreter
+# here): mask_mods evaluated in the kernel, the BlockMask tables as its block tables.
+MASK_CASES = ["none", "causal", "documents", "prefix_lm", "window", "and_or", "per_head"]
+
+
+def _pallas_vs_dense(mask_mod, sizes, *, t=T, s=S, block_size=BLOCK, config=None, seed=0):
+    """Values, lse and gradients (through both) of the pallas backend against the dense
+    reference; the kernels need Hv == H."""
+    q, k, v = _qkv(t=t, s=s, seed=seed, hv=H)
+    block_mask = _block_mask(mask_mod, sizes, t, s, block_size)
+
+    def pallas(q, k, v):
+        return flex_attention(
+            q, k, v, block_mask=block_mask, return_lse=True, implementation="pallas", config=config
+        )
+
+    (out, lse), pallas_vjp = jax.vjp(pallas, q, k, v)
+    (want, want_lse), dense_vjp = jax.vjp(
+        lambda *a: dense_reference(*a, mask_mod=mask_mod), q, k, v
+    )
+    assert out.shape == (B, t, N, H) and out.dtype == q.dtype and lse.shape == (B, N, t)
+    tol = attention_tolerance(jnp.float32)
+    _assert_close(out, want, tol, "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    _assert_close(
+        jnp.where(jnp.isinf(lse), 0, lse), jnp.where(jnp.isinf(want_lse), 0, want_lse), tol, "lse"
+    )
+    rng = np.random.default_rng(seed + 1)
+    cotangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (out, lse))
+    grad_tol = attention_tolerance(jnp.float32, "grad")
+    for name, got, expected in zip(
+        ("dq", "dk", "dv"), pallas_vjp(cotangents), dense_vjp(cotangents), strict=True
+    ):
+        _assert_close(got, expected, grad_tol, name)
+    return out, lse
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_pallas_matches_dense_reference(case):
+    """GQA (6 query heads on 2), T = 19 and S = 23 in one padded kernel block per axis,
+    tables per batch row (documents, prefix-LM), per head (per_head) or shared."""
+    _, mods, sizes = _case(case)
+    _pallas_vs_dense(mods({})[1], sizes)
+
+
+@pytest.mark.slow
+def test_pallas_skips_empty_blocks_across_many_blocks():
+    """T = 300 and S = 280 (not multiples of the kernels' 128 blocks): empty, partial and
+    full blocks all occur; mask blocks of 32 and of (256, 32) are re-cut to the kernels'."""
+    rng = np.random.default_rng(11)
+    t, s = 300, 280
+    ids = jnp.asarray(random_document_ids(rng, B, t, min_len=60, max_len=150, padding=20))
+    documents = and_masks(causal_mask, document_mask(ids))
+    block_mask = create_block_mask(documents, B, None, t, t, block_size=32)
+    assert set(np.unique(np.asarray(block_mask.kinds))) == {0, 1, 2}  # every kind occurs
+    _pallas_vs_dense(documents, (B, None), t=t, s=t, block_size=32)
+    window = and_masks(causal_mask, sliding_window_mask((100, 0)))
+    _pallas_vs_dense(window, (None, None), t=t, s=s, block_size=(256, 32))
+
+
+def test_pallas_fully_masked_rows_give_zeros_and_zero_gradients():
+    rng = np.random.default_rng(5)
+    q_ids = _ids(rng, T).at[:, -3:].set(-1)
+
+    def late_rows(b, h, q_idx, kv_idx):
+        return q_idx >= 3
+
+    mask_mod = and_masks(late_rows, document_mask((q_ids, _ids(rng, S))))
+    block_mask = create_block_mask(mask_mod, B, None, T, S, block_size=BLOCK)
+    q, k, v = _qkv(hv=H)
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: flex_attention(
+            q, k, v, block_mask=block_mask, return_lse=True, implementation="pallas"
+        ),
+        q,
+        k,
+        v,
+    )
+    dq, dk, dv = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
+    for rows in (slice(0, 3), slice(T - 3, T)):
+        assert not np.asarray(out)[:, rows].any() and not np.asarray(dq)[:, rows].any()
+        assert np.isneginf(np.asarray(lse)[:, :, rows]).all()
+    for g in (out, dq, dk, dv):
+        assert np.isfinite(np.asarray(g)).all()
+
+
+def test_pallas_under_jit_with_traced_ids():
+    q, k, v = _qkv(hv=H)
+    rng = np.random.default_rng(6)
+
+    @jax.jit
+    def built_inside(q, k, v, q_ids, kv_ids):
+        mask_mod = and_masks(causal_mask, document_mask((q_ids, kv_ids)))
+        block_mask = create_block_mask(mask_mod, B, None, T, S, block_size=BLOCK)
+        return flex_attention(q, k, v, block_mask=block_mask, implementation="pallas")
+
+    q_ids, kv_ids = _ids(rng, T), _ids(rng, S)
+    want, _ = dense_reference(
+        q, k, v, mask_mod=and_masks(causal_mask, document_mask((q_ids, kv_ids)))
+    )
+    _assert_close(
+        built_inside(q, k, v, q_ids, kv_ids), want, attention_tolerance(jnp.float32), "out"
+    )
+
+
+def test_pallas_refusals_fall_through_to_xla():
+    q, k, v = _qkv(hv=H)
+    params, mods, sizes = _case("alibi")
+    score_mod, mask_mod = mods(params)
+    block_mask = _block_mask(mask_mod, sizes)
+    with pytest.raises(NotImplementedError, match="take no score_mod yet"):
+        flex_attention(q, k, v, score_mod, block_mask, implementation="pallas")
+    want = flex_attention(q, k, v, score_mod, block_mask, implementation="xla")
+    got = flex_attention(q, k, v, score_mod, block_mask, implementation=("pallas", "xla"))
+    np.testing.assert_array_equal(got, want)
+    table = jnp.arange(T + S, dtype=jnp.int32)
+
+    def relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx
+        return table[q_idx - kv_idx + S] % 3 != 0
+
+    block_mask = _block_mask(relative, (None, None))
+    with pytest.raises(NotImplementedError, match="depends on both q_idx and kv_idx"):
+        flex_attention(q, k, v, block_mask=block_mask, implementation="pallas")
 
 
 # Errors: each names the function, the argument or mod, and the value.

@@ -22,7 +22,9 @@ from ejk_kernels_tpu import (
     block_sparse_heuristic,
     block_sparse_search_space,
     blocksparse_attention,
+    mask_mod_attention,
 )
+from ejk_sequtils import validate_attention
 
 # What jax says where this machine has no libtpu to describe a topology (not installed, or
 # its lock file held by another process): the only reasons to skip. A topology name libtpu
@@ -207,3 +209,43 @@ def test_vmapped_gradients_compile():
     f = lambda q, k, v: blocksparse_attention(q, k, v, mask, interpret=False).sum()
     g = jax.grad(lambda *a: f(*a).astype(jnp.float32), (0, 1, 2))
     jax.jit(jax.vmap(g)).lower(q, kv, kv).compile()
+
+
+def _documents_prefix_window(ids, lengths):
+    """A flex mask_mod over traced captures: causal documents (``ids[b, q]`` per query,
+    ``ids[b, kv]`` per key), or a prefix of ``lengths[b]`` keys (per (b, h), in SMEM),
+    within a window that differs per head."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, q_idx] >= 0) & (kv_idx <= q_idx)
+        window = q_idx - kv_idx < 256 * (h + 1)
+        return (same | (kv_idx < lengths[b])) & window
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_mask_mod_compiles(topology):
+    """`mask_mod_attention` (the flex path), forward + backward, with features of every
+    kind and per-(b, h) block tables at a block size other than the kernels'."""
+    sh = _replicated(topology)
+    batch, t, heads, kv_heads, head_dim = 2, 1000, 4, 2, 128
+    q = jax.ShapeDtypeStruct((batch, t, heads, head_dim), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((batch, t, kv_heads, head_dim), jnp.bfloat16, sharding=sh)
+    ids = jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=sh)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sh)
+    kinds = jax.ShapeDtypeStruct((batch, heads, 16, 16), jnp.int8, sharding=sh)  # blocks of 64
+
+    def grads(q, k, v, ids, lengths, kinds):
+        def loss(q, k, v):
+            request = validate_attention(q, k, v, return_lse=True)
+            mask_mod = _documents_prefix_window(ids, lengths)
+            out, lse = mask_mod_attention(request, mask_mod, kinds, (64, 64), interpret=False)
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isinf(lse), 0, lse).sum()
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    compiled = jax.jit(grads).lower(q, kv, kv, ids, lengths, kinds).compile()
+    text = compiled.as_text()
+    for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
+        assert name in text, name

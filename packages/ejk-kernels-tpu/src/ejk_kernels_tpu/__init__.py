@@ -1,5 +1,6 @@
-"""Pallas TPU block-sparse (splash-style) attention kernels and their masks, and the ragged
-paged attention kernel for serving."""
+"""Pallas TPU block-sparse (splash-style) attention kernels and their masks (static masks,
+and a user's mask_mod with its block kinds table: the flex path), and the ragged paged
+attention kernel for serving."""
 
 from ._config import BlockSparseConfig as BlockSparseConfig
 from ._config import block_sparse_heuristic as block_sparse_heuristic
@@ -13,6 +14,7 @@ from ._mask_info import process_dynamic_mask as process_dynamic_mask
 from ._mask_info import process_dynamic_mask_dkv as process_dynamic_mask_dkv
 from ._mask_info import process_mask as process_mask
 from ._mask_info import process_mask_dkv as process_mask_dkv
+from ._mask_mod import ModMask as ModMask
 from ._masks import CausalMask as CausalMask
 from ._masks import ChunkedCausalMask as ChunkedCausalMask
 from ._masks import FullMask as FullMask
@@ -28,6 +30,8 @@ from ._masks import make_causal_mask as make_causal_mask
 from ._masks import make_chunk_attention_mask as make_chunk_attention_mask
 from ._masks import make_local_attention_mask as make_local_attention_mask
 from ._masks import make_random_mask as make_random_mask
+from ._mod_ops import mask_mod_attention as mask_mod_attention
+from ._mod_ops import unsupported_mask_mod_reason as unsupported_mask_mod_reason
 from ._ops import blocksparse_attention as blocksparse_attention
 from ._ops import blocksparse_attention_request as blocksparse_attention_request
 from ._ops import default_interpret as default_interpret
@@ -58,6 +62,7 @@ __all__ = [
     "Mask",
     "MaskInfo",
     "MaskTruthValueError",
+    "ModMask",
     "MultiHeadMask",
     "NumpyMask",
     "PagedShape",
@@ -77,6 +82,7 @@ __all__ = [
     "make_chunk_attention_mask",
     "make_local_attention_mask",
     "make_random_mask",
+    "mask_mod_attention",
     "paged_attention",
     "paged_attention_request",
     "paged_shape",
@@ -88,6 +94,7 @@ __all__ = [
     "ragged_paged_heuristic",
     "ragged_paged_search_space",
     "request_shape",
+    "unsupported_mask_mod_reason",
     "unsupported_paged_reason",
     "unsupported_reason",
     "vmem_bytes",

@@ -24,6 +24,7 @@ from ._common import (
     launch,
     logits,
     mask_row,
+    mod_inputs,
     partial_visibility,
     q_major_inputs,
     rem,
@@ -80,13 +81,13 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
 
     def step(masked: bool):
         block_q, block_kv = st.dq
-        kv_block = dn_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
+        kv_block = dn_ref[mask_row(pl.program_id(0), h, st, table_rows), i, j].astype(jnp.int32)
         origin = (pl.program_id(0), h, i * block_q, kv_block * block_kv)
         _, ds = _probs_and_dscores(r, st, masked, False, origin)
         k = r["k"][...]
         r["acc"][...] += dot(ds.astype(k.dtype), k, NN_DIMS)
 
-    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
+    kind = bm_ref[mask_row(pl.program_id(0), h, st, table_rows), i, j].astype(jnp.int32)
     by_block_kind(kind, step)
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -94,7 +95,9 @@ def _dq_kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], tabl
         r["dq"][...] = (r["acc"][...] * st.scale).astype(r["dq"].dtype)
 
 
-def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) -> jax.Array:
+def dq(
+    q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static, features=()
+) -> jax.Array:
     """dq ``[B, N, Tp, H]`` in kernel layout.
 
     Args:
@@ -103,12 +106,13 @@ def dq(q, k, v, do, lse, di, q_seg, kv_seg, seed, info: MaskInfo, st: Static) ->
         q_seg, kv_seg: int32 ``[B, Tp, 1]``, ``[B, 1, Sp]`` or None.
         seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask` tables for ``st.dq`` blocks.
+        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
     """
     batch, heads, q_len, head_dim = q.shape
     block_q = st.dq[0]
     grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
     rows = {"q": (q, head_dim), "do": (do, head_dim), "lse": (lse, 1), "di": (di, 1)}
-    inputs = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg)
+    inputs = q_major_inputs(st, info, st.dq, head_dim, rows, k, v, q_seg, kv_seg, features)
     inputs = smem_inputs(*inputs, st, seed=seed)
     out_spec = pl.BlockSpec((None, None, block_q, head_dim), inputs[1][0].index_map)
     (dq,) = launch(
@@ -140,14 +144,14 @@ def _dkv_kernel(
 
     def step(masked: bool):
         block_q, block_kv = st.dkv
-        q_block = dn_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
+        q_block = dn_ref[mask_row(pl.program_id(0), h, st, table_rows), i, j].astype(jnp.int32)
         origin = (pl.program_id(0), h, j * block_kv, q_block * block_q)
         p, ds = _probs_and_dscores(r, st, masked, True, origin)
         q, do = r["q"][...], r["do"][...]
         r["dv_acc"][...] += dot(p.astype(do.dtype), do, NN_DIMS)
         r["dk_acc"][...] += dot(ds.astype(q.dtype), q, NN_DIMS)
 
-    kind = bm_ref[mask_row(h, st.heads, table_rows), i, j].astype(jnp.int32)
+    kind = bm_ref[mask_row(pl.program_id(0), h, st, table_rows), i, j].astype(jnp.int32)
     by_block_kind(kind, step)
 
     @pl.when(step_id == pl.num_programs(3) - 1)
@@ -156,7 +160,20 @@ def _dkv_kernel(
         r["dv"][...] = r["dv_acc"][...].astype(r["dv"].dtype)
 
 
-def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInfo, st: Static):
+def dkv(
+    q,
+    k,
+    v,
+    do,
+    lse_row,
+    di_row,
+    q_seg_row,
+    kv_seg_col,
+    seed,
+    info: MaskInfo,
+    st: Static,
+    features=(),
+):
     """dk, dv ``[B, K, Sp, H]`` in kernel layout, summed over each GQA group's query heads.
 
     Args:
@@ -165,8 +182,9 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
         seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask_dkv` tables for ``st.dkv`` blocks (``[rows, q_steps, kv_blocks]``).
+        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
     """
-    batch, heads, _, head_dim = q.shape
+    batch, _, _, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_q, block_kv = st.dkv
     q_steps = info.block_mask.shape[1]  # q blocks walked per kv block (fewer if shrunk)
@@ -174,16 +192,16 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
     # The reduction axis walks (query head of the group, q block) pairs.
     grid = (batch, kv_heads, kv_len // block_kv, group * q_steps)
 
-    def q_block(kh, j, s, dn):
+    def q_block(b, kh, j, s, dn):
         h = kh * group + div(s, q_steps)
-        return h, dn[mask_row(h, heads, rows), rem(s, q_steps), j].astype(jnp.int32)
+        return h, dn[mask_row(b, h, st, rows), rem(s, q_steps), j].astype(jnp.int32)
 
     def q_map(b, kh, j, s, dn, bm, mn):
-        h, i = q_block(kh, j, s, dn)
+        h, i = q_block(b, kh, j, s, dn)
         return b, h, i, 0
 
     def row_map(b, kh, j, s, dn, bm, mn):
-        h, i = q_block(kh, j, s, dn)
+        h, i = q_block(b, kh, j, s, dn)
         return b, h, 0, i
 
     def kv_map(b, kh, j, s, dn, bm, mn):
@@ -191,7 +209,7 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
 
     def tile_map(b, kh, j, s, dn, bm, mn):
         h = kh * group + div(s, q_steps)
-        return mn[mask_row(h, heads, rows), rem(s, q_steps), j].astype(jnp.int32), 0, 0
+        return mn[mask_row(b, h, st, rows), rem(s, q_steps), j].astype(jnp.int32), 0, 0
 
     names = ["q", "do", "lse", "di", "k", "v"]
     in_specs = [
@@ -207,13 +225,18 @@ def dkv(q, k, v, do, lse_row, di_row, q_seg_row, kv_seg_col, seed, info: MaskInf
         names += ["q_seg", "kv_seg"]
         in_specs += [
             pl.BlockSpec(
-                (None, 1, block_q), lambda b, kh, j, s, dn, bm, mn: (b, 0, q_block(kh, j, s, dn)[1])
+                (None, 1, block_q),
+                lambda b, kh, j, s, dn, bm, mn: (b, 0, q_block(b, kh, j, s, dn)[1]),
             ),
             pl.BlockSpec((None, block_kv, 1), lambda b, kh, j, s, dn, bm, mn: (b, j, 0)),
         ]
         args += [q_seg_row, kv_seg_col]
     extra = tile_inputs(info, pl.BlockSpec((None, block_kv, block_q), tile_map))
-    names, in_specs, args = names + extra[0], in_specs + extra[1], args + extra[2]
+    locate = lambda b, kh, j, s, dn, bm, mn: (b, *q_block(b, kh, j, s, dn), j)
+    mods = mod_inputs(st, features, st.dkv, True, locate)
+    names, in_specs, args = (
+        x + y + z for x, y, z in zip((names, in_specs, args), extra, mods, strict=True)
+    )
     out_spec = pl.BlockSpec((None, None, block_kv, head_dim), kv_map)
     dk, dv = launch(
         _dkv_kernel,

@@ -40,6 +40,13 @@ class Static:
         mask_fn: the mask's ``f(q_ids, kv_ids)`` (`process_mask`'s mask function): partial
             blocks evaluate it on their query and key positions instead of loading a stored
             tile; None: partial blocks load their tile.
+        mask_mod: a `ModMask` (a flex mask_mod split into features and a tile part):
+            partial blocks evaluate it on their batch row, head and positions, reading its
+            features (kernel inputs ``mod0``, ``mod1``, ...), and hide positions past
+            ``lengths``; None: no such mask.
+        lengths: ``(T, S)`` before padding, with ``mask_mod``.
+        table_batch: batch rows of the block tables (1: one table row per head serves
+            every batch row; B: a table row per ``(b, head)``, as a flex `BlockMask` has).
     """
 
     heads: int
@@ -54,6 +61,9 @@ class Static:
     interpret: Any
     dropout_rate: float = 0.0
     mask_fn: Any = None
+    mask_mod: Any = None
+    lengths: tuple[int, int] | None = None
+    table_batch: int = 1
 
     @property
     def has_dropout(self) -> bool:
@@ -75,11 +85,16 @@ def rem(a: jax.Array, b: int) -> jax.Array:
     return jax.lax.rem(a, jnp.int32(b))
 
 
-def mask_row(head: jax.Array, heads: int, table_rows: int) -> jax.Array:
-    """Row of a block table used by query head ``head`` (tables have 1, shards or N rows)."""
-    if table_rows == 1:
-        return jnp.int32(0)
-    return div(head, heads // table_rows)
+def mask_row(batch: jax.Array, head: jax.Array, st: Static, table_rows: int) -> jax.Array:
+    """Row of a block table used by ``(batch, head)``.
+
+    Tables have ``st.table_batch`` (1 or B) groups of 1, shards or N head rows.
+    """
+    per_batch = table_rows // st.table_batch
+    row = jnp.int32(0) if per_batch == 1 else div(head, st.heads // per_batch)
+    if st.table_batch == 1:
+        return row
+    return batch * per_batch + row
 
 
 def compiler_params(st: Static) -> pltpu.CompilerParams | None:
@@ -125,6 +140,8 @@ def partial_visibility(
     when the tables are built), so they come from the grid, and no byte is loaded.
     Otherwise the stored int8 tile ``r["tile"]`` is read.
     """
+    if st.mask_mod is not None:
+        return _mod_visibility(st, r, origin, shape, transposed)
     if st.mask_fn is None:
         if "tile" not in r:
             # No partial block, so no tile is stored (a mask that every block sees
@@ -137,6 +154,68 @@ def partial_visibility(
     col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
     q_ids, kv_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
     return jnp.broadcast_to(st.mask_fn(q_ids, kv_ids), shape)
+
+
+def _mod_visibility(
+    st: Static, r: dict[str, Any], origin: tuple, shape: tuple[int, int], transposed: bool
+) -> jax.Array:
+    """``st.mask_mod`` on a partial tile, its features read from the ``mod<n>`` inputs, and
+    positions past the call's lengths hidden (padding)."""
+    batch, head = origin[0], origin[1]
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]
+    col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
+    q_ids, kv_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
+    values = []
+    for n, f in enumerate(st.mask_mod.features):
+        ref = r[f"mod{n}"]
+        if f.axis == "scalar":  # SMEM [B' * N']
+            index = (batch if f.batch else 0) * (st.heads if f.head else 1)
+            values.append(ref[index + (head if f.head else 0)])
+        else:  # a [rows, 1] or [1, cols] block
+            values.append(jnp.broadcast_to(ref[...], shape))
+    visible = st.mask_mod.evaluate(batch, head, q_ids, kv_ids, values)
+    q_len, kv_len = st.lengths
+    return visible & (q_ids < q_len) & (kv_ids < kv_len)
+
+
+def mod_inputs(
+    st: Static, features: Sequence[jax.Array], block: tuple[int, int], transposed: bool, locate: Any
+) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
+    """The features of ``st.mask_mod`` as kernel inputs ``mod0``, ``mod1``, ... (none without one).
+
+    Args:
+        features: `ModMask.feature_arrays`: ``[B', N', Tp]`` per query, ``[B', N', Sp]`` per
+            key, ``[B' * N']`` per ``(b, h)``.
+        block: the kernel's ``(block_q, block_kv)``.
+        transposed: tiles have keys as rows (dkv): a per-query feature is read as a
+            ``[1, block_q]`` row and a per-key one as a ``[block_kv, 1]`` column (the other
+            way round otherwise).
+        locate: ``locate(*grid_indices, *tables) -> (batch, head, q_block, kv_block)`` of a
+            grid step, for the index maps.
+    """
+    names, specs, args = [], [], []
+    if st.mask_mod is None:
+        return names, specs, args
+    for n, (f, x) in enumerate(zip(st.mask_mod.features, features, strict=True)):
+        names.append(f"mod{n}")
+        if f.axis == "scalar":
+            specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+            args.append(x)
+            continue
+        along_q = f.axis == "q"
+        size = block[0] if along_q else block[1]
+        column = along_q != transposed
+
+        def index_map(*idx, f=f, along_q=along_q, column=column):
+            batch, head, q_block, kv_block = locate(*idx)
+            at = q_block if along_q else kv_block
+            rows = (batch if f.batch else 0, head if f.head else 0)
+            return (*rows, at, 0) if column else (*rows, 0, at)
+
+        shape = (None, None, size, 1) if column else (None, None, 1, size)
+        specs.append(pl.BlockSpec(shape, index_map))
+        args.append(x[..., None] if column else x[..., None, :])
+    return names, specs, args
 
 
 def visibility(partial: jax.Array | None, row_ids_ref: Any, col_ids_ref: Any) -> jax.Array | None:
@@ -257,28 +336,29 @@ def q_major_inputs(
     v: jax.Array,
     q_seg: jax.Array | None,
     kv_seg: jax.Array | None,
+    features: Sequence[jax.Array] = (),
 ) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
     """Names, block specs and arrays of the inputs of a ``(B, N, q_blocks, kv_blocks)`` grid.
 
     Used by the forward and dq kernels. ``q_rows`` maps a name to a ``[B, N, Tp, width]``
     array read by q block (q, do, lse, di); k, v, the segment ids and the mask tile
     follow the scalar-prefetched tables (``data_next`` picks the kv block, ``mask_next``
-    the tile).
+    the tile), then the mask_mod's ``features`` (`mod_inputs`).
     """
     block_q, block_kv = block
-    rows, heads, group = info.block_mask.shape[0], st.heads, st.group
+    rows, group = info.block_mask.shape[0], st.group
 
     def q_map(b, h, i, j, dn, bm, mn):
         return b, h, i, 0
 
-    def kv_block(h, i, j, dn):
-        return dn[mask_row(h, heads, rows), i, j].astype(jnp.int32)
+    def kv_block(b, h, i, j, dn):
+        return dn[mask_row(b, h, st, rows), i, j].astype(jnp.int32)
 
     def kv_map(b, h, i, j, dn, bm, mn):
-        return b, div(h, group), kv_block(h, i, j, dn), 0
+        return b, div(h, group), kv_block(b, h, i, j, dn), 0
 
     def tile_map(b, h, i, j, dn, bm, mn):
-        return mn[mask_row(h, heads, rows), i, j].astype(jnp.int32), 0, 0
+        return mn[mask_row(b, h, st, rows), i, j].astype(jnp.int32), 0, 0
 
     names, specs, args = [], [], []
     for name, (array, width) in q_rows.items():
@@ -293,12 +373,14 @@ def q_major_inputs(
         specs += [
             pl.BlockSpec((None, block_q, 1), lambda b, h, i, j, dn, bm, mn: (b, i, 0)),
             pl.BlockSpec(
-                (None, 1, block_kv), lambda b, h, i, j, dn, bm, mn: (b, 0, kv_block(h, i, j, dn))
+                (None, 1, block_kv), lambda b, h, i, j, dn, bm, mn: (b, 0, kv_block(b, h, i, j, dn))
             ),
         ]
         args += [q_seg, kv_seg]
     extra = tile_inputs(info, pl.BlockSpec((None, block_q, block_kv), tile_map))
-    return names + extra[0], specs + extra[1], args + extra[2]
+    locate = lambda b, h, i, j, dn, bm, mn: (b, h, i, kv_block(b, h, i, j, dn))
+    mods = mod_inputs(st, features, block, False, locate)
+    return names + extra[0] + mods[0], specs + extra[1] + mods[1], args + extra[2] + mods[2]
 
 
 def launch(

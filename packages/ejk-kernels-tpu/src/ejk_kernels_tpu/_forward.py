@@ -36,7 +36,7 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
     del mn_ref  # used by the index maps only
     r = split_refs(refs, names)
     h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    row = mask_row(h, st.heads, table_rows)
+    row = mask_row(pl.program_id(0), h, st, table_rows)
     m_scr, l_scr, acc_scr = r["m"], r["l"], r["acc"]
 
     @pl.when(j == 0)
@@ -98,6 +98,7 @@ def forward(
     seed: jax.Array | None,
     info: MaskInfo,
     st: Static,
+    features: tuple[jax.Array, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """Attention output ``[B, N, Tp, H]`` and lse ``[B, N, Tp, 1]`` (f32) in kernel layout.
 
@@ -108,12 +109,15 @@ def forward(
         seed: int32 ``[5]`` dropout key (`dropout_scale`), or None without dropout.
         info: `process_mask` tables of ``st.mask`` for ``st.fwd`` blocks.
         st: the call's static options.
+        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
     """
     batch, heads, q_len, head_dim = q.shape
     block_q = st.fwd[0]
     # The kv axis walks the table's steps: fewer than S // block_kv when the grid shrank.
     grid = (batch, heads, q_len // block_q, info.block_mask.shape[2])
-    inputs = q_major_inputs(st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg)
+    inputs = q_major_inputs(
+        st, info, st.fwd, head_dim, {"q": (q, head_dim)}, k, v, q_seg, kv_seg, features
+    )
     inputs = smem_inputs(*inputs, st, sinks=sinks, seed=seed)
     q_map = inputs[1][0].index_map
     f32 = jnp.float32

@@ -128,14 +128,21 @@ def check_mask(mask: Mask) -> None:
                 )
 
 
-def _fill_next(active: Any) -> Any:
+def fill_next(active: Any) -> Any:
     """Per position of the last axis, the nearest active position at or before it.
 
     Positions before the first active one take the first active one (so the first
     step of a row already fetches the block it will need); rows without any active
-    position take 0.
+    position take 0. ``active`` is a NumPy array (static tables) or a jax array (tables
+    of a traced mask), and the answer is of the same kind.
     """
     length = active.shape[-1]
+    if isinstance(active, jax.Array):
+        idx = jnp.arange(length, dtype=jnp.int32)
+        axis = active.ndim - 1
+        last = jax.lax.cummax(jnp.where(active, idx, -1), axis=axis)
+        first = jax.lax.cummin(jnp.where(active, idx, length), axis=axis, reverse=True)
+        return jnp.where(last >= 0, last, jnp.where(first < length, first, 0))
     idx = np.arange(length, dtype=np.int32)
     last = np.maximum.accumulate(np.where(active, idx, -1), axis=-1)
     first = np.minimum.accumulate(np.where(active, idx, length)[..., ::-1], axis=-1)[..., ::-1]
@@ -194,8 +201,8 @@ def _tables(
         bm = np.pad(bm, pad, constant_values=EMPTY)
         pidx = np.pad(pidx, pad, mode="edge")
         block_index = np.pad(block_index, pad, mode="edge")
-        data_next = np.take_along_axis(block_index, _fill_next(bm != EMPTY), axis=-1)
-        mask_next = np.take_along_axis(pidx, _fill_next(bm == PARTIAL), axis=-1)
+        data_next = np.take_along_axis(block_index, fill_next(bm != EMPTY), axis=-1)
+        mask_next = np.take_along_axis(pidx, fill_next(bm == PARTIAL), axis=-1)
         out.append((data_next, mask_next, bm))
     tables = [np.concatenate(t, axis=-1).astype(np.int32) for t in zip(*out, strict=True)]
     if is_dkv:

@@ -103,7 +103,10 @@ def _info(tables: tuple[jax.Array | None, ...]) -> MaskInfo:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
-    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, _info(tables[0]), st)
+    """``(out, lse)`` in kernel layout; ``tables`` = (forward, dq, dkv tables, the mask_mod's
+    features): gradient-free inputs of the kernels."""
+    info, features = _info(tables[0]), tables[3]
+    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, info, st, features)
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
@@ -118,7 +121,8 @@ def _attention_bwd(st: Static, res, cts):
     # d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij - D_i + dlse_i).
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True) - dlse
     lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: P = exp(-inf) = 0
-    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, _info(tables[1]), st)
+    features = tables[3]
+    dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, _info(tables[1]), st, features)
     batch, heads, q_len, _ = q.shape
     as_row = lambda x: x.reshape(batch, heads, 1, q_len)
     dk, dv = _dkv_kernel(
@@ -133,6 +137,7 @@ def _attention_bwd(st: Static, res, cts):
         seed,
         _info(tables[2]),
         st,
+        features,
     )
     dsinks = None
     if sinks is not None:
@@ -323,7 +328,7 @@ def blocksparse_attention_request(
         _tables(mask, block, is_dkv, tiles=not mask_function)
         for block, is_dkv in ((fwd, False), (dq, False), (dkv, True))
     )
-    tables = (fwd_tables, dq_tables, dkv_tables)
+    tables = (fwd_tables, dq_tables, dkv_tables, ())
     st = Static(
         heads=heads,
         kv_heads=kv_heads,

@@ -50,10 +50,12 @@ def flex_attention(
             may be None); None: every key visible.
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (``-inf`` on emptied rows).
-        implementation: None (the platform's order; today ``xla`` everywhere), ``"xla"``, or
-            a sequence of names tried in order. ``"triton"`` and ``"pallas"`` have no flex
-            kernel yet and refuse.
-        config: a kernel config for backends that take one (``xla`` has none).
+        implementation: None (the platform's order: ``pallas`` then ``xla`` on TPU, ``xla``
+            elsewhere), ``"xla"``, ``"pallas"`` (the TPU block-sparse kernels, Pallas'
+            interpreter off TPU; mask_mods only, ``Hv == H``), or a sequence of names tried
+            in order. ``"triton"`` has no flex kernel yet and refuses.
+        config: a kernel config for backends that take one (``pallas``: an
+            ``ejk_kernels_tpu.BlockSparseConfig``; ``xla`` has none).
 
     Returns:
         ``out [B, T, N, Hv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.

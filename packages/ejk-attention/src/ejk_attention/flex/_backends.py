@@ -1,9 +1,10 @@
 """The flex backends and the fall-through between them (the facade's `Backend` pattern).
 
 Each backend is a `ejk_attention._backends.Backend` taking a `FlexRequest`. The XLA one
-serves every call on every platform; the Triton (GPU) and Pallas (TPU) kernels come with
-the next parts of issue 62, and until then their entries refuse with that reason, so
-``implementation=None`` falls through to ``xla`` on every platform.
+serves every call on every platform; the Pallas one (`_pallas`: the TPU block-sparse
+kernels, their interpreter elsewhere) serves mask_mods without a score_mod; the Triton
+(GPU) kernel comes with issue 62's GPU part, and until then its entry refuses with that
+reason. ``implementation=None`` tries ``pallas`` then ``xla`` on TPU, ``xla`` elsewhere.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._backends import Backend, platform_of, resolve_implementation, run_first
+from ._pallas import PallasFlexBackend
 from ._request import FlexRequest
 from ._xla import xla_flex_attention
 
@@ -44,9 +46,7 @@ FLEX_BACKENDS: dict[str, Backend] = {
     "triton": Unavailable(
         "triton", "flex_attention has no Triton kernel yet (issue 62's GPU part): use 'xla'"
     ),
-    "pallas": Unavailable(
-        "pallas", "flex_attention has no Pallas kernel yet (issue 62's TPU part): use 'xla'"
-    ),
+    "pallas": PallasFlexBackend(),
     "cudnn": Unavailable("cudnn", "cuDNN (through jax.nn) takes no mask_mod or score_mod"),
 }
 FLEX_IMPLEMENTATIONS: tuple[str, ...] = tuple(FLEX_BACKENDS)

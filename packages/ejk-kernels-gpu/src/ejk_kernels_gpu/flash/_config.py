@@ -54,20 +54,20 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             or causal is the only mask (no window, segment ids, packing, bias, dropout
             or soft cap; key length a multiple of ``block_k``, > 0; head_dim a power of
             two); any other call runs the ordinary kernel with the same tiles (see
-            `ordinary_config`). The heuristics pick it (head_dim 128, 16-bit inputs) for
-            every call that can take it, forward and backward (H100, docs/performance-history.md
-            step 7).
+            `ordinary_config`). The forward heuristic picks it (head_dim 128, 16-bit inputs)
+            where the Gluon forward is not taken; the backward only by explicit config
+            (`WS_BWD_CONFIGS`; docs/performance-history.md#step-7-2026-11-23).
         gluon: Hopper (sm_90) only. Forward: run the forward written in Gluon
-            (`kernels.gluon._forward`: FlashAttention-3's intra-warpgroup pipeline, one producer warp
-            and two consumer warpgroups; ``block_q`` 128, ``num_warps`` 4 per warpgroup,
+            (`kernels.gluon._forward`: FlashAttention-3's intra-warpgroup pipeline, one producer
+            warp and two consumer warpgroups; ``block_q`` 128, ``num_warps`` 4 per warpgroup,
             ``block_k`` 128 or 64, ``num_stages`` slots in each of the k and v rings).
             Taken by calls with 16-bit inputs, a positive scale, no bias or dropout and
             tiles that fit (`gluon_fits`: head_dim 64 and 128 with either key tile, 256
             with 64 keys and two slots); every mask, soft cap and sinks run in it. Any other
             call runs the ordinary kernel with the same tiles (`ordinary_config`). The
-            forward heuristic picks it wherever it can run at head_dim 128 and 256 (H100:
-            0.95x cuDNN unmasked at 128, docs/performance-history.md step 10), and at 64 for calls
-            without a sliding window (`_GLUON_HEURISTIC_HEAD_DIMS`). Where its tiles are whole
+            forward heuristic picks it wherever it can run at head_dim 128 and 256, and at
+            64 for calls without a sliding window (`_GLUON_HEURISTIC_HEAD_DIMS`; figures:
+            docs/performance.md#headline-shapes). Where its tiles are whole
             (head_dim <= 128) it runs persistent, one program per SM taking tiles from a
             counter (`flash._options.gluon_persistent`).
             Backward: run the dk/dv kernel written in Gluon (`kernels.gluon._backward`:
@@ -78,9 +78,9 @@ class FlashConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             positive scale, no bias or dropout, and query rows on whole 64-row steps
             (`flash._options.can_run_gluon_dkdv`); every mask (windows, packed sequences and
             segment ids through the dk/dv block table), soft cap and sinks run in it; any
-            other call runs the ordinary kernels. The backward heuristic picks it at head_dim 128 (H100:
-            forward+backward 1.08-1.18x the ordinary backward's, docs/performance-history.md), 256,
-            and 64 with groups or a soft cap (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`).
+            other call runs the ordinary kernels. The backward heuristic picks it at head_dim
+            128, 256, and 64 with groups or a soft cap (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`;
+            figures: docs/performance.md#training-features).
         atomic_dq: backward only: the dk/dv kernel also computes dq (``dS·K``, FlashAttention-2,
             Alg. 2, line 21) and adds it into a float32 buffer with atomic adds, so no
             separate dq kernel recomputes ``q·kᵀ`` and ``dO·vᵀ`` (5 matmuls per tile pair
@@ -249,11 +249,9 @@ def _space(
 _WS_CONFIGS = {
     128: (FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True),),
 }
-# The Gluon forward; three ring slots measured 3-17 % faster than two on the benchmark's
-# head_dim-128 shapes (H100, docs/performance-history.md step 10), so the heuristic takes them for
-# long loops; two (with the output's own buffer) for short ones (`fwd_heuristic`'s
-# ``short_loops``: masks beyond causal, soft caps, causal calls of up to 8192 keys).
-# head_dim 256: 64-key tiles, two slots (`gluon_fits`).
+# The Gluon forward: three ring slots for long loops, two (with the output's own buffer) for
+# short ones (`fwd_heuristic`'s ``short_loops``); head_dim 256: 64-key tiles, two slots
+# (`gluon_fits`). Why: docs/performance-history.md#flash_configpy.
 _GLUON_CONFIGS = {
     64: (
         FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True),
@@ -265,38 +263,22 @@ _GLUON_CONFIGS = {
     ),
     256: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True),),
 }
-# The Gluon forward's three-consumer tile for soft caps (`THREE_CONSUMERS`): 192 query rows,
-# 64 per consumer warpgroup, 64 keys a step, two ring slots. A soft cap's forward is bound by
-# MUFU (a tanh and an exp2 a score, docs/performance-history.md): a third consumer's softmax runs
-# while the other two wait on their matmuls. H200, B4 N32 K8 H128 causal, cap 50, kernel
-# spans: T6144 2185/2216 -> 1908/1909 us (benchmarks/results/2026-12-02-h200-softcap-three-
-# consumers-draft.json); without a cap 3 % slower, so soft cap calls only. 128 keys a step
-# spill at head_dim 128 (608 bytes), three slots measured slower.
+# The Gluon forward's three-consumer tile for soft caps (192 query rows, 64 a consumer): a
+# cap's forward is MUFU-bound, and a third softmax runs while two wait on matmuls; see
+# docs/performance-history.md#flash_configpy.
 THREE_CONSUMERS = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
-# Where the forward heuristic takes it. At head_dim 64 (a 128x128 step has half the matmul
-# work for the same softmax) it measured 0.70x the ordinary kernel's speed before its
-# persistent grid (H100, 2026-11); on an H200 at cb14567 it is faster everywhere but under a
-# sliding window (benchmarks/results/2026-11-29-h200-head64-gluon-shapes.json, three slots
-# against the ordinary kernel: causal B8 T2048 N16 214 -> 197 us, unmasked 339 -> 313, GQA
-# causal B4 T4096 695 -> 639, soft cap 1413 -> 859, 8 documents as segment ids 250 -> 222;
-# window (1024, 0) 359 -> 393): windowed calls at 64 keep the ordinary kernel.
+# Where the forward heuristic takes it: faster than the ordinary kernel everywhere but under
+# a sliding window at head_dim 64, where the ordinary kernel stays; see
+# docs/performance-history.md#flash_configpy.
 _GLUON_HEURISTIC_HEAD_DIMS = (64, 128, 256)
 # Where it takes `THREE_CONSUMERS` for soft cap calls without a block table.
 _THREE_CONSUMER_HEAD_DIMS = (64, 128)
 _GLUON_WINDOW_HEAD_DIMS = (128, 256)
 
-# The Gluon dk/dv kernel (`FlashConfig.gluon` as a backward config): 128 resident keys, 64
-# query rows a step; two and three q/dO ring slots measured within 2 % of each other (H100,
-# forward+backward on four head_dim-128 shapes, benchmarks/results/2026-11-25-h100-gluon-dkdv-
-# stages-2e88ccb.json): the heuristic takes the first, two. At head_dim 128 it also computes
-# dq itself (``atomic_dq``: TMA reduces into float32; 2 and 3 slots): with MHA that
-# measured faster than the Gluon dq kernel beside it, with groups or a soft cap slower
-# (forward+backward TFLOP/s, H100, benchmarks/results/2026-11-25-h100-gluon-dq-inside-3965c04.
-# json: 455 -> 497 unmasked, 403 -> 409 causal, 478 -> 511 at T16384 causal with three
-# slots; GQA causal 419 -> 373, soft cap 352 -> 327). Against the three-consumer dq kernel
-# (H200, 2026-12-03, MHA f+b us, three slots, beside -> inside: B4 T4096 N32 causal 4208 ->
-# 4151, unmasked 7998 -> 7403, B1 T16384 N16 causal 7535 -> 7016; benchmarks/results/
-# 2026-12-03-h200-mha-dq-inside-beside-draft.json) inside still wins.
+# The Gluon dk/dv kernel: 128 resident keys, 64 query rows a step, two q/dO slots (three:
+# level); at head_dim 128 with MHA it computes dq itself (``atomic_dq``), faster than a dq
+# kernel beside it, slower with groups or a soft cap; see
+# docs/performance-history.md#flash_configpy.
 _GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
 _GLUON_BWD_3 = msgspec.structs.replace(_GLUON_BWD, num_stages=3)
 # head_dim 256 (`kernels.gluon._backward_wide`): 64 resident keys, the consumers splitting dK's and
@@ -314,50 +296,40 @@ GLUON_BWD_CONFIGS = {
     ),
     256: (_GLUON_BWD_256,),
 }
-# The Gluon dq kernel that runs beside the Gluon dk/dv kernel (`kernels.gluon._backward.
+# The Gluon dq kernel beside the Gluon dk/dv kernel (`kernels.gluon._backward.
 # gluon_dq_kernel`): 128 resident query rows, 64 keys a step; or None for the ordinary dq
-# kernel with the dk/dv config's tiles. H100, forward+backward: soft cap 277 -> 355 TFLOP/s
-# (its tanh per score overlaps the matmuls), without a cap +1-2 %; 64 and 128 keys a step
-# level (benchmarks/results/2026-11-25-h100-gluon-dq-timings.json). Three k/v ring slots: with
-# three the kernel issues each block's dS·k after the next block's q·kᵀ and dO·vᵀ (its
-# pipelined schedule; two slots run unpipelined). H200, dq kernel us, B4 T4096 N32 K8 H128
-# causal, two slots unpipelined -> three pipelined: soft cap 50 1491 -> 1400, no cap
-# 1244 -> 1209, window (1024, 0) 760 -> 721; three slots unpipelined 1491-1529 on the cap,
-# two pipelined 1821-1838 (benchmarks/results/2026-12-03-h200-gluon-dq-pipelined-ab.json).
+# kernel with the dk/dv config's tiles. Three k/v slots: the pipelined schedule (each
+# block's dS·k after the next block's q·kᵀ and dO·vᵀ), faster than two unpipelined; see
+# docs/performance-history.md#flash_configpy.
 # Its tiles are the Gluon dk/dv configs' (128, 64): the dq block table built for those
 # serves it with a window, packing or segment ids.
 GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
     block_q=128, block_k=64, num_warps=4, num_stages=3, gluon=True
 )
-# At head_dim 64 (soft cap calls, below) two slots, unpipelined: the pipelined schedule
-# measured slower there (B8 T2048 N16 H64 causal, soft cap 50: 356 -> 382 us, the same JSON).
+# At head_dim 64 (soft cap calls, below) two slots, unpipelined: the pipelined schedule is
+# slower there; docs/performance-history.md#flash_configpy.
 GLUON_DQ_64: FlashConfig | None = msgspec.structs.replace(GLUON_DQ_CONFIG, num_stages=2)
 # At head_dim 256 its rows (128 of q and of dO, 256 columns: 128 KiB) leave room for a ring
-# of 32-key k/v blocks only (two slots: 192 KiB in all; three fit, 224 KiB, and pipelined
-# measured level: 673 -> 672 us, B2 T4096 N16 K8 causal, the same JSON); its float32 dq is
-# 128 registers a consumer, as the forward's accumulator at this head_dim.
+# of 32-key k/v blocks only, two slots (three fit, 224 KiB, and are no faster: see
+# docs/performance-history.md#flash_configpy); its float32 dq is 128 registers a consumer,
+# as the forward's accumulator at this head_dim.
 GLUON_DQ_256: FlashConfig | None = FlashConfig(
     block_q=128, block_k=32, num_warps=4, num_stages=2, gluon=True
 )
-# At head_dim 64 without a soft cap the ordinary dq kernel, with the backward heuristic's
-# tiles there, runs beside the Gluon dk/dv kernel instead: the Gluon dq kernel measured
-# slower (H200, dq kernel us, Gluon -> ordinary: GQA B4 T4096 N32 K8 causal 906 -> 770,
-# unmasked 1544 -> 1395, 8 documents 601 -> 439, MHA B8 T2048 N16 causal 292 -> 225; 128
-# keys a step 861, 1443, 584, 280; benchmarks/results/2026-11-29-h200-head64-gluon-bwd.json).
-# With a soft cap the Gluon one is faster (1151 against 1597: its tanh overlaps the matmuls).
-# Those tiles: the backward heuristic's ordinary config at head_dim <= 64.
+# At head_dim 64 without a soft cap the ordinary dq kernel, with the backward heuristic's tiles
+# there, runs beside the Gluon dk/dv kernel: faster than the Gluon dq kernel, which wins only
+# with a cap (its tanh overlaps the matmuls); see
+# docs/performance-history.md#flash_configpy.
 _ORDINARY_BWD_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
 
 
 # Calls without a block table (no window, packing or segment ids): the Gluon dq kernel's
 # three consumers (192 query rows a program, 64 a consumer, as the forward's
 # `THREE_CONSUMERS`), two slots, unpipelined (pipelined, ptxas spills at 160 registers a
-# thread; 32 keys a step pipelined spills nothing and is slower). Keyed by (head_dim, soft
-# cap); H200, dq kernel us, causal, against the two-consumer configs above, dq bitwise
-# equal (benchmarks/results/2026-12-03-h200-gluon-dq-three-consumers-ab.json): B4 T4096 N32 K8
-# H128 soft cap 50 1407 -> 1279, no cap 1197 -> 1152; B8 T2048 N16 H128 soft cap 438 ->
-# 395; B8 T2048 N16 H64 soft cap 353 -> 322. With a table its builds spill (324-488 bytes
-# at 128), and at head_dim 64 without a cap the ordinary dq kernel runs (`dq_beside`).
+# thread); faster than two consumers, dq bitwise equal (see
+# docs/performance-history.md#flash_configpy). Keyed by (head_dim, soft cap). With a table
+# its builds spill, and at head_dim 64 without a cap the ordinary dq kernel runs
+# (`dq_beside`).
 _GLUON_DQ_192 = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
 GLUON_DQ_THREE: dict[tuple[int, bool], FlashConfig] = {
     (128, False): _GLUON_DQ_192,
@@ -390,21 +362,10 @@ def dq_beside(
     return GLUON_DQ_CONFIG
 
 
-# Where the backward heuristic takes it. At head_dim 64 only with groups or a soft cap
-# (`bwd_heuristic`), two slots, the ordinary dq kernel beside it without a cap
-# (`dq_beside`), the Gluon one with (H200, forward+backward us, ordinary -> Gluon: GQA B4
-# T4096 N32 K8 causal 3049 -> 2836, unmasked 5528 -> 5035, soft cap 50 5069 -> 3633, window
-# (1024, 0) 1593 -> 1584; GQA 8 documents as segment ids 1885 -> 1776; MHA B8 T2048 N16
-# soft cap 1442 -> 1167; benchmarks/results/2026-11-29-h200-head64-gluon-bwd.json, probe 4).
-# MHA without a cap its dk/dv kernel is slower causal (427 -> 477 us) and the ordinary
-# backward keeps it (869 against 922; 0.91x on an H100 long ago), level unmasked and with
-# documents.
-# At head_dim 256 the column-split kernel (`_GLUON_BWD_256`): forward+backward 1.47x the
-# ordinary backward's causal, 1.46x unmasked (B2 T4096 N16 K8, H100, 4.95 -> 3.38 and
-# 8.91 -> 6.10 ms; cuDNN 2.67 and 4.79; benchmarks/results/2026-11-25-h100-gluon-bwd-256-da77bc2.json),
-# and with the Gluon dq kernel beside it instead of the ordinary one 1.37x causal, 1.49x
-# unmasked (3.48 -> 2.55 and 6.50 -> 4.35 ms; cuDNN 2.81 and 5.11; three slots level or
-# slower: benchmarks/results/2026-11-25-h100-dq256-76efc40.json).
+# Where the backward heuristic takes it: head_dim 128, 256 (the column-split kernel,
+# `_GLUON_BWD_256`) and 64 only with groups or a soft cap (`bwd_heuristic`: MHA without a cap
+# the ordinary backward is as fast); see
+# docs/performance-history.md#flash_configpy.
 _GLUON_BWD_HEURISTIC_HEAD_DIMS = (128, 256)
 
 # The warp-specialised backward, for explicit configs only (128 resident rows: keys in
@@ -482,8 +443,7 @@ def bwd_search_space(
     with ``gluon`` (the call can take the Gluon dk/dv kernel, `flash._options.can_run_gluon_dkdv`)
     its configs (`GLUON_BWD_CONFIGS`; with a ``soft_cap`` the two-slot one only: with three
     its sm_90 build spills registers inside its loop; with ``tables``, masks beyond causal,
-    none with dq inside: those builds spill 350-860 bytes and measured 7-19 % slower,
-    see `bwd_heuristic`).
+    none with dq inside: those builds spill and are slower, see `bwd_heuristic`).
 
     The warp-specialised backward is left out until its dk/dv race is fixed (see
     `bwd_heuristic`).
@@ -507,19 +467,19 @@ def fwd_heuristic(
     soft_cap: bool = False,
     tabled: bool = False,
 ) -> FlashConfig:
-    """A good forward config without timing (bf16 sweeps on an H100/H200, docs/performance-history.md).
+    """A good forward config without timing (why each branch:
+    docs/performance-history.md#flash_configpy).
 
     ``gluon``: the call can take the Gluon forward on this GPU (`flash._options.offer_gluon`;
     None: whenever it can take the warp-specialised loop): at head_dim 128 and 256 it
     runs it, at 64 unless ``windowed`` (the call has a sliding window; see
-    ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; 612 against 494 TFLOP/s for the Triton warp-specialised one unmasked
-    at 128, H100, docs/performance-history.md step 10). ``warp_specialize``: the call can take the
-    warp-specialised loop, taken where Gluon is not (causal calls +10-20 % over the
-    ordinary kernel, step 7). ``short_loops``: the call's masks go beyond causal (a window,
-    packing, segment ids), it has a soft cap, or it is causal over few keys
+    ``_GLUON_HEURISTIC_HEAD_DIMS``) (16-bit; faster than the Triton warp-specialised one).
+    ``warp_specialize``: the call can take the warp-specialised loop, taken where Gluon is
+    not (faster than the ordinary kernel causal). ``short_loops``: the call's masks go beyond
+    causal (a window, packing, segment ids), it has a soft cap, or it is causal over few keys
     (`flash._options.short_causal`): its programs run few key blocks a tile, or heavy ones, and
     at head_dim 128 the Gluon forward's two-slot config gives its output a buffer of its
-    own (`flash._options.gluon_obuf`; 2-6 % faster there, 1-3 % slower unmasked). ``soft_cap``:
+    own (`flash._options.gluon_obuf`; faster there, slower unmasked). ``soft_cap``:
     the call has a soft cap; without ``tabled`` (masks beyond causal: a window, packing,
     segment ids) at head_dim 64 and 128 it runs the Gluon forward's three consumers
     (`THREE_CONSUMERS`).
@@ -552,39 +512,29 @@ def bwd_heuristic(
     gluon: bool = False,
     tables: bool = False,
 ) -> FlashConfig:
-    """A good backward config without timing (block_q resident, block_k streamed).
+    """A good backward config without timing (block_q resident, block_k streamed; why each
+    branch: docs/performance-history.md#flash_configpy).
 
-    Never the warp-specialised backward: it measured 7-11 % faster at head_dim 128 (H100,
-    docs/performance-history.md step 7), but on an H100 its dk/dv kernel is not deterministic
-    (2026-11-24: dk and dv differ between two runs of the same call, sometimes NaN, in 1 to
-    3 of 5 repeats; benchmarks/results/), so no call gets it unless its config asks for it
-    explicitly (`WS_BWD_CONFIGS`).
+    Never the warp-specialised backward: faster at head_dim 128, but its dk/dv kernel is not
+    deterministic on an H100 (dk and dv differ between runs, sometimes NaN), so no call gets
+    it unless its config asks for it explicitly (`WS_BWD_CONFIGS`).
 
     ``group`` is the GQA group size (query heads per kv head): the dk/dv kernel unrolls
-    its loop over the group, and with groups the 8-warp 128-row tiles measured slower.
-    dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`) where that
-    measured faster (H100, docs/performance-history.md step 5): MHA, 16-bit, head_dim 65-128
-    (+2-6 %). With groups it measured level with the dq kernel (which keeps dq
-    reproducible bit for bit), and with 64-row key tiles slower (twice the atomic traffic).
-    ``soft_cap``: where the Gluon dk/dv kernel cannot run, each kernel that recomputes p
-    pays a tanh per score besides the exp, so computing p once (atomic dq) wins with
-    groups too: 128x32 tiles, 8 warps, 3 stages
-    measured 289 against 261 TFLOP/s for the group default (H100, B4 T4096 N32 K8,
-    forward+backward; `benchmarks/results/2026-11-25-h100-bwd-sweep-capfold.json`). At head_dim
-    256, 64x64 tiles with 8 warps measured 200 against 179 for 32x32 with 4 (same run).
+    its loop over the group, and with groups the 8-warp 128-row tiles are slower.
+    dq comes from the dk/dv kernel's atomic adds (`FlashConfig.atomic_dq`) where that is
+    faster: MHA, 16-bit, head_dim 65-128. With groups it is level with the dq kernel (which
+    keeps dq reproducible bit for bit), and with 64-row key tiles slower (twice the atomic
+    traffic). ``soft_cap``: where the Gluon dk/dv kernel cannot run, each kernel that
+    recomputes p pays a tanh per score besides the exp, so computing p once (atomic dq) wins
+    with groups too: 128x32 tiles, 8 warps, 3 stages; at head_dim 256, 64x64 tiles with 8 warps.
     ``gluon``: the call can take the Gluon dk/dv kernel (`flash._options.can_run_gluon_dkdv`);
     at head_dim 64 it does with groups or a soft cap (two slots, a dq kernel beside:
     `dq_beside`); at head_dim 128 it does (`_GLUON_BWD_HEURISTIC_HEAD_DIMS`), with dq in
     it (three ring slots) for MHA without a soft cap, else beside it (`GLUON_DQ_CONFIG`; see
     `GLUON_BWD_CONFIGS`); at head_dim 256 its column-split kernel (`_GLUON_BWD_256`,
-    the Gluon dq kernel beside it, `GLUON_DQ_256`). ``tables``: the call's masks go beyond causal (a window, packing,
-    segment ids; `flash._options.CallOptions.tabled`): there dq beside it, three slots without a
-    soft cap (8 documents of 2048 as segment ids, forward+backward ms, H100, with the
-    ordinary dq kernel beside: ordinary backward 1.96, Gluon dk/dv 1.66 with two slots,
-    1.62 with three, 1.73 with dq inside; as ``cu_seqlens`` 1.73, 1.60, 1.60, 1.91;
-    benchmarks/results/2026-11-25-h100-gluon-bwd-tables-draft.json; with the Gluon dq kernel
-    beside, three slots: 1.87 -> 1.60 and 1.76 -> 1.56; window (1024, 0) GQA level, 2.56
-    -> 2.60, ...-tables-1ca09f3.json).
+    the Gluon dq kernel beside it, `GLUON_DQ_256`). ``tables``: the call's masks go beyond
+    causal (a window, packing, segment ids; `flash._options.CallOptions.tabled`): there dq
+    beside it, three slots without a soft cap (faster than two, and than dq inside).
     """
     if gluon and itemsize == 2 and head_dim == 64 and (group > 1 or soft_cap):
         return _GLUON_BWD

@@ -94,16 +94,16 @@ class CallOptions:
     ) -> bool:
         """Whether a Gluon kernel's programs take their tiles from an order the launch
         passes (``ORDERED``, `flash._schedule.launch_order`) instead of the grid's own (causal
-        forward and dq programs: each head's heaviest first). Where the order was measured
-        faster (H100, docs/performance-history.md): ``"dkdv"`` with segment ids or positions (the
-        programs' work follows the data) and, causal without a table, where a program
-        walks ``grouped`` heads; ``"dq"`` and the forward (``"fwd"``, one program a tile,
-        not ``persistent``) causal without a table; the forward of a context-parallel call,
-        causal on positions alone (`context._blocks`: a device's rows against the whole gathered
-        sequence, tiles from a few blocks to the whole sequence long). Elsewhere it
-        measured level or up to 7 % slower (windows, one head a dk/dv program, persistent
-        forwards of one sequence), or its sort when the call runs cost more than it gained
-        (forwards with segment ids)."""
+        forward and dq programs: each head's heaviest first), where that is faster (see
+        docs/performance-history.md#flash_optionspy): ``"dkdv"`` with segment ids or
+        positions (the programs' work follows the data) and, causal without a table, where a
+        program walks ``grouped`` heads; ``"dq"`` and the forward (``"fwd"``, one program a
+        tile, not ``persistent``) causal without a table; the forward of a context-parallel
+        call, causal on positions alone (`context._blocks`: a device's rows against the whole
+        gathered sequence, tiles from a few blocks to the whole sequence long). Elsewhere it
+        is level or slower (windows, one head a dk/dv program, persistent forwards of one
+        sequence), or its sort when the call runs costs more than it gains (forwards with
+        segment ids)."""
         plain = self.causal and not self.tabled()
         if kernel == "dkdv":
             return self.has_seg or self.varlen or (plain and grouped)
@@ -131,10 +131,8 @@ SHORT_CAUSAL_KEYS = 8192
 
 def short_causal(opts: CallOptions, kv_len: int) -> bool:
     """Whether a causal call's tiles are short enough for the forward's two-slot config with
-    its own output buffer (`flash._config.fwd_heuristic`'s ``short_loops``): H200, a0ee2bc, forward
-    kernel, three slots against two (benchmarks/results/2026-11-29-h200-forward-slots-a0ee2bc.json):
-    causal B4 T4096 N32 908 -> 879 us, K8 891 -> 870; B1 T16384 N16 1594 -> 1607 (longer
-    tiles: three); unmasked B4 T4096 1541 -> 1545 (three)."""
+    its own output buffer (`flash._config.fwd_heuristic`'s ``short_loops``): faster there
+    than three slots, which longer tiles keep (docs/performance-history.md#flash_optionspy)."""
     return opts.causal and kv_len <= SHORT_CAUSAL_KEYS
 
 
@@ -459,11 +457,10 @@ FIXED_SHIFT_CAP_OUT = 80.0
 def fixed_shift(opts: CallOptions, dtype: Any) -> bool:
     """Whether the Gluon forward fixes each row's shift after a tile's first key block
     (``FIXED_SHIFT``): a soft cap of at most ``FIXED_SHIFT_CAP_OUT / log2 e`` bounds the
-    logits, so p stays within 2^76 (bf16's range is float32's); fp16's is too narrow. H200, B4
-    T4096 N32 K8 causal, cap 50: forward 0.78-0.79 -> 0.83-0.84 of the speed without a cap
-    (the max per score and the rescaling of o gone; benchmarks/results/2026-11-28-h200-softcap-
-    rescale-draft.json). Not with packed sequences and segment ids at once, whose build
-    then spills twice the registers (164 -> 356 bytes at head_dim 128)."""
+    logits, so p stays within 2^76 (bf16's range is float32's); fp16's is too narrow. It
+    drops the max per score and the rescaling of o (docs/performance-history.md#flash_optionspy).
+    Not with packed sequences and segment ids at once, whose build then spills twice the
+    registers."""
     capped = 0.0 < opts.soft_cap * LOG2E <= FIXED_SHIFT_CAP_OUT
     packed_segments = opts.compares_seq_ids() and opts.has_seg
     return capped and not packed_segments and jnp.dtype(dtype) == jnp.bfloat16
@@ -473,12 +470,10 @@ def gluon_obuf(cfg: FlashConfig, head_dim: int, *, persistent: bool) -> bool:
     """Whether the Gluon forward's output leaves through a buffer of its own (``OBUF``):
     persistent programs whose q, o and k/v ring fit shared memory (head_dim 64; 128 with two
     ring slots). A consumer then releases q after its tile's last q·kᵀ, so the next tile's q
-    loads during the epilogue, and waits for its output store a tile later. H100, forward,
-    two slots with the buffer against three without: window (1024, 0) 0.602 -> 0.589 ms, soft
-    cap 1.440 -> 1.349, 8 documents as segment ids 0.440 -> 0.414, as ``cu_seqlens`` 0.396 ->
-    0.379, head_dim 64 causal (three slots both) 0.291 -> 0.275; unmasked and causal
-    B4 T4096 1-3 % slower, so those keep three slots (`flash._config.fwd_heuristic`); outputs
-    bitwise equal (benchmarks/results/2026-11-25-h100-gluon-obuf-draft.json)."""
+    loads during the epilogue, and waits for its output store a tile later: faster with short
+    loops (masks beyond causal, soft caps), slower unmasked and causal over long ones, which
+    keep three slots (`flash._config.fwd_heuristic`); outputs bitwise equal (see
+    docs/performance-history.md#flash_optionspy)."""
     shared = gluon_forward_shared(cfg, head_dim, own_output=True)
     return persistent and shared <= SHARED_MEMORY_LIMIT
 
@@ -487,9 +482,8 @@ def gluon_persistent(
     opts: CallOptions, q_shape: tuple[int, ...], kv_len: int, cfg: FlashConfig
 ) -> bool:
     """Whether the Gluon forward runs one program per SM over all tiles (each tile's first
-    copies then overlap the previous tile's epilogue; H100: window (1024, 0) 1.26x, causal
-    B4 T4096 1.17x, 8 packed documents 1.17x, B1 T16384 causal 1.02x; benchmarks/results/
-    2026-11-25-h100-tile-counter-draft.json).
+    copies then overlap the previous tile's epilogue; faster wherever it runs, see
+    docs/performance-history.md#flash_optionspy).
 
     Its descriptors span every (batch, head), so rows past T or S would be another one's:
     whole key tiles only, and query rows on whole consumers' rows (`GLUON_CONSUMER_ROWS`:
@@ -518,16 +512,12 @@ def rows_major(opts: CallOptions, q_shape: tuple[int, ...], cfg: FlashConfig, *,
     - Causal calls with segment ids or packed sequences of at most `ROWS_MAJOR_WAVES` tiles
       a multiprocessor: every group. A document's tiles run together across heads,
       heaviest first, and the last tiles handed out are the first document's lightest (about
-      a tile's time, 30 us with documents of 2048). H200, B1 N32 K8 H128, documents of 2048
-      (docs/performance-history.md, "The forward's tile order"): 8192 rows 0.274 -> 0.266 ms, 16384
-      level, 32768 (62 tiles a multiprocessor) 1.011 -> 1.021, so longer calls keep the
-      grid's order.
+      a tile's time); longer calls keep the grid's order, where this one is no faster (see
+      docs/performance-history.md#flash_optionspy).
     - Causal calls without a table of at most `TAIL_BLOCKS` query blocks: the last groups
       that hold `TAIL_WAVES` multiprocessors' worth of tiles of the heaviest's size, so that
       the heaviest start early enough; the rest keep the grid's order (the programs at work
-      share k and v in L2). H200, forward kernel, e6c884f, the grid's order against this one
-      (benchmarks/results/2026-11-29-h200-forward-tail-e6c884f.json): B4 T4096 N32 875 -> 854 us,
-      N32 K8 866 -> 841, B1 T8192 N32 K8 848 -> 802; B1 T16384 N16 level (1580 / 1586)."""
+      share k and v in L2)."""
     if not (persistent and opts.causal) or opts.ordered_tiles("fwd", persistent=persistent):
         return 0
     batch, q_len, heads, _ = q_shape

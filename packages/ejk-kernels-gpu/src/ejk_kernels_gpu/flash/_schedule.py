@@ -19,8 +19,8 @@ heaviest first: a block holds about as many programs with work as the GPU runs a
 last ones to start are light. The steps each program takes come from its block table
 (`table_steps`) or, for calls without one, from causal alone (`causal_steps`). A kernel
 reads its tiles from the order (`kernels.gluon._forward._tile`,
-`kernels.gluon._backward.program_tile`) only where that measured faster on an H100
-(`CallOptions.ordered_tiles`, docs/performance-history.md "The tile order"): the L2 and the
+`kernels.gluon._backward.program_tile`) only where that is faster (`CallOptions.ordered_tiles`,
+docs/performance-history.md#flash_schedulepy): the L2 and the
 persistent forward's counter make the model's gains real for some calls only.
 """
 

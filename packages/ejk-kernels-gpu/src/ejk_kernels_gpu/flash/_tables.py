@@ -63,7 +63,7 @@ class Packing:
 def _sequence_of(cu: Array, length: int, num_seqs: int) -> tuple[Array, Array]:
     idx = jnp.arange(length, dtype=jnp.int32)
     # Few offsets: one fused compare-and-count per token beats the default binary search,
-    # an XLA while loop (a launch per step; H100: the forward's tables 154 -> 96 us a call).
+    # an XLA while loop (a launch per step; docs/performance-history.md#flash_tablespy).
     method = "compare_all" if cu.shape[0] <= 1024 else "sort"
     seq = jnp.searchsorted(cu, idx, side="right", method=method).astype(jnp.int32) - 1
     seq = jnp.where(idx >= cu[-1], num_seqs, jnp.clip(seq, 0, num_seqs))
@@ -330,12 +330,8 @@ def _intersect(table: Table, seg: Array, inner: int, *, positions_after_full: bo
 
 # Other-axis ids one program of `fused_segment_table` summarises at once (128 KiB, 64
 # registers a thread at `TABLE_WARPS`, no spills on sm_90): 32768 keys of 128-key blocks in
-# one step. Its programs wait on their loads, so fewer steps are faster: H200, 64 programs
-# walking 32768 keys (all-gather's device call at n = 4), 16 warps, 16384 ids a step
-# 6.9-7.0 us, 32768 6.1-6.2 (one process a variant, A B A B;
-# benchmarks/results/2026-11-29-h200-table-chunk-draft.json); earlier, at 16384 ids, 8 warps
-# 7.7 us and 32 warps 7.6 against 16 warps' 6.1-6.3, and 4096 ids a step 12.2
-# (benchmarks/results/2026-11-28-h200-forward-rows-major-draft.json).
+# one step. Its programs wait on their loads, so fewer, larger steps (and 16 warps) are
+# fastest; docs/performance-history.md#flash_tablespy.
 CHUNK_ELEMENTS = 32768
 TABLE_WARPS = 16
 

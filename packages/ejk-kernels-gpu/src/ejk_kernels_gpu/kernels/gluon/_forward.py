@@ -1,7 +1,7 @@
 """The Hopper forward written in Gluon (Triton's explicit layer): FlashAttention-3's schedule.
 
 Triton 3.6's automatic warp specialisation cannot overlap a warpgroup's softmax with its
-matmuls (docs/performance-history.md, ejk-kernels-gpu step 9); here the schedule is written out.
+matmuls (docs/performance-history.md#step-9-2026-11-23); here the schedule is written out.
 One program owns ``BM`` = 128 query rows of one (batch, query head):
 
 - a producer warp copies k and v of every key block it visits into two rings of
@@ -227,8 +227,8 @@ def _produce_tile(tile, count, qph, blocks, descs, smem, bars, n_m, F: gl.conste
     during its epilogue (a second q buffer measured no faster); with ``OBUF`` (q freed after
     the previous tile's last q·kᵀ) the first ``STAGES - 1``, whose slots that tile freed
     before its last key block: the next, in its last block's slots, would hold q back until
-    that block's p·v is done (H200: q then landed 0.7-1.0 us after the epilogue, a tile's
-    wait).
+    that block's p·v is done (q then landed after the epilogue, a tile's wait; see
+    docs/performance-history.md#kernelsgluon_forwardpy).
     """
     q_desc = descs[0]
     q_smem = smem[0]
@@ -418,11 +418,9 @@ def _block_relative(j, row_info, key_info, F: gl.constexpr):
     column index and the rows' lose ``j·BN``, which leaves every causal and window bound
     the same. In the builds with a table (windows, segment ids) LLVM otherwise packs a
     thread's 64 position compares into a 64-bit mask and unpacks it (`aot.flash`'s
-    ``mask_unpacks``; the documents' diagonal block 850 SASS instructions against 623,
-    window 855 against 618). Measured in
-    benchmarks/results/2026-12-01-h200-relative-positions-ab-348d2d8.json; the causal build
-    (no table) packs nothing and spills at head_dim 256 with it, and the soft cap's build
-    measured no faster: both keep absolute positions."""
+    ``mask_unpacks``; docs/performance-history.md#kernelsgluon_forwardpy). The causal build
+    (no table) packs nothing and spills at head_dim 256 with it, and the soft cap's build is
+    no faster: both keep absolute positions."""
     cols: gl.constexpr = gl.SliceLayout(0, wgmma_layout(F.BN))
     keys = (key_info[0], key_info[1], gl.arange(0, F.BN, layout=cols), key_info[3])
     rows = (row_info[0], row_info[1], row_info[2] - j * F.BN, row_info[3])
@@ -546,8 +544,8 @@ def _consume_tile(tile, count, qph, blocks, smem, bars, dest, sinks_ptr, prev, n
         # p's registers as the loops keep them (no swap of its halves a block): from the
         # first block in causal builds without a table and in packed ones; between the masked
         # and the unmasked loop in the other builds with a table (below). Not with a soft
-        # cap on two consumers: measured slower there (971-978 us against 958, 2026-11-29);
-        # on three, 1.7 % faster (benchmarks/results/2026-12-02-h200-softcap-own-sums-ab-draft.json).
+        # cap on two consumers, where it is slower (see
+        # docs/performance-history.md#kernelsgluon_forwardpy).
         capped_two = F.SOFT_CAP > 0.0 and F.NC == 2
         if ((F.CAUSAL and F.EARLY_P16 and not F.TABLE) or F.VARLEN) and not capped_two:
             state = (_as_carried(state[0]), state[1], state[2], state[3], state[4])

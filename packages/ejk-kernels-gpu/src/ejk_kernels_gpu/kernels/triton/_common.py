@@ -243,7 +243,7 @@ def block_causal(x, diag, TRANS: tl.constexpr):
     Rows are queries (keys with TRANS): row ``i`` sees column ``j`` iff ``j <= i - diag``
     (``j >= i - diag``). Not ``offs_m``/``offs_n``: Triton 3.6's Hopper data partitioning
     moves both the scalar and the range of ``row0 + arange`` to the second consumer
-    warpgroup's half of the rows, 64 too far (docs/performance-history.md, ejk-kernels-gpu step 6);
+    warpgroup's half of the rows, 64 too far (docs/performance-history.md#step-6-2026-11-23);
     a bare ``arange`` is moved once. A per-row limit against constant columns leaves a
     compare and a select per element.
     """

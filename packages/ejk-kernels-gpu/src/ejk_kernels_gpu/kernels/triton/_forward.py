@@ -258,8 +258,8 @@ def fwd_kernel(
         # Every row has mass here (all keys visible, or causal: key 0 at least). Outputs go
         # through TMA, which clips rows past T; the lse as a [BLOCK_M, 16] tile (broadcast)
         # into a [B·N·T, 16] buffer: per-row pointer stores from the two consumer warpgroups
-        # came out wrong in Triton 3.6 (its row shift, docs/performance-history.md step 6), and this
-        # store measured free.
+        # came out wrong in Triton 3.6 (its row shift,
+        # docs/performance-history.md#step-6-2026-11-23), and this store costs nothing.
         o_desc.store([pid_m * BLOCK_M, 0], (acc / l_i[:, None]).to(o_ptr.dtype.element_ty))
         lse = _natural_lse(m_i, l_i, F)
         lse_base = lse_ptr + pid_bn.to(tl.int64) * (T * 16)

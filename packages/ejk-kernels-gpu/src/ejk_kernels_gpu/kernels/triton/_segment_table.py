@@ -1,8 +1,8 @@
 """One Triton kernel that builds a call's block table from segment ids (Triton body only).
 
 `flash._tables.segment_block_table` intersected with a mask table (`flash._tables._intersect`) takes
-four small XLA kernels a table; on a GPU their launches cost more than the work (about
-12 us of a 0.34 ms packed forward on an H100, `docs/performance-history.md`). This kernel gives
+four small XLA kernels a table; on a GPU their launches cost more than the work
+(`docs/performance-history.md#kernelstriton_segment_tablepy`). This kernel gives
 the same table, entry for entry, in one launch: program ``(b, m)`` summarises block
 ``m``'s ids (lowest, highest, whether all one id), walks the other axis's inner blocks
 a chunk at a time with the same summary, and keeps the first and last block whose ids

@@ -335,28 +335,12 @@ def sass_counts(cubin: bytes) -> dict[str, int | None]:
 
 
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dq_kernel", "dkdv_kernel")}
-# Spilled bytes a Gluon build may have (none for the dq kernel), by kernel
-# and whether it computes dq (``atomic_dq``). The dk/dv kernel's consumers hold dk, dv (128
-# registers) and their step's four tiles: ptxas keeps a few values of the prologue and
-# epilogue in local memory (28 bytes at head_dim 128, causal; its loop has no spill:
-# checked in the SASS, 2026-11-25). With dq in it, ptxas also spills scalars (addresses,
-# indices) inside the loop: 60-72 bytes unmasked, 224-308 causal (the causal build holds
-# the query rows' indices). It measured faster than the kernels without it all the same
-# (benchmarks/results/2026-11-25-h100-gluon-dq-inside-3965c04.json); removing those spills is
-# open work.
-# The forward's persistent builds with per-block masks (windows at head_dim 64, segment
-# ids, packing) keep one loop-invariant value in local memory since programs take tiles
-# from a counter: one load a key block (12-24 bytes in all; read in the SASS, 2026-11-25),
-# and those calls measured 1.17x faster persistent all the same. Since a tile's first block
-# runs without masks where it is fully visible (two softmax variants, `_consume_tile`), the
-# build with segment ids keeps a few more (40 bytes at head_dim 128: 38 local loads in
-# the SASS against 30, 2026-11-25); it measured 8 % faster all the same
-# (benchmarks/results/2026-11-25-h100-mask-sides-draft.json). Global positions with segment ids
-# (context parallelism's call, the "relative" variant) keep 44 bytes.
-# The dk/dv kernel's builds with masks beyond causal (window, segment ids, packing; the
-# heuristic's, without dq in it) spill 64-120 bytes at head_dim 128 (none at 64): they
-# measured faster than the ordinary backward all the same (`flash._config.bwd_heuristic`).
-# Every mask and the soft cap at once spills ~800 bytes: not offered here as clean.
+# Spilled bytes a Gluon build may have (none for the dq kernel), by kernel and whether it
+# computes dq (``atomic_dq``): a few prologue and epilogue values (with dq inside, loop
+# scalars; with per-block masks, a loop-invariant value) that ptxas keeps in local memory;
+# those builds are faster than the ones without all the same. Every mask and the soft cap
+# at once spills ~800 bytes: not offered here as clean. Per build:
+# docs/performance-history.md#aotflashpy.
 GLUON_SPILL_BYTES = {
     ("gluon_fwd_kernel", False): 48,
     ("gluon_dkdv_kernel", False): 128,

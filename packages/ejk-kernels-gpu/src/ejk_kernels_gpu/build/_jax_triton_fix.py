@@ -24,8 +24,9 @@ version but the ones it was written for (`SUPPORTED_VERSIONS`), so a newer one f
 loudly, not wrongly.
 
 Why not jax-triton 0.4.1 (Triton 3.7), which launches kernels with global scratch and
-tensor descriptors itself: studied on the CPU (2026-11-24, docs/performance-history.md), every
-kernel builds and the interpreter tests pass, but 0.4.1 still launches a warp-specialised
+tensor descriptors itself: studied on the CPU
+(docs/performance-history.md#build_jax_triton_fixpy), every kernel builds and the interpreter
+tests pass, but 0.4.1 still launches a warp-specialised
 or Gluon kernel with ``num_warps`` warps while its PTX asks for 384 threads (fix 2 is still
 needed), and compiles Gluon kernels through Triton's ordinary passes, which add a
 ``wgmma.wait_group 0`` to the Gluon main loop and lose its overlap (fix 3 still needed). The

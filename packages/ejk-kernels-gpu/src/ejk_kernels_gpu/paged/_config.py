@@ -102,9 +102,8 @@ def _splits(programs: int, max_keys: int, block_kv: int) -> int:
     """The largest power of two of splits that gives at most about `_WAVES` programs per SM
     (at least one split), each with at least `_MIN_SPLIT_KEYS` keys (and one block).
 
-    H100, bf16, decode (docs/performance-history.md, "Decoding"): within 3 % of the best split count
-    measured on each shape (B32 S8192 K8: 1-4 splits; B8 S32768: 4-32; B1 S131072: 64), 2 to
-    16 programs per SM; fewer left SMs idle (B1 with 16 splits: 0.83x cuDNN, with 2: 0.14x).
+    Near the best split count measured on each decode shape; fewer programs leave SMs idle
+    (docs/performance.md#decoding; docs/performance-history.md#paged_configpy).
     """
     want = -(-(_WAVES * SM_COUNT) // max(programs, 1))
     most = max(1, max_keys // max(_MIN_SPLIT_KEYS, block_kv))
@@ -124,9 +123,9 @@ def paged_heuristic(
 ) -> PagedConfig:
     """A good config without timing.
 
-    Rows per tile: all of a sequence's (token, head) rows of a kv group up to 64 (a ragged
-    batch of 8 prefill chunks of 512 and 56 decode rows ran 0.92x its two parts with 64-row
-    tiles and 4 warps, 1.04-1.51x with 128-row ones, H100). In the ragged form the longest
+    Rows per tile: all of a sequence's (token, head) rows of a kv group up to 64 (faster than
+    128-row tiles on a ragged batch of prefill chunks and decode rows; see
+    docs/performance-history.md#paged_configpy). In the ragged form the longest
     sequence is not known when tracing: a batch averaging under two tokens per sequence
     (decode) gets 16-row tiles. Splits: `_splits`.
 

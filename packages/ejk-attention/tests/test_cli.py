@@ -16,6 +16,13 @@ from ejk_attention.cli import main
 TINY = ["--shape", "1,32,48,4,2,16,causal", "--iters", "1", "--warmup", "0", "--quiet"]
 
 
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    """A 160-column terminal, so the tests read whole table cells (rich takes the width from
+    COLUMNS); test_the_cli_fits_the_terminals_width sets its own."""
+    monkeypatch.setenv("COLUMNS", "160")
+
+
 @pytest.fixture
 def figures(monkeypatch):
     """Every matplotlib figure the CLI saves (still saved), to read titles and labels."""
@@ -135,6 +142,52 @@ def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys, figure
     assert "ejk-attention" in title
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert legend == ["xla", "jax-nn"]  # cudnn refused: no empty bar in the legend
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_the_cli_fits_the_terminals_width(columns, tmp_path, capsys, monkeypatch):
+    """rich reads the width from the terminal (COLUMNS here): in 80 columns every line of
+    `ejk info` and `ejk bench` fits, and no figure is cut ("…"): a table folds instead."""
+    from ejk_attention import cli
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli._console().width == columns
+    assert main(["info"]) == 0
+    out_dir = tmp_path / "out"
+    argv = ["bench", *TINY, "--impl", "xla", "--impl", "cudnn", "--out", str(out_dir)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # Tables fit; a plain line (a path, a message) is left whole for the terminal to wrap.
+    tables = [line for line in out.splitlines() if line[:1] in set("┏┃┡│└ ")]
+    assert tables and max(len(line) for line in tables) <= columns
+    assert "…" not in out
+    (xla, _) = json.loads((out_dir / "bench.json").read_text())["results"]
+    for value in (f"{xla['fwd_ms']:.2f}", f"{xla['fwd_bwd_ms']:.2f}", f"{xla['max_abs_err']:.2e}"):
+        assert value in out
+    assert "needs an NVIDIA" in out  # the refusal's reason, folded but whole
+    # Too narrow for every column: the TFLOP/s one goes (bench.json keeps it), and says so.
+    narrow = columns < 120
+    assert ("fwd TFLOP/s: in bench.json" in out) == narrow
+    assert (f"{xla['fwd_tflops']:.4f}" in out) == (not narrow)
+
+
+def test_bench_help_describes_the_command_and_its_defaults(capsys):
+    assert main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Time each implementation on each shape" in help_text  # a description, not only usage
+    assert "(default: bench-out)" in help_text
+
+
+def test_bench_plot_shows_time_and_error_beside_tflops(tmp_path, figures):
+    out_dir = tmp_path / "out"
+    assert main(["bench", *TINY, "--impl", "xla", "--impl", "jax-nn", "--out", str(out_dir)]) == 0
+    rows = json.loads((out_dir / "bench.json").read_text())["results"]
+    (fig,) = figures
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts]
+    for r in rows:  # each bar says its time in ms and its max |err|
+        assert f"{r['fwd_ms']:.2f} ms" in " ".join(labels)
+        assert f"{r['fwd_bwd_ms']:.2f} ms" in " ".join(labels)
+        assert f"err {r['max_abs_err']:.1e}" in " ".join(labels)
 
 
 def test_bench_defaults_to_bench_out_in_the_working_directory(tmp_path, monkeypatch):

@@ -145,7 +145,7 @@ def info(args: argparse.Namespace, console: Any) -> int:
     ranges = supported_ranges()
     table = Table(title="packages")
     for col in ("package", "version", "supported (declared by the ejk packages)"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for dist in PACKAGES:
         bounds = ranges.get(dist)
         declared = (

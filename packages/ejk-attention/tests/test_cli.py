@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -75,6 +76,36 @@ def test_info_warns_about_a_version_outside_the_supported_range(capsys, monkeypa
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "warning: jax 0.1.0 is outside ejk-sequtils's supported jax>=" in out
+
+
+def test_info_lists_each_distinct_bound_once(capsys, monkeypatch):
+    """A package's extra repeating a dependency (ejk-kernels-tpu's ``jax[tpu]``) adds no
+    second bound of its own; packages declaring the same bound share one entry."""
+    from ejk_attention import _cli_info as cli
+
+    assert cli.declared_bounds(
+        [("ejk-a", ">=0.10.2"), ("ejk-b", ">=0.6"), ("ejk-c", ">=0.10.2"), ("ejk-c", ">=0.10.2")]
+    ) == (">=0.10.2 (ejk-a, ejk-c); >=0.6 (ejk-b)")
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["info"]) == 0
+    (jax_row,) = [line for line in capsys.readouterr().out.splitlines() if "│ jax " in line]
+    specs = re.findall(r"(?:>=|<=|==|<|>|~=|!=)[0-9][^ ,;]*", jax_row)
+    assert specs and len(specs) == len(set(specs)), jax_row
+    assert ">=0.6 (ejk-kernels-tpu)" not in jax_row  # the tpu extra's floor is the package's
+
+
+def test_info_on_a_machine_without_a_gpu_does_not_ask_for_the_gpu_stack(capsys, monkeypatch):
+    from ejk_attention import _cli_info
+
+    real = _cli_info.package_version
+    monkeypatch.setattr(
+        _cli_info, "package_version", lambda d: "not installed" if d == "jax-triton" else real(d)
+    )
+    assert main(["info", "--json"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("GPU kernel stack")]
+    assert "not needed on cpu" in line and "missing" not in line
+    assert "jax-triton" not in " ".join(json.loads(out[out.index("{") :])["warnings"])
 
 
 def test_supported_ranges_read_every_ejk_package_and_its_extras(monkeypatch):

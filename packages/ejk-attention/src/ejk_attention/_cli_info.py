@@ -232,9 +232,11 @@ def _backends_here(platform: str) -> dict[str, str]:
             return False
         return True
 
+    from ._xla import XLA_BACKEND
+
     gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
     return {
-        "xla": "reference_attention (dense, float32)",
+        "xla": XLA_BACKEND,
         "triton": (
             "not installed (ejk-kernels-gpu)"
             if not importable("ejk_kernels_gpu")

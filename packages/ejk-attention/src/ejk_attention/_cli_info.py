@@ -232,6 +232,7 @@ def _backends_here(platform: str) -> dict[str, str]:
             return False
         return True
 
+    from ._backends import triton_missing
     from ._xla import XLA_BACKEND
 
     gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
@@ -240,6 +241,8 @@ def _backends_here(platform: str) -> dict[str, str]:
         "triton": (
             "not installed (ejk-kernels-gpu)"
             if not importable("ejk_kernels_gpu")
+            else "Triton not installed: the cuda extra of ejk-attention brings it"
+            if triton_missing()
             else "compiled kernels"
             if gpu
             else "Triton interpreter (slow; tests only)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -14,6 +15,13 @@ from ejk_attention import IMPLEMENTATIONS, flash_attention
 from ejk_attention.cli import main
 
 TINY = ["--shape", "1,32,48,4,2,16,causal", "--iters", "1", "--warmup", "0", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    """A 160-column terminal, so the tests read whole table cells (rich takes the width from
+    COLUMNS); test_the_cli_fits_the_terminals_width sets its own."""
+    monkeypatch.setenv("COLUMNS", "160")
 
 
 @pytest.fixture
@@ -68,6 +76,36 @@ def test_info_warns_about_a_version_outside_the_supported_range(capsys, monkeypa
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "warning: jax 0.1.0 is outside ejk-sequtils's supported jax>=" in out
+
+
+def test_info_lists_each_distinct_bound_once(capsys, monkeypatch):
+    """A package's extra repeating a dependency (ejk-kernels-tpu's ``jax[tpu]``) adds no
+    second bound of its own; packages declaring the same bound share one entry."""
+    from ejk_attention import _cli_info as cli
+
+    assert cli.declared_bounds(
+        [("ejk-a", ">=0.10.2"), ("ejk-b", ">=0.6"), ("ejk-c", ">=0.10.2"), ("ejk-c", ">=0.10.2")]
+    ) == (">=0.10.2 (ejk-a, ejk-c); >=0.6 (ejk-b)")
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["info"]) == 0
+    (jax_row,) = [line for line in capsys.readouterr().out.splitlines() if "│ jax " in line]
+    specs = re.findall(r"(?:>=|<=|==|<|>|~=|!=)[0-9][^ ,;]*", jax_row)
+    assert specs and len(specs) == len(set(specs)), jax_row
+    assert ">=0.6 (ejk-kernels-tpu)" not in jax_row  # the tpu extra's floor is the package's
+
+
+def test_info_on_a_machine_without_a_gpu_does_not_ask_for_the_gpu_stack(capsys, monkeypatch):
+    from ejk_attention import _cli_info
+
+    real = _cli_info.package_version
+    monkeypatch.setattr(
+        _cli_info, "package_version", lambda d: "not installed" if d == "jax-triton" else real(d)
+    )
+    assert main(["info", "--json"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("GPU kernel stack")]
+    assert "not needed on cpu" in line and "missing" not in line
+    assert "jax-triton" not in " ".join(json.loads(out[out.index("{") :])["warnings"])
 
 
 def test_supported_ranges_read_every_ejk_package_and_its_extras(monkeypatch):
@@ -135,6 +173,52 @@ def test_bench_writes_json_and_png_and_reports_refusals(tmp_path, capsys, figure
     assert "ejk-attention" in title
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert legend == ["xla", "jax-nn"]  # cudnn refused: no empty bar in the legend
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_the_cli_fits_the_terminals_width(columns, tmp_path, capsys, monkeypatch):
+    """rich reads the width from the terminal (COLUMNS here): in 80 columns every line of
+    `ejk info` and `ejk bench` fits, and no figure is cut ("…"): a table folds instead."""
+    from ejk_attention import cli
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli._console().width == columns
+    assert main(["info"]) == 0
+    out_dir = tmp_path / "out"
+    argv = ["bench", *TINY, "--impl", "xla", "--impl", "cudnn", "--out", str(out_dir)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # Tables fit; a plain line (a path, a message) is left whole for the terminal to wrap.
+    tables = [line for line in out.splitlines() if line[:1] in set("┏┃┡│└ ")]
+    assert tables and max(len(line) for line in tables) <= columns
+    assert "…" not in out
+    (xla, _) = json.loads((out_dir / "bench.json").read_text())["results"]
+    for value in (f"{xla['fwd_ms']:.2f}", f"{xla['fwd_bwd_ms']:.2f}", f"{xla['max_abs_err']:.2e}"):
+        assert value in out
+    assert "needs an NVIDIA" in out  # the refusal's reason, folded but whole
+    # Too narrow for every column: the TFLOP/s one goes (bench.json keeps it), and says so.
+    narrow = columns < 120
+    assert ("fwd TFLOP/s: in bench.json" in out) == narrow
+    assert (f"{xla['fwd_tflops']:.4f}" in out) == (not narrow)
+
+
+def test_bench_help_describes_the_command_and_its_defaults(capsys):
+    assert main(["bench", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Time each implementation on each shape" in help_text  # a description, not only usage
+    assert "(default: bench-out)" in help_text
+
+
+def test_bench_plot_shows_time_and_error_beside_tflops(tmp_path, figures):
+    out_dir = tmp_path / "out"
+    assert main(["bench", *TINY, "--impl", "xla", "--impl", "jax-nn", "--out", str(out_dir)]) == 0
+    rows = json.loads((out_dir / "bench.json").read_text())["results"]
+    (fig,) = figures
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts]
+    for r in rows:  # each bar says its time in ms and its max |err|
+        assert f"{r['fwd_ms']:.2f} ms" in " ".join(labels)
+        assert f"{r['fwd_bwd_ms']:.2f} ms" in " ".join(labels)
+        assert f"err {r['max_abs_err']:.1e}" in " ".join(labels)
 
 
 def test_bench_defaults_to_bench_out_in_the_working_directory(tmp_path, monkeypatch):

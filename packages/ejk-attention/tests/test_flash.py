@@ -254,6 +254,44 @@ def test_bad_cu_seqlens_are_named(cu, match):
         _unchecked(flash_attention)(q, k, v, cu_seqlens_q=cu)
 
 
+# Offsets validate_attention refuses when concrete; under jit they cannot be read.
+BAD_CU = {
+    "decreasing": [0, 7, 4, 12],
+    "not from 0": [1, 7, 12, 12],
+    "past the end": [0, 7, 12, 13],
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+@pytest.mark.parametrize("bad", sorted(BAD_CU))
+def test_invalid_cu_seqlens_under_jit_give_nan_not_plausible_numbers(bad, implementation):
+    """A traced cu_seqlens is not checked at trace time: invalid offsets make the output,
+    the lse and the gradients NaN (valid offsets under the same jit give the reference)."""
+    q, k, v = _qkv(t=12, s=12, b=1)
+
+    @jax.jit
+    def call(q, k, v, cu_q, cu_k):
+        return flash_attention(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, return_lse=True,
+            implementation=implementation,
+        )  # fmt: skip
+
+    good = jnp.array([0, 5, 5, 12], jnp.int32)
+    out, lse = call(q, k, v, good, good)
+    want = reference_attention(q, k, v, cu_seqlens_q=good, causal=True)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    assert np.isfinite(np.asarray(out)).all()
+    bad_cu = jnp.array(BAD_CU[bad], jnp.int32)
+    for cu_q, cu_k in ((bad_cu, good), (good, bad_cu)):
+        out, lse = call(q, k, v, cu_q, cu_k)
+        assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
+    if implementation == "xla":
+        grads = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v, bad_cu, bad_cu)[0]), (0, 1, 2))(
+            q, k, v
+        )
+        assert all(np.isnan(np.asarray(g)).all() for g in grads)
+
+
 def test_packed_needs_batch_one():
     q, k, v = _qkv(t=12, s=12)
     with pytest.raises(ValueError, match=r"packed input \(cu_seqlens_q\) needs batch 1"):

@@ -272,3 +272,39 @@ def test_cu_seqlens_accepted_exactly_as_validate_attention_accepts_them(cu):
     helpers = _outcome(lambda: es.prepare_position_ids(cu, total_length=5))
     assert helpers == attention
     assert _outcome(lambda: es.prepare_lens(cu))[0] == attention[0]
+
+
+@pytest.mark.parametrize(
+    ("cu", "total", "valid"),
+    [
+        ([0, 3, 3, 5], 5, True),
+        ([0, 3, 3, 5], 8, True),  # padding after the last sequence
+        ([0, 0], 0, True),
+        ([0, 4, 3, 5], 5, False),  # decreasing
+        ([1, 3, 5], 5, False),  # not from 0
+        ([0, 3, 6], 5, False),  # past the tokens
+    ],
+)
+def test_cu_seqlens_valid_is_the_concrete_check_under_jit(cu, total, valid):
+    cu = jnp.array(cu, jnp.int32)
+    got = jax.jit(es.cu_seqlens_valid, static_argnums=1)(cu, total)
+    assert got.dtype == jnp.bool_ and got.shape == () and bool(got) == valid
+    if valid:
+        es.cu_seqlens_to_segment_ids(np.asarray(cu), total_length=total)
+    else:
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            es.cu_seqlens_to_segment_ids(np.asarray(cu), total_length=total)
+
+
+def test_reference_with_invalid_cu_seqlens_under_jit_is_nan():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 6, 2, 4)), jnp.float32) for _ in range(3))
+
+    @jax.jit
+    def ref(cu):
+        return es.reference_attention(q, k, v, cu_seqlens_q=cu, return_lse=True)
+
+    out, lse = ref(jnp.array([0, 4, 2, 6], jnp.int32))
+    assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
+    out, _ = ref(jnp.array([0, 2, 6], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()

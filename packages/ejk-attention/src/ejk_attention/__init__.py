@@ -1,4 +1,4 @@
-"""One attention API over every ejk backend: XLA reference, Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
+"""One attention API over every ejk backend: XLA (jnp with a custom VJP), Triton, Pallas, sharding, ring attention and the `ejk` CLI."""
 
 from ejk_sequtils import dropout_keep_mask as dropout_keep_mask
 from ejk_sequtils import reference_attention as reference_attention

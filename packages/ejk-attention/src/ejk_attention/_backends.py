@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,11 +38,30 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Backend",
     "default_order",
+    "installed",
     "kernel_executor",
     "platform_of",
     "resolve_implementation",
     "run_first",
+    "triton_missing",
 ]
+
+# Why the triton backends refuse a call where Triton is not installed: it comes with the
+# cuda extra only, so a CPU install stays light (its interpreter alone needs triton too).
+TRITON_MISSING = (
+    "Triton is not installed: the triton backend needs the cuda extra "
+    "(pip install 'ejk-attention[cuda]'; on CPU, triton alone runs its interpreter)"
+)
+
+
+def installed(module: str) -> bool:
+    """Whether top-level ``module`` can be imported here (looked up, not imported)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def triton_missing() -> str | None:
+    """`TRITON_MISSING` where Triton is not installed, else None."""
+    return None if installed("triton") else TRITON_MISSING
 
 
 def platform_of(request: AttentionRequest | PagedAttentionRequest) -> str:
@@ -219,6 +239,8 @@ class TritonBackend(Backend):
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
         del platform  # off GPU the kernels run in Triton's interpreter
+        if triton_missing():
+            return triton_missing()
         try:
             import ejk_kernels_gpu
         except ImportError as err:

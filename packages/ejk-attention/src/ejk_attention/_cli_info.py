@@ -10,7 +10,14 @@ import json
 import re
 from typing import Any
 
-__all__ = ["PACKAGES", "info", "package_version", "supported_ranges", "version_warnings"]
+__all__ = [
+    "PACKAGES",
+    "declared_bounds",
+    "info",
+    "package_version",
+    "supported_ranges",
+    "version_warnings",
+]
 
 PACKAGES = (
     "jax",
@@ -77,6 +84,16 @@ def supported_ranges() -> dict[str, list[tuple[str, str]]]:
     return ranges
 
 
+def declared_bounds(bounds: list[tuple[str, str]]) -> str:
+    """``(ejk package, specifier)`` bounds as text, each distinct specifier once with the
+    packages declaring it: ``">=0.10.2 (ejk-attention, ejk-kernels-tpu); >=0.6 (ejk-config)"``."""
+    owners: dict[str, list[str]] = {}
+    for owner, spec in bounds:
+        if owner not in owners.setdefault(spec, []):
+            owners[spec].append(owner)
+    return "; ".join(f"{spec} ({', '.join(names)})" for spec, names in owners.items())
+
+
 def version_warnings(
     versions: dict[str, str], ranges: dict[str, list[tuple[str, str]]]
 ) -> list[str]:
@@ -117,13 +134,18 @@ def _accelerator() -> dict[str, Any]:
     }
 
 
-def _gpu_stack(versions: dict[str, str]) -> tuple[bool, str]:
+def _gpu_stack(versions: dict[str, str], platform: str) -> tuple[bool, str]:
+    """Whether the GPU kernel stack is complete, and a line saying so. Without a GPU it is
+    not needed: what is installed is listed, nothing is called missing."""
     missing = [d for d in GPU_STACK if versions.get(d, "not installed") == "not installed"]
+    present = ", ".join(f"{d} {versions[d]}" for d in GPU_STACK if d not in missing)
+    if platform != "gpu":
+        return not missing, f"not needed on {platform} (installed: {present or 'neither'})"
     if not missing:
-        return True, "present (" + ", ".join(f"{d} {versions[d]}" for d in GPU_STACK) + ")"
+        return True, f"present ({present})"
     return False, (
         f"missing {', '.join(missing)}: a GPU run of the triton backend needs "
-        f"{' and '.join(GPU_STACK)} (ejk-attention's GPU extra installs them)"
+        f"{' and '.join(GPU_STACK)} (the cuda extra of ejk-attention installs them)"
     )
 
 
@@ -145,20 +167,16 @@ def info(args: argparse.Namespace, console: Any) -> int:
     ranges = supported_ranges()
     table = Table(title="packages")
     for col in ("package", "version", "supported (declared by the ejk packages)"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for dist in PACKAGES:
         bounds = ranges.get(dist)
         declared = (
-            "; ".join(f"{spec} ({owner})" for owner, spec in bounds)
-            if bounds
-            else "no bound declared"
-            if bounds is not None
-            else ""
+            declared_bounds(bounds) if bounds else "no bound declared" if bounds is not None else ""
         )
         table.add_row(dist, versions[dist], declared)
     console.print(table)
     warnings = version_warnings(versions, ranges)
-    stack_ok, stack = _gpu_stack(versions)
+    stack_ok, stack = _gpu_stack(versions, accel["platform"])
     console.print(f"GPU kernel stack ({', '.join(GPU_STACK)}): {stack}")
     if not stack_ok and accel["platform"] == "gpu":
         warnings.append(f"this machine has a GPU but the GPU kernel stack is {stack}")
@@ -214,12 +232,17 @@ def _backends_here(platform: str) -> dict[str, str]:
             return False
         return True
 
+    from ._backends import triton_missing
+    from ._xla import XLA_BACKEND
+
     gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
     return {
-        "xla": "reference_attention (dense, float32)",
+        "xla": XLA_BACKEND,
         "triton": (
             "not installed (ejk-kernels-gpu)"
             if not importable("ejk_kernels_gpu")
+            else "Triton not installed: the cuda extra of ejk-attention brings it"
+            if triton_missing()
             else "compiled kernels"
             if gpu
             else "Triton interpreter (slow; tests only)"

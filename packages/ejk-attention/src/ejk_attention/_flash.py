@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -13,7 +14,7 @@ from jax import Array
 from jax.sharding import Mesh, PartitionSpec, SingleDeviceSharding
 from jaxtyping import ArrayLike, Bool, Float, Int, Integer
 
-from ejk_sequtils import AttentionRequest, validate_attention
+from ejk_sequtils import AttentionRequest, cu_seqlens_valid, poison_unless, validate_attention
 
 from ._backends import (
     BACKENDS,
@@ -102,8 +103,13 @@ def flash_attention(
             denominator only (several fold to one by logsumexp).
         segment_ids: ``[B, T]`` (self attention) or ``(q_ids [B, T], kv_ids [B, S])``;
             tokens attend within equal ids >= 0; negative ids are padding.
-        cu_seqlens_q: ``[num_seqs + 1]`` offsets of packed query sequences (B == 1).
-        cu_seqlens_k: offsets of packed key sequences; default ``cu_seqlens_q``.
+        cu_seqlens_q: ``[num_seqs + 1]`` offsets of packed query sequences (B == 1): they
+            start at 0, never decrease and end at or before T. Concrete offsets that do
+            not are refused (ValueError); traced ones (under jit) cannot be read, so
+            invalid ones make the output, the lse and the gradients NaN
+            (`ejk_sequtils.cu_seqlens_valid` is the check).
+        cu_seqlens_k: offsets of packed key sequences, the same rules against S; default
+            ``cu_seqlens_q``.
         dropout_rate: probability of dropping an attention weight (ejk's counter-hash mask).
         dropout_seed: an int or int32/uint32 scalar; required when ``dropout_rate > 0``.
         return_lse: also return the float32 log-sum-exp ``[B, N, T]``.
@@ -181,7 +187,31 @@ def flash_attention(
             # kernels (custom calls XLA cannot partition) are not gathered onto every device.
             mesh, in_specs = inferred
     # Concrete arrays: one compiled function per signature instead of op-by-op dispatch.
-    return run_compiled(_dispatch, request, names, config, bwd_config, mesh, in_specs, out_specs)
+    result = run_compiled(_dispatch, request, names, config, bwd_config, mesh, in_specs, out_specs)
+    return _poisoned_if_invalid(request, result)
+
+
+def _poisoned_if_invalid(request: AttentionRequest, result: Any) -> Any:
+    """``result`` with every value NaN when traced ``cu_seqlens`` are invalid offsets.
+
+    Concrete offsets were checked by `validate_attention` (a ValueError); traced ones
+    (under jit) cannot be read while tracing, and a backend given decreasing offsets would
+    return plausible numbers. One scalar check and a multiply by 1 or NaN instead.
+    """
+    offsets = [
+        (cu, n)
+        for cu, n in (
+            (request.cu_seqlens_q, request.q.shape[1]),
+            (request.cu_seqlens_k, request.k.shape[1]),
+        )
+        if isinstance(cu, jax.core.Tracer)
+    ]
+    if not offsets:
+        return result
+    valid = functools.reduce(jnp.logical_and, [cu_seqlens_valid(cu, n) for cu, n in offsets])
+    if isinstance(result, tuple):
+        return poison_unless(valid, *result)
+    return poison_unless(valid, result)[0]
 
 
 def _masked_bias(q: Any, k: Any, bias: Any, attention_mask: Any, logits_soft_cap: Any) -> Any:

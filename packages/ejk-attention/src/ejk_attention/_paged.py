@@ -27,6 +27,7 @@ from ._backends import (
     platform_of,
     resolve_implementation,
     run_first,
+    triton_missing,
 )
 from ._eager import eager_jit
 from ._paged_xla import xla_paged_attention
@@ -68,6 +69,8 @@ class _PagedKernelBackend(Backend):
     """
 
     package = ""
+    # Why the kernels cannot run here though the package imports (a missing dependency).
+    missing: Any = staticmethod(lambda: None)
 
     def _module(self) -> Any:
         """The kernel package (imported here, so the facade works without it)."""
@@ -79,6 +82,8 @@ class _PagedKernelBackend(Backend):
 
     def supported(self, request: PagedAttentionRequest, platform: str) -> str | None:
         del platform  # off their device the kernels run in an interpreter
+        if self.missing():
+            return self.missing()
         try:
             module = self._module()
         except ImportError as err:
@@ -124,6 +129,7 @@ class PagedTritonBackend(_PagedKernelBackend):
 
     name = "triton"
     package = "ejk_kernels_gpu"
+    missing = staticmethod(triton_missing)
 
     def _module(self) -> Any:
         import ejk_kernels_gpu

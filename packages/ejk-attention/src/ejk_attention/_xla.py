@@ -23,7 +23,13 @@ from jax import Array
 
 from ejk_sequtils import AttentionRequest, dropout_keep_mask, dropout_seed_u32, visibility_mask
 
-__all__ = ["xla_attention"]
+__all__ = ["XLA_BACKEND", "xla_attention"]
+
+# What the `xla` backend is, in the words `ejk info` prints and the READMEs repeat.
+XLA_BACKEND = (
+    "_xla.xla_attention: float32 jnp with a custom VJP (causal/window calls in 256-row "
+    "query blocks), tested against the float32 reference_attention"
+)
 
 _F32 = jnp.float32
 # The reference's matmul precision (float32 on GPUs and TPUs too, not TF32 / bf16 passes).

@@ -30,9 +30,14 @@ PAGED_OPTIONS = ("page_size", "pages_per_seq", "num_pages", "ragged")
 
 
 def _console() -> Any:
+    """A rich console on stdout as wide as the terminal (``COLUMNS``, else 80 when piped).
+
+    Tables fold their cells to fit that width; a line of text is never broken by rich
+    (soft wrap), so a path or a cache key printed alone stays whole for copying.
+    """
     from rich.console import Console
 
-    return Console(file=sys.stdout, width=140, highlight=False)
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -67,34 +72,69 @@ def _fail(command: str, reason: str) -> int:
     return 1
 
 
-def _results_table(rows: list[dict[str, Any]], title: str) -> Any:
+# The results table's columns, and those dropped first when it is wider than the terminal
+# (bench.json and the plot keep them).
+_RESULT_COLUMNS = ("case", "implementation", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "max |err|")
+_DROPPABLE = ("fwd TFLOP/s",)
+
+
+def _results_table(rows: list[dict[str, Any]], title: str, console: Any) -> Any:
+    """The rows as a table that fits ``console``: `_DROPPABLE` columns go first, then the
+    case and status cells fold over lines; a figure is never cut."""
+    from rich.measure import Measurement
+
+    table = _table_of(rows, title, _RESULT_COLUMNS)
+    unbounded = console.options.update(width=10_000)  # the table's natural width, not clamped
+    if Measurement.get(console, unbounded, table).maximum > console.width:
+        kept = tuple(c for c in _RESULT_COLUMNS if c not in _DROPPABLE)
+        table = _table_of(rows, title, kept)
+        table.caption = f"{', '.join(_DROPPABLE)}: in bench.json (the terminal is too narrow)"
+    return table
+
+
+def _table_of(rows: list[dict[str, Any]], title: str, columns: tuple[str, ...]) -> Any:
     from rich.table import Table
 
     table = Table(title=title)
-    columns = ("case", "implementation", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "max |err|")
     for col in columns:
         left = col in ("case", "implementation")
-        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+        # Names and figures stay on one line; the case and the status fold where needed.
+        table.add_column(
+            col,
+            justify="left" if left else "right",
+            no_wrap=col != "case",
+            overflow="fold",
+        )
     table.add_column("status", overflow="fold")
     for r in rows:
         status = f"refused: {_reason(r)}" if r["status"] == "refused" else r["status"]
-        table.add_row(
-            r["case"],
-            r["implementation"],
-            _fmt(r.get("fwd_ms")),
-            _fmt(r.get("fwd_bwd_ms")),
-            _fmt(r.get("fwd_tflops"), ".4f"),
-            _fmt(r.get("max_abs_err"), ".2e"),
-            status,
-        )
+        cells = {
+            "case": r["case"],
+            "implementation": r["implementation"],
+            "fwd ms": _fmt(r.get("fwd_ms")),
+            "fwd+bwd ms": _fmt(r.get("fwd_bwd_ms")),
+            "fwd TFLOP/s": _fmt(r.get("fwd_tflops"), ".4f"),
+            "max |err|": _fmt(r.get("max_abs_err"), ".2e"),
+        }
+        table.add_row(*(cells[c] for c in columns), status)
     return table
 
 
 _PANELS = (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))
 
 
+def _bar_label(row: dict[str, Any], field: str) -> str:
+    """What a bar says besides its height: its time, and in the forward panel the row's
+    max |err| against the reference (the check covers the forward output only)."""
+    text = f"{row[field]:.2f} ms"
+    if field == "fwd_ms" and row.get("max_abs_err") is not None:
+        text += f"\nerr {row['max_abs_err']:.1e}"
+    return text
+
+
 def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path | BinaryIO) -> None:
-    """Grouped bars of TFLOP/s per case and implementation, one bar per run beside the other.
+    """Grouped bars of TFLOP/s per case and implementation, one bar per run beside the other;
+    each bar is labelled with its time in ms and (forward) its max error.
 
     Drawn on matplotlib's Agg canvas (no pyplot, so no global backend is switched);
     an implementation keeps its colour across runs, the second run is hatched.
@@ -117,17 +157,20 @@ def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path |
     for p, (field, name) in enumerate(panels):
         ax = fig.add_subplot(len(panels), 1, p + 1)
         for j, (i, impl, k, label) in enumerate(series):
-            xs, ys = [], []
+            xs, ys, texts = [], [], []
             for c, case in enumerate(cases):
                 for r in runs[k][1]:
                     value = tflops(r, field)
                     if r["case"] == case and r["implementation"] == impl and value is not None:
                         xs.append(c + (j - (len(series) - 1) / 2) * width)
                         ys.append(value)
+                        texts.append(_bar_label(r, field))
             if not ys:  # nothing timed for this series here: no empty legend entry
                 continue
             name_k = impl if len(runs) == 1 else f"{impl} ({label})"
-            ax.bar(xs, ys, width, label=name_k, color=f"C{i}", hatch="//" if k else None)
+            bars = ax.bar(xs, ys, width, label=name_k, color=f"C{i}", hatch="//" if k else None)
+            ax.bar_label(bars, texts, fontsize=6, padding=2)
+        ax.margins(y=0.25)  # room above the tallest bar for its label
         ax.set_xticks(range(len(cases)), cases, fontsize=7)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(name, fontsize=9)
@@ -189,7 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     console = _console()
     console.print(
-        _results_table(rows, "ejk bench (median of timed calls; checked vs the reference)")
+        _results_table(rows, "ejk bench (median of timed calls; checked vs the reference)", console)
     )
     if not any(r["status"] != "refused" for r in rows):
         reasons = "; ".join(sorted({f"{r['implementation']}: {_reason(r)}" for r in rows}))
@@ -301,10 +344,10 @@ def _ratio_table(runs: list[dict[str, Any]]) -> Any:
     a, b = (_timed(r) for r in runs)
     table = Table(title="TFLOP/s of B over A (> 1: B is faster)")
     for col in ("case", "implementation"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, overflow="fold")
     for _, name in _PANELS:
         for col in (f"A {name}", f"B {name}", "B/A"):
-            table.add_column(col, justify="right", no_wrap=True)
+            table.add_column(col, justify="right", overflow="fold")
     for key in [k for k in a if k in b]:
         cells = []
         for field, _ in _PANELS:
@@ -362,7 +405,7 @@ def _tune(args: argparse.Namespace) -> int:
     cache = open_cache(args.cache_dir, fresh=True)
     fingerprint = device_fingerprint()
     console = _console()
-    console.print(_results_table(rows, "ejk tune"))
+    console.print(_results_table(rows, "ejk tune", console))
     keys = []
     for case in cases:
         mine = [r for r in rows if r["case"] == case.label]
@@ -705,6 +748,18 @@ def _paged_cases(args: argparse.Namespace) -> list[Any]:
     return cases
 
 
+_DESCRIPTIONS = {
+    "bench": "Time each implementation on each shape (the median of --iters jitted calls, "
+    "forward and forward+backward), check its output against the float32 reference, print a "
+    "table and write bench.json and bench.png (TFLOP/s per case; each bar says its time in ms "
+    "and its max error) into --out. Exit 1 when an output does not match. --compare draws two "
+    "earlier runs instead.",
+    "tune": "Time flash_attention's backends per shape and store the fastest in the "
+    "persistent config cache, which implementation=None then reads; --op paged autotunes "
+    "paged attention's kernel configs instead.",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ejk", description="ejk attention kernels: info, benchmarks, tuning, caches."
@@ -735,7 +790,7 @@ def _parser() -> argparse.ArgumentParser:
             "(--op paged: paged attention's autotuned kernel configs)",
         ),
     ):
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=_DESCRIPTIONS[name])
         paged_shapes = (
             "; --op paged: B,T,S,N,K,H, S each sequence's keys with its T new ones, "
             "default: " + " ".join(DEFAULT_PAGED_SHAPES)
@@ -781,7 +836,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out",
                 default="bench-out",
-                help="directory for bench.json and bench.png (or compare.png)",
+                help="directory for bench.json and bench.png (or compare.png) "
+                "(default: %(default)s)",
             )
             p.add_argument(
                 "--forward-only", action="store_true", help="skip the forward+backward timing"

@@ -12,6 +12,8 @@ the same for paged attention in serving (`validate_paged_attention`,
 from ._checks import describe_value as describe_value
 from ._cu_seqlens import cdiv as cdiv
 from ._cu_seqlens import cu_seqlens_to_segment_ids as cu_seqlens_to_segment_ids
+from ._cu_seqlens import cu_seqlens_valid as cu_seqlens_valid
+from ._cu_seqlens import poison_unless as poison_unless
 from ._cu_seqlens import position_ids_to_segment_ids as position_ids_to_segment_ids
 from ._cu_seqlens import prepare_chunk_indices as prepare_chunk_indices
 from ._cu_seqlens import prepare_chunk_offsets as prepare_chunk_offsets
@@ -79,6 +81,7 @@ __all__ = [
     "cdiv",
     "chunk_array",
     "cu_seqlens_to_segment_ids",
+    "cu_seqlens_valid",
     "dequantize_kv",
     "describe_value",
     "dropout_keep_mask",
@@ -97,6 +100,7 @@ __all__ = [
     "pack_sequences",
     "paged_reference_attention",
     "paged_visibility",
+    "poison_unless",
     "position_ids_to_segment_ids",
     "prepare_chunk_indices",
     "prepare_chunk_offsets",

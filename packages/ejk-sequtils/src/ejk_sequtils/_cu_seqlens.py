@@ -20,13 +20,15 @@ position id 0.
 jax or NumPy array, rank 1 with at least 2 entries, and when concrete starting at 0,
 non-decreasing and ending at or before ``total_length`` (``total_chunks``). A traced
 one cannot be checked: tokens before a non-zero ``cu_seqlens[0]`` then come out as
-padding, and tokens past ``total_length`` are cut off.
+padding, and tokens past ``total_length`` are cut off. `cu_seqlens_valid` is the same
+check as a traced bool; the attention functions (`reference_attention`,
+``ejk_attention.flash_attention``) use it to return NaN for invalid traced offsets.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Int, Shaped
 
 from ._checks import (
     check_cu_seqlens,
@@ -59,6 +61,42 @@ def cdiv(a: int | Int[AnyArray, "..."], b: int | Int[AnyArray, "..."]) -> int | 
         return -(-int(a) // int(b))
     # -(-a // b) rounds up for either sign of a; (a + b - 1) // b only for a >= 0.
     return -(-jnp.asarray(a) // jnp.asarray(b))
+
+
+def cu_seqlens_valid(cu_seqlens: Int[AnyArray, " C"], total_length: int) -> Bool[Array, ""]:
+    """Whether ``cu_seqlens`` are offsets a packed call accepts, as a traceable bool scalar.
+
+    The check `validate_attention` makes on concrete offsets (start at exactly 0, never
+    decrease, end at or before ``total_length``), computed with jnp so it also holds under
+    ``jax.jit``, where the offsets cannot be read while tracing. `poison_unless` turns it
+    into NaN outputs.
+
+    Args:
+        cu_seqlens: ``[num_seqs + 1]`` offsets (an integer array of rank 1, >= 2 entries).
+        total_length: the number of packed tokens the offsets index (a static int).
+
+    Returns:
+        A bool scalar: True when the offsets are valid.
+    """
+    cu = jnp.asarray(cu_seqlens)
+    return (cu[0] == 0) & jnp.all(cu[1:] >= cu[:-1]) & (cu[-1] <= total_length)
+
+
+def poison_unless(valid: Bool[ArrayLike, ""], *arrays: Shaped[Array, "..."]) -> tuple:
+    """``arrays`` unchanged where ``valid``, all NaN where not (their gradients too).
+
+    One scalar multiply per element (by 1 or NaN), so an invalid call cannot give plausible
+    numbers and a valid one costs almost nothing; used where the offsets are traced.
+
+    Args:
+        valid: a bool scalar, e.g. `cu_seqlens_valid`'s.
+        arrays: floating arrays (the output, the lse).
+
+    Returns:
+        The arrays, in order, each in its own dtype.
+    """
+    factor = jnp.where(valid, 1.0, jnp.nan)
+    return tuple(x * factor.astype(x.dtype) for x in arrays)
 
 
 def prepare_lens(cu_seqlens: Int[AnyArray, " C"]) -> Int[Array, " C-1"]:

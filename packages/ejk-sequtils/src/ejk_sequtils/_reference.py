@@ -6,6 +6,7 @@ Gradients come from JAX's autodiff and stay finite on emptied rows (see `_masked
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
 from ._checks import describe_value
+from ._cu_seqlens import cu_seqlens_valid, poison_unless
 from ._dropout import dropout_keep_mask
 from ._visibility import SegmentIds, visibility_mask
 
@@ -108,7 +110,9 @@ def reference_attention(
         mask: bool ``[1|B, 1|N, T, S]``, True where a query may see a key; it joins the
             rules above (it is visibility, not a bias: a soft cap cannot unmask a key).
         cu_seqlens_q: ``[num_seqs + 1]`` query offsets of packed sequences (needs B == 1).
-        cu_seqlens_k: key offsets; defaults to ``cu_seqlens_q``.
+            Concrete offsets are checked (start at 0, non-decreasing, at most T); traced
+            ones (under jit) cannot be, and invalid ones make every output and lse NaN.
+        cu_seqlens_k: key offsets; defaults to ``cu_seqlens_q``; the same rules, against S.
         dropout_rate: probability of dropping a normalised attention weight.
         dropout_seed: seed of the counter-based keep mask (see `dropout_keep_mask`).
         return_lse: also return the float32 log-sum-exp of each row.
@@ -168,4 +172,10 @@ def reference_attention(
         keep = dropout_keep_mask(dropout_seed, batch, heads, q_len, kv_len, dropout_rate)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bnts,bsnh->btnh", probs, vf, precision=hi).astype(q.dtype)
+    offsets = [
+        (cu, n) for cu, n in ((cu_seqlens_q, q_len), (cu_seqlens_k, kv_len)) if cu is not None
+    ]
+    if offsets:  # traced offsets cannot be checked: invalid ones give NaN, not plausible numbers
+        valid = functools.reduce(jnp.logical_and, [cu_seqlens_valid(cu, n) for cu, n in offsets])
+        out, lse = poison_unless(valid, out, lse)
     return (out, lse) if return_lse else out

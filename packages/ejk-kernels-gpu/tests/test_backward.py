@@ -69,6 +69,13 @@ def test_gradients_match_reference(rng, make_inputs, close, case, dtype, bwd):
 
 
 @pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
+def test_gradients_match_reference_in_float16(rng, make_inputs, close, bwd):
+    """float16's representative in the default run: causal, window and soft cap, both ways
+    of computing dq (the slow run has float16's whole matrix)."""
+    test_gradients_match_reference(rng, make_inputs, close, "causal_window_cap", "float16", bwd)
+
+
+@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
 def test_varlen_gradients_with_empty_sequences_and_gqa(rng, make_inputs, close, bwd):
     cu_q = jnp.asarray([0, 11, 11, 29, 36], jnp.int32)  # empty sequence; 3 padding rows at the end
     cu_k = jnp.asarray([0, 7, 13, 13, 30], jnp.int32)  # a sequence whose queries see no key

@@ -157,6 +157,18 @@ CASES = {
         True,
         "float32",
     ),
+    # float16 through the ring (partial outputs merged by lse, dk/dv passed along in
+    # float16) with a two-sided window and a soft cap: the slow grid's
+    # "window-softcap" family, kept in the default run at two devices.
+    "triton-ring2-zigzag-window-softcap-float16": (
+        2,
+        "ring",
+        "zigzag",
+        "triton",
+        {"sliding_window": (6, 2), "logits_soft_cap": 2.0},
+        False,
+        "float16",
+    ),
     # No mask: no branch marks the kernels' results varying (the custom calls must).
     "triton-ring2-contiguous-full": (2, "ring", "contiguous", "triton", {}, False, "float32"),
     "xla-ring8-zigzag-causal-docs-bf16": (8, "ring", "zigzag", "xla", CAUSAL, True, "bfloat16"),

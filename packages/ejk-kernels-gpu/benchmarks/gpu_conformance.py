@@ -73,6 +73,9 @@ def _recording():
                     "atomic_dq": bool(
                         constexprs.get("DQ_ATOMIC", False) or constexprs.get("DQ", False)
                     ),
+                    # the ordinary dk/dv kernel's dq added by TMA reduces (Hopper, atomic_dq,
+                    # head_dim a power of two: `flash._options.dq_by_tma`)
+                    "dq_tma": bool(constexprs.get("DQ_TMA", False)),
                     "warps": kw.get("num_warps"),
                     "stages": kw.get("num_stages"),
                     # the Gluon forward's tile and whether it ran persistent
@@ -96,6 +99,7 @@ def _builds(launches: list[dict]) -> dict:
     """Which forward and backward builds the recorded launches were."""
     fwd = bwd = fwd_tile = None
     atomic_dq = any(launch["atomic_dq"] for launch in launches)
+    dq_tma = any(launch["dq_tma"] for launch in launches)
     for launch in launches:
         if launch["kernel"] == "gluon_fwd_kernel":
             fwd = "gluon"
@@ -106,7 +110,7 @@ def _builds(launches: list[dict]) -> dict:
             bwd = "gluon"
         elif launch["kernel"] == "dkdv_kernel":
             bwd = "ws" if launch["ws"] else ("atomic" if launch["atomic_dq"] else "ordinary")
-    return {"fwd": fwd, "bwd": bwd, "atomic_dq": atomic_dq, "gluon_fwd": fwd_tile}
+    return {"fwd": fwd, "bwd": bwd, "atomic_dq": atomic_dq, "dq_tma": dq_tma, "gluon_fwd": fwd_tile}
 
 
 def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
@@ -121,6 +125,8 @@ def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
             return False
         if not special and got in ("gluon", "ws"):
             return False
+    if hopper and "dq_tma" in expect and builds.get("dq_tma") != expect["dq_tma"]:
+        return False  # the TMA-reduce dq path (DQ_TMA) ran, or did not, against the case
     rows = expect.get("rows")  # the Gluon forward's tile, where the case is about it
     return not (hopper and rows and (builds.get("gluon_fwd") or {}).get("rows") != rows)
 
@@ -195,6 +201,8 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         )  # fmt: skip
     if kw.pop("ordinary", False):
         kw.update(config=ORDINARY, bwd_config=ORDINARY_BWD)
+    if kw.pop("tma_dq", False):  # the ordinary dk/dv kernel with atomic dq (TMA reduces on Hopper)
+        kw["bwd_config"] = ORDINARY_BWD
     ref_kw = {n: x for n, x in kw.items() if n not in ("config", "bwd_config")}
 
     def run(fn, q, k, v, bias, sinks):
@@ -312,6 +320,7 @@ WF = {"fwd": "ws"}  # the warp-specialised forward asked for, the heuristic's ba
 WG = {"fwd": "ws", "bwd": "gluon"}  # the same where the heuristic's backward is Gluon's
 WW = {"fwd": "ws", "bwd": "ws"}  # both asked for
 ORD = {}
+TMA = {"dq_tma": True}  # dq added by the ordinary dk/dv kernel's TMA reduces (DQ_TMA)
 CASES = [
     ("plain h128", 2, 1024, 1024, 16, 16, 128, GG, {}),
     ("causal gqa h128", 2, 2048, 2048, 16, 4, 128, GG, dict(causal=True)),
@@ -338,8 +347,13 @@ CASES = [
     ("ws bwd plain h128", 2, 1024, 1024, 16, 16, 128, WW, dict(ws=True, ws_bwd=True)),
     ("ws bwd causal gqa sinks", 2, 1000, 1024, 16, 4, 128, WW, dict(causal=True, sinks=True, ws=True, ws_bwd=True)),
     # The ordinary kernels on the calls the heuristics give the special builds.
-    ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, ORD, dict(causal=True, ordinary=True)),
-    ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, ORD, dict(ordinary=True)),
+    # (Their backward adds dq by TMA reduces, DQ_TMA, which Triton's interpreter cannot run:
+    # these cases and the next are that path's only check of values.)
+    ("ordinary causal h128", 2, 2048, 2048, 16, 16, 128, TMA, dict(causal=True, ordinary=True)),
+    ("ordinary plain h128", 2, 1024, 1024, 16, 16, 128, TMA, dict(ordinary=True)),
+    # DQ_TMA with groups (each query head's columns of the [T, N·H] descriptor), rows off
+    # the tile (reduces clipped past T), head_dim 64, the heuristic's forward.
+    ("ordinary dq TMA gqa odd T h64", 2, 1000, 1024, 8, 2, 64, {**TMA, "fwd": "gluon"}, dict(causal=True, tma_dq=True)),
     # The Gluon forward: causal with T > S and T < S (rows past the diagonal, clipped
     # stores), GQA, sinks, two ring slots.
     ("gluon causal gqa T>S", 1, 1536, 1024, 8, 2, 128, GG, dict(causal=True)),

@@ -19,10 +19,12 @@ from ejk_kernels_gpu.flash._config import SHARED_MEMORY_LIMIT
 pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the same on every jax
 
 
-def _compile(*args: str) -> list[dict]:
+def _compile(*args: str, code: str = "") -> list[dict]:
+    """Run ``python -m ejk_kernels_gpu.aot.flash args`` (or ``python -c code``); its rows."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = ["-c", code] if code else ["-m", "ejk_kernels_gpu.aot.flash", *args]
     proc = subprocess.run(
-        [sys.executable, "-m", "ejk_kernels_gpu.aot.flash", *args],
+        [sys.executable, *command],
         capture_output=True,
         text=True,
         env=env,
@@ -53,6 +55,32 @@ def test_heuristic_configs_compile_for_hopper_with_every_feature():
 def test_whole_search_space_compiles_for_hopper(head_dim):
     _compile("--head-dims", head_dim, "--variants", "plain,causal", "--space", "full")
     _compile("--head-dims", head_dim, "--variants", "all", "--space", "heuristic")
+
+
+# One config of the tuning space that the heuristics do not pick: the largest ordinary
+# forward and dk/dv tiles (the ones likeliest to overflow) for head_dim 128 with every
+# feature. The autotuner may pick any config of the space; the slow test builds them all.
+_OFF_HEURISTIC = """
+import sys
+from ejk_kernels_gpu.aot import flash as aot
+from ejk_kernels_gpu.flash import _config as c
+
+h, failed = 128, 0
+size = lambda x: (x.block_q * x.block_k * (x.num_stages or 1), x.num_warps or 0)
+for name, space, heuristic in (
+    ("fwd_kernel", c.fwd_search_space(h, 2, True, gluon=False), c.fwd_heuristic(h, 2, True, gluon=False)),
+    ("dkdv_kernel", c.bwd_search_space(h, 2, True), c.bwd_heuristic(h, 2, True)),
+):
+    off = [x for x in space if x != heuristic and not (x.gluon or x.warp_specialize)]
+    failed += aot._report(name, max(off, key=size), h, "bfloat16", "all")
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_a_tuned_config_off_the_heuristic_compiles_for_hopper():
+    rows = _compile(code=_OFF_HEURISTIC)
+    assert [r["kernel"] for r in rows] == ["fwd_kernel", "dkdv_kernel"], rows
+    assert all(r["fits"] for r in rows), rows
 
 
 def test_dkdv_kernel_compiles_both_ways_of_computing_dq_for_hopper():

@@ -84,6 +84,12 @@ def test_forward_matches_reference(rng, make_inputs, close, case, dtype):
     _check(close, got, want, dtype, case)
 
 
+def test_forward_matches_reference_in_float16(rng, make_inputs, close):
+    """float16's representative in the default run: every feature at once (the slow run
+    has float16's whole matrix)."""
+    test_forward_matches_reference(rng, make_inputs, close, "everything", "float16")
+
+
 def test_varlen_with_empty_sequences_and_padding(rng, make_inputs, close):
     total_q, total_k = 41, 37
     cu_q = jnp.asarray([0, 9, 9, 30, 38], jnp.int32)  # an empty sequence, 3 padding rows

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,10 +181,19 @@ def test_paged_jit_is_deterministic(rng):
     np.testing.assert_array_equal(fn(*args), fn(*args))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("q_len", [1, 2, 8, 64])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (8, 1)])
-@pytest.mark.parametrize("splits", [1, 4])
+def _wide_grid():
+    """(q_len, heads, kv_heads, splits): slow but for q_len 64 with 8:1 groups and 4 splits
+    (every row of a 64-row tile a (token, head) pair of the one kv group), which the default
+    run keeps."""
+    for q_len, (heads, kv_heads), splits in itertools.product(
+        [1, 2, 8, 64], [(8, 8), (8, 2), (8, 1)], [1, 4]
+    ):
+        default = (q_len, kv_heads, splits) == (64, 1, 4)
+        marks = () if default else pytest.mark.slow
+        yield pytest.param(q_len, heads, kv_heads, splits, marks=marks)
+
+
+@pytest.mark.parametrize(("q_len", "heads", "kv_heads", "splits"), list(_wide_grid()))
 def test_paged_wide_grid(rng, close, q_len, heads, kv_heads, splits):
     args, extra = paged_inputs(
         rng, batch=3, q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=32, page=16,

@@ -54,7 +54,8 @@ def test_conformance_records_the_builds_and_fails_a_silent_fallback(bench_path):
     rng = np.random.default_rng(0)
     row = conf._case(rng, "tiny", 1, 16, 16, 2, 1, 16, conf.ORD, False, dtype=jnp.float32, causal=True)  # fmt: skip
     assert row["builds"] == {
-        "fwd": "ordinary", "bwd": "ordinary", "atomic_dq": False, "gluon_fwd": None
+        "fwd": "ordinary", "bwd": "ordinary", "atomic_dq": False, "dq_tma": False,
+        "gluon_fwd": None,
     }  # fmt: skip
     assert row["passed"] and row["deterministic"] and row["builds_ok"]
     # On Hopper a case about the Gluon / warp-specialised builds fails when another ran,

@@ -162,7 +162,7 @@ def _int32_array(x: Any, name: str, layout: str, shape: tuple[int, ...]) -> Any:
 
 def _outside(values: np.ndarray, low: int, high: int) -> bool:
     """Some entry of ``values`` lies outside ``[low, high]``."""
-    return values.size > 0 and (values.min() < low or values.max() > high)
+    return bool(values.size > 0 and (values.min() < low or values.max() > high))
 
 
 def _check_lengths(page_table: Any, kv_lens: Any, page_size: int, num_pages: int) -> None:

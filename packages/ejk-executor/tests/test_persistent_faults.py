@@ -21,7 +21,7 @@ import pytest
 from ejk_config import FwdParams
 from ejk_executor import CacheWarning, ConfigSelectorChain, Executor, PersistentCache
 
-_DEEP = b"[" * 1000 + b"]" * 1000
+_DEEP = b"[" * 100_000 + b"]" * 100_000  # past every Python's recursion limit (3.12 parses 1000)
 
 
 def _ab():

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from ejk_sequtils import AttentionRequest
 
@@ -162,7 +161,14 @@ def _on_one_default_device(x: Any) -> bool:
     """A NumPy array (jit puts it there), or a jax array on one device of the default platform."""
     if not isinstance(x, jax.Array):
         return True
-    sharding = x.sharding
-    if not isinstance(sharding, SingleDeviceSharding):
-        return False
-    return next(iter(sharding.device_set)).platform == jax.default_backend()
+    return on_one_default_device(x.sharding)
+
+
+def on_one_default_device(sharding: Any) -> bool:
+    """Whether ``sharding`` places an array on one device of the default platform."""
+    single = getattr(jax.sharding, "is_single_device_sharding", None)  # jax >= 0.12
+    if single is not None:
+        one = single(sharding)
+    else:  # jax 0.12 deprecates the class (a warning on access), older jax has no test
+        one = isinstance(sharding, jax.sharding.SingleDeviceSharding)
+    return one and next(iter(sharding.device_set)).platform == jax.default_backend()

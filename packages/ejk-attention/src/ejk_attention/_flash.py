@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from jax.sharding import Mesh, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import ArrayLike, Bool, Float, Int, Integer
 
 from ejk_sequtils import AttentionRequest, cu_seqlens_valid, poison_unless, validate_attention
@@ -25,7 +25,7 @@ from ._backends import (
     run_first,
 )
 from ._bias import hiding_bias
-from ._eager import run_compiled
+from ._eager import on_one_default_device, run_compiled
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import drop_tuned_backend, tuned_backend
 
@@ -317,10 +317,8 @@ def _concrete_on_one_default_device(*arrays: Any) -> bool:
     for x in arrays:
         if x is not None and (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)):
             return False
-    sharding = arrays[0].sharding
-    if not isinstance(sharding, SingleDeviceSharding):
-        return False  # a sharded q may run per shard (inferred_mesh): the general path
-    return next(iter(sharding.device_set)).platform == jax.default_backend()
+    # a sharded q may run per shard (inferred_mesh): the general path
+    return on_one_default_device(arrays[0].sharding)
 
 
 def _hashable(values: tuple[Any, ...]) -> bool:

@@ -188,20 +188,21 @@ def _call(
     """A paged call (``cu_q_lens`` None: `paged_attention`) on the first backend of ``names``
     that serves it; ``backends`` is `PAGED_BACKENDS`' items (a cache key of `_eager_call`:
     a test replacing one gets a new trace)."""
-    request = validate_paged_attention(
+    arrays = (
         q,
         k_pages,
         v_pages,
         page_table,
         kv_lens,
-        cu_q_lens=cu_q_lens,
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        softmax_sinks=softmax_sinks,
-        k_scales=k_scales,
-        v_scales=v_scales,
+        cu_q_lens,
+        softmax_sinks,
+        k_scales,
+        v_scales,
     )
+    options = dict(
+        softmax_scale=softmax_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+    )
+    request = _validate(arrays, options)
     if names is None:
         names = tuple(n for n in default_order(platform_of(request)) if n in PAGED_BACKENDS)
     return run_first(request, names, config, backends=dict(backends))[1]
@@ -213,14 +214,36 @@ _eager_call = eager_jit(
 )
 
 
+def _validate(arrays: tuple[Any, ...], options: dict[str, Any]) -> PagedAttentionRequest:
+    """`validate_paged_attention` of ``arrays`` (the call's, then ``cu_q_lens``,
+    ``softmax_sinks``, ``k_scales``, ``v_scales``: `_call`'s order) and the static ``options``
+    (``softmax_scale``, ``sliding_window``, ``logits_soft_cap``)."""
+    q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, sinks, k_scales, v_scales = arrays
+    return validate_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        kv_lens,
+        cu_q_lens=cu_q_lens,
+        softmax_sinks=sinks,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        **options,
+    )
+
+
 def _run(
-    arrays: tuple[Any, ...], request: PagedAttentionRequest, implementation: Any, config: Any
+    arrays: tuple[Any, ...], options: dict[str, Any], implementation: Any, config: Any
 ) -> Array:
-    """``arrays`` (the call's, then ``cu_q_lens``, ``softmax_sinks`` and the FP8 scales), validated as
-    ``request`` (values too, where concrete), under one compiled function per signature
-    when concrete (the checks that run while tracing see shapes and dtypes only)."""
+    """``arrays`` and ``options`` (as `_validate` takes them) validated here (values too, where
+    concrete), then run under one compiled function per signature when concrete (the checks
+    that run while tracing see shapes and dtypes only)."""
+    request = _validate(arrays, options)
+    scales = (request.k_scales, request.v_scales)  # a scalar scale as a float32 array
     return _eager_call(
-        *arrays,
+        *arrays[:-2],
+        *scales,
         softmax_scale=request.softmax_scale,
         sliding_window=request.sliding_window,
         logits_soft_cap=request.logits_soft_cap,
@@ -288,22 +311,11 @@ def paged_attention(
             within the table's capacity, pages in the pool) are checked when concrete.
         NotImplementedError: no requested implementation can serve the call (each reason given).
     """
-    request = validate_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        kv_lens,
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        softmax_sinks=softmax_sinks,
-        k_scales=k_scales,
-        v_scales=v_scales,
+    arrays = (q, k_pages, v_pages, page_table, kv_lens, None, softmax_sinks, k_scales, v_scales)
+    options = dict(
+        softmax_scale=softmax_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
     )
-    arrays = (q, k_pages, v_pages, page_table, kv_lens, None, softmax_sinks)
-    arrays += (request.k_scales, request.v_scales)  # a scalar scale as a float32 array
-    return _run(arrays, request, implementation, config)
+    return _run(arrays, options, implementation, config)
 
 
 def ragged_paged_attention(
@@ -344,20 +356,8 @@ def ragged_paged_attention(
         ValueError, TypeError: a bad argument (the message names it).
         NotImplementedError: no requested implementation can serve the call.
     """
-    request = validate_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        page_table,
-        kv_lens,
-        cu_q_lens=cu_q_lens,
-        softmax_scale=softmax_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-        softmax_sinks=softmax_sinks,
-        k_scales=k_scales,
-        v_scales=v_scales,
-    )
     arrays = (q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, softmax_sinks)
-    arrays += (request.k_scales, request.v_scales)
-    return _run(arrays, request, implementation, config)
+    options = dict(
+        softmax_scale=softmax_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+    )
+    return _run((*arrays, k_scales, v_scales), options, implementation, config)

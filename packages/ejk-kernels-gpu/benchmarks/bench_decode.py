@@ -153,13 +153,17 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds * 1e-9
 
 
-def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
-    """Contiguous and paged decode of one shape: ejk (heuristic and ``configs``) and cuDNN."""
+def bench_decode(rng, shape, rounds: int, configs: dict, fp8_configs: dict) -> list[dict]:
+    """Contiguous and paged decode of one shape: ejk (heuristic and ``configs`` on the
+    contiguous cache, ``fp8_configs`` on the FP8 paged one) and cuDNN."""
     B, S, N, K, H = shape
     keys = jax.random.split(jax.random.key(sum(shape)), 3)
-    q = jax.random.normal(keys[0], (B, 1, N, H), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (B, S, K, H), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (B, S, K, H), jnp.bfloat16)
+    # Drawn in float32, then rounded: normals drawn in bfloat16 have a mean of about -0.01,
+    # which the near-zero outputs of random attention turn into a large relative FP8 error.
+    q, k, v = (
+        jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+        for key, shape in zip(keys, [(B, 1, N, H), (B, S, K, H), (B, S, K, H)], strict=True)
+    )
     kv_lens = jnp.full((B,), S, jnp.int32)
     one_page = jnp.arange(B, dtype=jnp.int32)[:, None]
     kp, vp, table = paged_cache(rng, k, v, PAGE)
@@ -171,9 +175,15 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
         return jax.jit(lambda q, k, v, t: paged_attention(q, k, v, t, kv_lens, config=cfg))
 
     kq, vq, scales = fp8_cache(kp, vp)
-    paged_fp8 = jax.jit(
-        lambda q, k, v, t, ks, vs: paged_attention(q, k, v, t, kv_lens, k_scales=ks, v_scales=vs)
-    )
+
+    def paged_fp8_with(cfg):
+        return jax.jit(
+            lambda q, k, v, t, ks, vs: paged_attention(
+                q, k, v, t, kv_lens, k_scales=ks, v_scales=vs, config=cfg
+            )
+        )
+
+    paged_fp8 = paged_fp8_with(None)
     fp8_args = (q, kq, vq, table, scales["k_scales"], scales["v_scales"])
     variants = {
         "cudnn": (
@@ -187,6 +197,8 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
     }
     for label, cfg in configs.items():
         variants[f"ejk contiguous {label}"] = (contiguous(cfg), (q, k, v))
+    for label, cfg in fp8_configs.items():
+        variants[f"ejk paged fp8 {label}"] = (paged_fp8_with(cfg), fp8_args)
     # tokamax serves the contiguous call (its GPU kernels have no paged cache); a failure is
     # reported as a row error by `interleaved`, a missing tokamax leaves it out.
     tokamax_fns, why = _tokamax.candidates()
@@ -197,7 +209,7 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
     timed = interleaved(variants, rounds)
     rows = []
     for name, (med, best, spread) in timed.items():
-        fp8 = name.endswith("fp8")
+        fp8 = "fp8" in name
         row = dict(
             bench="decode", impl=name, B=B, S=S, N=N, K=K, H=H, ms=med * 1e3,
             best_ms=best * 1e3, spread=spread, gbps=_gbps(kv_bytes(B, S, K, H, fp8), med),
@@ -206,6 +218,7 @@ def bench_decode(rng, shape, rounds: int, configs: dict) -> list[dict]:
             row["vs_cudnn"] = timed["cudnn"][0] / med
         if fp8 and "ejk paged" in timed:
             row["vs_bf16_paged"] = timed["ejk paged"][0] / med
+        if name == "ejk paged fp8" and "ejk paged" in timed:
             ref = variants["ejk paged"][0](q, kp, vp, table).astype(jnp.float32)
             out = paged_fp8(*fp8_args).astype(jnp.float32)
             row["rel_err_vs_bf16"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
@@ -295,6 +308,16 @@ SWEEP = {
         (8, 128, 4, 2), (64, 128, 4, 2),
     ]
 }  # fmt: skip
+# FP8 paged decode configs timed by --fp8-sweep: (splits, block_kv, warps, stages); e4m3
+# pages carry half the bytes of a bf16 block, so longer key blocks keep as many in flight.
+FP8_SWEEP = {
+    f"s{s}-kv{b}-w{w}-st{st}": _config(s, b, w, st)
+    for s, b, w, st in [
+        (2, 64, 4, 3), (2, 128, 4, 3), (2, 128, 4, 4), (2, 256, 4, 2), (2, 256, 8, 3),
+        (4, 128, 4, 3), (1, 128, 4, 4), (4, 64, 4, 4), (8, 128, 4, 3), (16, 128, 4, 3),
+        (2, 128, 8, 3), (4, 256, 4, 3),
+    ]
+}  # fmt: skip
 # Ragged-call configs timed by --sweep: (block_m, block_kv, warps, stages), one split.
 RAGGED_SWEEP = {
     f"m{m}-kv{b}-w{w}-st{st}": _config(1, b, w, st, block_m=m)
@@ -317,6 +340,8 @@ def _table(rows):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP configs")
+    parser.add_argument("--fp8-sweep", action="store_true", help="time the FP8_SWEEP configs")
+    parser.add_argument("--no-ragged", action="store_true", help="leave out the ragged batch")
     parser.add_argument("--shapes", default="", help="comma-separated indices into DECODE_SHAPES")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--json", default="", help="write every row, device and versions here")
@@ -326,10 +351,17 @@ def main() -> int:
     wanted = [int(i) for i in args.shapes.split(",")] if args.shapes else range(len(DECODE_SHAPES))
     parts = [lambda: check_values(rng), lambda: [copy_ceiling()]]
     parts += [
-        lambda i=i: bench_decode(rng, DECODE_SHAPES[i], args.rounds, SWEEP if args.sweep else {})
+        lambda i=i: bench_decode(
+            rng,
+            DECODE_SHAPES[i],
+            args.rounds,
+            SWEEP if args.sweep else {},
+            FP8_SWEEP if args.fp8_sweep else {},
+        )
         for i in wanted
     ]
-    parts.append(lambda: bench_ragged(rng, args.rounds, RAGGED_SWEEP if args.sweep else {}))
+    if not args.no_ragged:
+        parts.append(lambda: bench_ragged(rng, args.rounds, RAGGED_SWEEP if args.sweep else {}))
     rows = []
     for part in parts:  # one failing part (out of memory, say) leaves the others' rows
         try:

@@ -228,15 +228,16 @@ def bench_decode(rng, shape, rounds: int, configs: dict, fp8_configs: dict) -> l
 
 
 def bench_ragged(rng, rounds: int, configs: dict) -> list[dict]:
-    """8 prefill chunks of 512 tokens + 56 decode tokens over 4k contexts, paged (64):
-    one ragged call against the prefill part and the decode part as two calls."""
+    """8 prefill chunks of 512 tokens + 56 decode tokens over 4k contexts, paged (64), from a
+    bf16 cache and an FP8 one: one ragged call against the prefill part and the decode part
+    as two calls."""
     N, K, H, ctx = 32, 8, 128, 4096
     prefill, decode = 8, 56
     B = prefill + decode
     pps = ctx // PAGE
     keys = jax.random.split(jax.random.key(7), 3)
-    kp = jax.random.normal(keys[0], (B * pps, PAGE, K, H), jnp.bfloat16)
-    vp = jax.random.normal(keys[1], (B * pps, PAGE, K, H), jnp.bfloat16)
+    kp = jax.random.normal(keys[0], (B * pps, PAGE, K, H), jnp.float32).astype(jnp.bfloat16)
+    vp = jax.random.normal(keys[1], (B * pps, PAGE, K, H), jnp.float32).astype(jnp.bfloat16)
     table = jnp.asarray(rng.permutation(B * pps).reshape(B, pps), jnp.int32)
     kv_lens = jnp.full((B,), ctx, jnp.int32)
     q_lens = np.array([512] * prefill + [1] * decode)
@@ -249,34 +250,45 @@ def bench_ragged(rng, rounds: int, configs: dict) -> list[dict]:
 
     def mixed_call(cfg):
         return jax.jit(
-            lambda q, kp, vp, t, c: paged_attention(q, kp, vp, t, kv_lens, cu_q_lens=c, config=cfg)
+            lambda q, kp, vp, t, c, scales: paged_attention(
+                q, kp, vp, t, kv_lens, cu_q_lens=c, config=cfg, **scales
+            )
         )
 
-    part = jax.jit(lambda q, kp, vp, t, lens: paged_attention(q, kp, vp, t, lens))
+    part = jax.jit(lambda q, kp, vp, t, lens, scales: paged_attention(q, kp, vp, t, lens, **scales))
 
     @jax.jit
-    def two_calls(qp, qd, kp, vp, t):
-        a = paged_attention(qp, kp, vp, t[:prefill], kv_lens[:prefill])
-        b = paged_attention(qd, kp, vp, t[prefill:], kv_lens[prefill:])
+    def two_calls(qp, qd, kp, vp, t, scales):
+        a = paged_attention(qp, kp, vp, t[:prefill], kv_lens[:prefill], **scales)
+        b = paged_attention(qd, kp, vp, t[prefill:], kv_lens[prefill:], **scales)
         return a, b
 
-    variants = {
-        "ragged one call": (mixed_call(None), (q, kp, vp, table, cu)),
-        "prefill part": (part, (q_pre, kp, vp, table[:prefill], kv_lens[:prefill])),
-        "decode part": (part, (q_dec, kp, vp, table[prefill:], kv_lens[prefill:])),
-        "two calls": (two_calls, (q_pre, q_dec, kp, vp, table)),
-    }
+    variants = {}
+    # The bf16 cache and the FP8 one (e4m3 pages, a float32 scale per token and kv head).
+    kq, vq, scales = fp8_cache(kp, vp)
+    for suffix, (k_pool, v_pool, sc) in {"": (kp, vp, {}), " fp8": (kq, vq, scales)}.items():
+        variants |= {
+            f"ragged one call{suffix}": (mixed_call(None), (q, k_pool, v_pool, table, cu, sc)),
+            f"prefill part{suffix}": (
+                part, (q_pre, k_pool, v_pool, table[:prefill], kv_lens[:prefill], sc)
+            ),
+            f"decode part{suffix}": (
+                part, (q_dec, k_pool, v_pool, table[prefill:], kv_lens[prefill:], sc)
+            ),
+            f"two calls{suffix}": (two_calls, (q_pre, q_dec, k_pool, v_pool, table, sc)),
+        }  # fmt: skip
     for label, cfg in configs.items():
-        variants[f"ragged one call {label}"] = (mixed_call(cfg), (q, kp, vp, table, cu))
-    per_seq = 2 * ctx * K * H * 2  # k and v bytes of one sequence
-    seqs = {"prefill part": prefill, "decode part": decode}
+        variants[f"ragged one call {label}"] = (mixed_call(cfg), (q, kp, vp, table, cu, {}))
     timed = interleaved(variants, rounds)
     rows = []
-    parts = timed.get("prefill part", (np.nan,))[0] + timed.get("decode part", (np.nan,))[0]
     for name, (med, best, spread) in timed.items():
+        fp8 = name.endswith("fp8")
+        suffix = " fp8" if fp8 else ""
+        parts = sum(timed.get(f"{p} part{suffix}", (np.nan,))[0] for p in ("prefill", "decode"))
+        seqs = {f"prefill part{suffix}": prefill, f"decode part{suffix}": decode}.get(name, B)
         row = dict(
             bench="ragged", impl=name, ms=med * 1e3, best_ms=best * 1e3, spread=spread,
-            gbps=_gbps(seqs.get(name, B) * per_seq, med), vs_parts=med / parts,
+            gbps=_gbps(kv_bytes(seqs, ctx, K, H, fp8), med), vs_parts=med / parts,
         )  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)

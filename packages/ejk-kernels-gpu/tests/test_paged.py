@@ -261,6 +261,27 @@ def test_heuristic_fills_the_gpu_and_the_space_fits():
     )
 
 
+def test_fp8_pages_decode_with_longer_key_blocks_and_their_own_shared_memory():
+    """FP8 pages: decode tiles take twice the keys a step (as many bytes in flight as a 16-bit
+    block), prefill tiles and head_dim 64 keep theirs; the search space counts the pages'
+    shared memory at one byte, so it offers deeper pipelines the 16-bit count would drop."""
+
+    def heuristic(q_len, head_dim, kv_itemsize):
+        return paged_heuristic(
+            batch=32, q_len=q_len, ragged=False, heads=32, kv_heads=8, head_dim=head_dim,
+            capacity=8192, kv_itemsize=kv_itemsize,
+        )  # fmt: skip
+
+    assert heuristic(1, 128, 2).block_kv == 64 and heuristic(1, 128, 1).block_kv == 128
+    assert heuristic(512, 128, 1) == heuristic(512, 128, 2)
+    assert heuristic(1, 64, 1) == heuristic(1, 64, 2)
+    args = dict(group=4, max_q_len=1, max_keys=8192, head_dim=256)
+    wide = set(paged_search_space(**args, kv_itemsize=1))
+    assert set(paged_search_space(**args)) < wide
+    deep = PagedConfig(block_m=16, block_kv=128, num_stages=3, num_splits=2)
+    assert deep in wide and deep not in paged_search_space(**args)
+
+
 def test_query_tiles_cover_every_row_once():
     q_lens = jnp.asarray([5, 0, 1, 9, 2], jnp.int32)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens)[:-1]])

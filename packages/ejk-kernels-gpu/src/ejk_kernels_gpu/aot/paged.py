@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = paged_heuristic(
                 batch=batch, q_len=q_len, ragged=False, heads=32, kv_heads=8,
                 head_dim=head_dim, capacity=64 * page, itemsize=itemsize,
+                kv_itemsize=1 if kv_scales else itemsize,
             )  # fmt: skip
             row: dict[str, Any] = dict(
                 build=name, head_dim=head_dim, dtype=args.dtype, kv_scales=kv_scales

@@ -55,6 +55,7 @@ def default_paged_config(request: PagedAttentionRequest) -> PagedConfig:
         head_dim=request.head_dim,
         capacity=request.capacity,
         itemsize=request.q.dtype.itemsize,
+        kv_itemsize=request.k_pages.dtype.itemsize,
     )
 
 

@@ -86,16 +86,22 @@ def tile_shape(cfg: PagedConfig, group: int, max_q_len: int) -> TileShape:
     return TileShape(tokens=tokens, rows=max(16, 1 << (tokens * group - 1).bit_length()))
 
 
-def _shared_bytes(cfg: PagedConfig, rows: int, head_dim: int, itemsize: int) -> int:
-    """Shared memory of one program: the pipelined k and v blocks, the query tile once."""
+def _shared_bytes(
+    cfg: PagedConfig, rows: int, head_dim: int, itemsize: int, kv_itemsize: int
+) -> int:
+    """Shared memory of one program: the pipelined k and v blocks (in the pages' dtype),
+    the query tile once (in q's)."""
     d = head_block(head_dim)
-    return (rows * d + max(cfg.num_stages, 1) * 2 * cfg.block_kv * d) * itemsize
+    return rows * d * itemsize + max(cfg.num_stages, 1) * 2 * cfg.block_kv * d * kv_itemsize
 
 
-def fits_paged_shared_memory(cfg: PagedConfig, rows: int, head_dim: int, itemsize: int) -> bool:
+def fits_paged_shared_memory(
+    cfg: PagedConfig, rows: int, head_dim: int, itemsize: int, kv_itemsize: int | None = None
+) -> bool:
     """The search-space predicate: whether ``cfg`` with ``rows`` query rows fits Hopper's
-    shared memory."""
-    return _shared_bytes(cfg, rows, head_dim, itemsize) <= SHARED_MEMORY_LIMIT
+    shared memory (``kv_itemsize``: bytes per element of the pages, default q's)."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
+    return _shared_bytes(cfg, rows, head_dim, itemsize, kv_itemsize) <= SHARED_MEMORY_LIMIT
 
 
 def _splits(programs: int, max_keys: int, block_kv: int) -> int:
@@ -120,6 +126,7 @@ def paged_heuristic(
     head_dim: int,
     capacity: int,
     itemsize: int = 2,
+    kv_itemsize: int | None = None,
 ) -> PagedConfig:
     """A good config without timing.
 
@@ -136,6 +143,7 @@ def paged_heuristic(
         heads, kv_heads, head_dim: N, K, H.
         capacity: the most keys a sequence can have (``pages_per_seq * page_size``).
         itemsize: bytes per element of q.
+        kv_itemsize: bytes per element of the pages (1: an FP8 cache); default ``itemsize``.
     """
     group = heads // max(kv_heads, 1)
     if ragged:
@@ -147,6 +155,11 @@ def paged_heuristic(
         max_q_len = q_len
     cfg = PagedConfig(block_m=block_m, block_kv=64 if head_dim <= 128 else 32, num_stages=3)
     tile = tile_shape(cfg, group, max_q_len)
+    if kv_itemsize == 1 and tile.rows <= 16 and head_block(head_dim) == 128:
+        # Decoding from FP8 pages: twice the keys a step keep a 16-bit block's bytes in
+        # flight (bandwidth-bound). Prefill tiles, and head_dim 64, stay: 128 keys spill
+        # there (`aot.paged`); head_dim 256 holds 64 keys in 32-key blocks' registers.
+        cfg = msgspec.structs.replace(cfg, block_kv=2 * cfg.block_kv)
     tiles = -(-q_len // tile.tokens) + batch if ragged else batch * -(-q_len // tile.tokens)
     splits = _splits(tiles * kv_heads, capacity, cfg.block_kv)
     # The float32 accumulator [rows, head_dim] lives in registers: 8 warps from 128x128 on
@@ -165,10 +178,17 @@ _SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def paged_search_space(
-    *, group: int, max_q_len: int, max_keys: int, head_dim: int, itemsize: int = 2
+    *,
+    group: int,
+    max_q_len: int,
+    max_keys: int,
+    head_dim: int,
+    itemsize: int = 2,
+    kv_itemsize: int | None = None,
 ) -> tuple[PagedConfig, ...]:
-    """Every config worth timing, pruned by `fits_paged_shared_memory`: the axes above, the
-    split counts up to one split per `_MIN_SPLIT_KEYS` keys."""
+    """Every config worth timing, pruned by `fits_paged_shared_memory` (``kv_itemsize``:
+    the pages' bytes per element, default q's): the axes above, the split counts up to one
+    split per `_MIN_SPLIT_KEYS` keys."""
     most = max(1, max_keys // _MIN_SPLIT_KEYS)
     splits = tuple(s for s in _SPLITS if s <= most)
     names = (*_AXES, "num_splits")
@@ -179,5 +199,7 @@ def paged_search_space(
     return tuple(
         c
         for c in cands
-        if fits_paged_shared_memory(c, tile_shape(c, group, max_q_len).rows, head_dim, itemsize)
+        if fits_paged_shared_memory(
+            c, tile_shape(c, group, max_q_len).rows, head_dim, itemsize, kv_itemsize
+        )
     )

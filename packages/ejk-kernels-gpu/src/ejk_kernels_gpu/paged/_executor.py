@@ -33,6 +33,7 @@ def _shape_info(inv: Invocation[Any, Any]) -> dict[str, Any]:
         head_dim=int(q.shape[-1]),
         capacity=int(page_table.shape[1] * k_pages.shape[1]),
         itemsize=int(jnp.dtype(q.dtype).itemsize),
+        kv_itemsize=int(jnp.dtype(k_pages.dtype).itemsize),
     )
 
 
@@ -60,4 +61,5 @@ class PagedAttention(Kernel[PagedConfig, Any]):
             max_keys=info["capacity"],
             head_dim=info["head_dim"],
             itemsize=info["itemsize"],
+            kv_itemsize=info["kv_itemsize"],
         )

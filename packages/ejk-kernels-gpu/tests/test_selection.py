@@ -99,9 +99,9 @@ def pure_listing() -> list[str]:
 
 
 def _dq_beside(bwd, head_dim: int, soft_cap: bool, tabled: bool):
-    from ejk_kernels_gpu.flash import _config
+    from ejk_kernels_gpu.flash import _select
 
-    return _config.dq_beside(bwd, head_dim, soft_cap, tabled=tabled)
+    return _select.dq_beside(bwd, head_dim, soft_cap, tabled=tabled)
 
 
 # (name, flash_attention keywords besides q, k, v) of the mask and feature cases.

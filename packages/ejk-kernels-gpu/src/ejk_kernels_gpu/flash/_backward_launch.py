@@ -10,18 +10,10 @@ from jax import Array
 from ..build._jax_triton_fix import scratch_bytes
 from ..build._triton import hopper_gpu, kernels, launch
 from ._config import FlashConfig, ordinary_config
+from ._constexprs import dq_by_tma, gluon_dkdv_constexprs, gluon_dq_constexprs, kernel_constexprs
 from ._forward_launch import check_kv_pair
-from ._options import (
-    CallOptions,
-    can_run_gluon_dkdv,
-    dq_by_tma,
-    gluon_dkdv_constexprs,
-    gluon_dkdv_wide,
-    gluon_dq_constexprs,
-    kernel_constexprs,
-    runnable_config,
-)
 from ._schedule import Walk, launch_order
+from ._select import CallOptions, can_run_gluon_dkdv, gluon_dkdv_wide, runnable_config
 from ._tables import Tables, dummy
 
 __all__ = ["backward"]

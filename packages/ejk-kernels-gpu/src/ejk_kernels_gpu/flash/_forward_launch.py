@@ -9,14 +9,9 @@ from jax import Array
 from ..build._jax_triton_fix import scratch_bytes
 from ..build._triton import kernels, launch
 from ._config import FlashConfig, ordinary_config
-from ._options import (
-    CallOptions,
-    gluon_constexprs,
-    gluon_grid,
-    kernel_constexprs,
-    runnable_config,
-)
+from ._constexprs import gluon_constexprs, gluon_grid, kernel_constexprs
 from ._schedule import Walk, launch_order
+from ._select import CallOptions, runnable_config
 from ._tables import Tables, dummy
 
 __all__ = ["check_kv_pair", "forward"]

@@ -25,7 +25,7 @@ from jax import Array
 from ejk_sequtils import AttentionRequest, dropout_key
 
 from ..build import _triton
-from ._options import CallOptions
+from ._select import CallOptions
 
 __all__ = [
     "Packing",

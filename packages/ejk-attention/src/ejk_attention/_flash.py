@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from ._backends import (
     run_first,
 )
 from ._bias import hiding_bias
-from ._eager import on_one_default_device, run_compiled
+from ._eager import eager_jit, on_one_default_device, run_compiled
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import drop_tuned_backend, tuned_backend
 
@@ -154,12 +153,12 @@ def flash_attention(
     ):
         # The common eager call: jit's own dispatch (C++) keys the compiled function, and
         # validation runs while tracing (nothing here depends on concrete values).
-        options = _PlainOptions(
-            softmax_scale, causal, sliding_window, logits_soft_cap, dropout_rate, return_lse
-        )
-        statics = (options, implementation, config, bwd_config, tuple(BACKENDS.values()))
-        if _hashable(statics):
-            return _compiled_plain_call(q, k, v, bias, softmax_sinks, *statics)
+        return _eager_plain(
+            q, k, v, bias, softmax_sinks, softmax_scale=softmax_scale, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            dropout_rate=dropout_rate, return_lse=return_lse, implementation=implementation,
+            config=config, bwd_config=bwd_config, backends=tuple(BACKENDS.values()),
+        )  # fmt: skip
     request = validate_attention(
         q,
         k,
@@ -264,52 +263,47 @@ def _dispatch(
     )
 
 
-class _PlainOptions(NamedTuple):
-    """The static options of a call without segment ids, packing, a seed or a mesh."""
-
-    softmax_scale: Any
-    causal: Any
-    sliding_window: Any
-    logits_soft_cap: Any
-    dropout_rate: Any
-    return_lse: Any
-
-
-def _plain_call(
+def _plain(
     q: Any,
     k: Any,
     v: Any,
     bias: Any,
     softmax_sinks: Any,
-    options: _PlainOptions,
+    *,
+    softmax_scale: Any,
+    causal: Any,
+    sliding_window: Any,
+    logits_soft_cap: Any,
+    dropout_rate: Any,
+    return_lse: Any,
     implementation: Any,
     config: Any,
     bwd_config: Any,
     backends: tuple[Any, ...],
 ) -> Any:
-    """`flash_attention` of a call without segment ids, packing, a seed or a mesh, traced by
-    `_compiled_plain_call` (inside the trace the arrays are tracers: the ordinary path).
+    """A call without segment ids, packing, a seed or a mesh: validated, then the backends
+    in order (`_compute`), as the general path runs it on one device.
 
     ``backends`` is only a cache key: the backend objects the dispatch looks up (a test or a
     user replacing one gets a new trace).
     """
     del backends
-    # The function itself, not a type-checking wrapper (jaxtyping in the tests): the outer
-    # call was checked, or deliberately not, and validation names bad arguments anyway.
-    return inspect.unwrap(flash_attention)(
-        q,
-        k,
-        v,
-        bias,
-        softmax_sinks=softmax_sinks,
-        implementation=implementation,
-        config=config,
-        bwd_config=bwd_config,
-        **options._asdict(),
-    )
+    request = validate_attention(
+        q, k, v, bias, softmax_scale=softmax_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        softmax_sinks=softmax_sinks, dropout_rate=dropout_rate, return_lse=return_lse,
+    )  # fmt: skip
+    return _compute(request, resolve_implementation(implementation), config, bwd_config)
 
 
-_compiled_plain_call = jax.jit(_plain_call, static_argnums=(5, 6, 7, 8, 9))
+# One compiled `_plain` per signature of concrete arrays on one device (`_eager.eager_jit`).
+_eager_plain = eager_jit(
+    _plain,
+    static_argnames=(
+        "softmax_scale", "causal", "sliding_window", "logits_soft_cap", "dropout_rate",
+        "return_lse", "implementation", "config", "bwd_config", "backends",
+    ),
+)  # fmt: skip
 
 
 def _concrete_on_one_default_device(*arrays: Any) -> bool:
@@ -319,11 +313,3 @@ def _concrete_on_one_default_device(*arrays: Any) -> bool:
             return False
     # a sharded q may run per shard (inferred_mesh): the general path
     return on_one_default_device(arrays[0].sharding)
-
-
-def _hashable(values: tuple[Any, ...]) -> bool:
-    try:
-        hash(values)
-    except TypeError:
-        return False
-    return True

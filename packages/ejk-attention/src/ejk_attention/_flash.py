@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from ._backends import (
     run_first,
 )
 from ._bias import hiding_bias
-from ._eager import eager_jit, on_one_default_device, run_compiled
+from ._eager import on_one_default_device, run_compiled
 from ._sharding import inferred_mesh, sharded_call
 from ._tuned import drop_tuned_backend, tuned_backend
 
@@ -153,12 +153,12 @@ def flash_attention(
     ):
         # The common eager call: jit's own dispatch (C++) keys the compiled function, and
         # validation runs while tracing (nothing here depends on concrete values).
-        return _eager_plain(
-            q, k, v, bias, softmax_sinks, softmax_scale=softmax_scale, causal=causal,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            dropout_rate=dropout_rate, return_lse=return_lse, implementation=implementation,
-            config=config, bwd_config=bwd_config, backends=tuple(BACKENDS.values()),
-        )  # fmt: skip
+        options = _PlainOptions(
+            softmax_scale, causal, sliding_window, logits_soft_cap, dropout_rate, return_lse
+        )
+        statics = (options, implementation, config, bwd_config, tuple(BACKENDS.values()))
+        if _hashable(statics):
+            return _compiled_plain(q, k, v, bias, softmax_sinks, *statics)
     request = validate_attention(
         q,
         k,
@@ -263,19 +263,24 @@ def _dispatch(
     )
 
 
+class _PlainOptions(NamedTuple):
+    """The static options of a call without segment ids, packing, a seed or a mesh."""
+
+    softmax_scale: Any
+    causal: Any
+    sliding_window: Any
+    logits_soft_cap: Any
+    dropout_rate: Any
+    return_lse: Any
+
+
 def _plain(
     q: Any,
     k: Any,
     v: Any,
     bias: Any,
     softmax_sinks: Any,
-    *,
-    softmax_scale: Any,
-    causal: Any,
-    sliding_window: Any,
-    logits_soft_cap: Any,
-    dropout_rate: Any,
-    return_lse: Any,
+    options: _PlainOptions,
     implementation: Any,
     config: Any,
     bwd_config: Any,
@@ -289,21 +294,14 @@ def _plain(
     """
     del backends
     request = validate_attention(
-        q, k, v, bias, softmax_scale=softmax_scale, causal=causal,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        softmax_sinks=softmax_sinks, dropout_rate=dropout_rate, return_lse=return_lse,
+        q, k, v, bias, softmax_sinks=softmax_sinks, **options._asdict()
     )  # fmt: skip
     return _compute(request, resolve_implementation(implementation), config, bwd_config)
 
 
-# One compiled `_plain` per signature of concrete arrays on one device (`_eager.eager_jit`).
-_eager_plain = eager_jit(
-    _plain,
-    static_argnames=(
-        "softmax_scale", "causal", "sliding_window", "logits_soft_cap", "dropout_rate",
-        "return_lse", "implementation", "config", "bwd_config", "backends",
-    ),
-)  # fmt: skip
+# One compiled `_plain` per signature of concrete arrays on one device: the statics
+# positional, so jit's C++ dispatch keys it as cheaply as a user's own jitted call.
+_compiled_plain = jax.jit(_plain, static_argnums=(5, 6, 7, 8, 9))
 
 
 def _concrete_on_one_default_device(*arrays: Any) -> bool:
@@ -313,3 +311,11 @@ def _concrete_on_one_default_device(*arrays: Any) -> bool:
             return False
     # a sharded q may run per shard (inferred_mesh): the general path
     return on_one_default_device(arrays[0].sharding)
+
+
+def _hashable(values: tuple[Any, ...]) -> bool:
+    try:
+        hash(values)
+    except TypeError:
+        return False
+    return True

@@ -104,11 +104,12 @@ def _crafted_paged_config(implementation):
 )
 def test_a_crafted_paged_config_on_disk_gives_the_heuristic(implementation, kernel):
     from ejk_attention import paged_attention
-    from ejk_attention._paged import PAGED_BACKENDS
+    from ejk_attention._backends import paged_backends
 
+    paged = paged_backends()
     args = _paged_inputs(len(implementation))
     request = validate_paged_attention(*args)
-    key = PAGED_BACKENDS[implementation].invocations(request)["forward"].call_key
+    key = paged[implementation].invocations(request)["forward"].call_key
     crafted = _crafted_paged_config(implementation)
     open_cache().register(type(crafted))
     open_cache().put(key, crafted)

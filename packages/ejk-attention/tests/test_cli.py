@@ -516,13 +516,14 @@ def test_tune_paged_argument_errors_come_before_any_work(argv, message, capsys, 
 
 @pytest.mark.usefixtures("no_work")
 def test_tune_paged_names_the_paged_backends_for_an_impl_paged_attention_lacks(capsys):
-    from ejk_attention._paged import PAGED_BACKENDS
+    from ejk_attention._backends import paged_backends
 
-    assert "cudnn" not in PAGED_BACKENDS
+    paged = paged_backends()
+    assert "cudnn" not in paged
     assert main(["tune", "--op", "paged", "--impl", "cudnn", "--quiet"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "ejk tune: error: --impl cudnn: paged_attention has no cudnn backend "
-        f"(it has {', '.join(PAGED_BACKENDS)})"
+        f"(it has {', '.join(paged)})"
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from ejk_attention import (
     _backends,
-    _paged,
+    _paged_backends,
     dot_product_attention,
     flash_attention,
     paged_attention,
@@ -162,13 +162,13 @@ def dpa_xla_runs(monkeypatch):
     from ejk_attention import _dpa
 
     runs = []
-    original = _dpa._BACKENDS["xla"]
+    original = _dpa._ROUTES["jax.nn"]
 
     def counting(name, query, *args):
         runs.append(query)
         return original(name, query, *args)
 
-    monkeypatch.setitem(_dpa._BACKENDS, "xla", counting)
+    monkeypatch.setitem(_dpa._ROUTES, "jax.nn", counting)
     return runs
 
 
@@ -192,12 +192,12 @@ def paged_xla_runs(monkeypatch):
     """The paged xla backend, recording the request of each run."""
     runs = []
 
-    class Counting(_paged.PagedXlaBackend):
+    class Counting(_paged_backends.PagedXlaBackend):
         def run(self, request, config, bwd_config):
             runs.append(request)
             return super().run(request, config, bwd_config)
 
-    monkeypatch.setitem(_paged.PAGED_BACKENDS, "xla", Counting())
+    monkeypatch.setattr(_backends.BACKENDS["xla"], "paged", Counting())
     return runs
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import ejk_attention
 import ejk_kernels_gpu
-from ejk_kernels_gpu.flash import _backward_launch, _decode, _forward_launch
+from ejk_kernels_gpu.flash import _backward_launch, _forward_launch, _select
 from ejk_kernels_gpu.paged import _launch as _paged_launch
 
 _LAUNCHING = (_forward_launch, _backward_launch, _paged_launch)
@@ -59,7 +59,7 @@ def _builds(launches, fn, q, k, v, kwargs):
 
 @pytest.mark.parametrize("call", ["decode", "packed", "window"])
 def test_facade_runs_the_kernel_packages_builds(launches, monkeypatch, call):
-    monkeypatch.setattr(_decode, "MIN_DECODE_KEYS", 64)  # decoding at an interpreter's size
+    monkeypatch.setattr(_select, "MIN_DECODE_KEYS", 64)  # decoding at an interpreter's size
     if call == "decode":
         q, k, v = _inputs(q_len=1, kv_len=80)
         kwargs = {}

@@ -29,10 +29,10 @@ def test_triton_comes_only_with_the_cuda_extra(dist):
 @pytest.fixture
 def no_triton(monkeypatch):
     """This process as a CPU install without Triton sees it."""
-    from ejk_attention import _backends
+    from ejk_attention import _backend
 
-    real = _backends.installed
-    monkeypatch.setattr(_backends, "installed", lambda name: name != "triton" and real(name))
+    real = _backend.installed
+    monkeypatch.setattr(_backend, "installed", lambda name: name != "triton" and real(name))
 
 
 @pytest.mark.usefixtures("no_triton")

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_attention import _paged, _paged_xla, paged_attention, ragged_paged_attention
+from ejk_attention import (
+    _backends,
+    _paged,
+    _paged_backends,
+    _paged_xla,
+    paged_attention,
+    ragged_paged_attention,
+)
 from ejk_sequtils import (
     FP8_KV_DTYPE,
     assert_allclose,
@@ -156,7 +163,7 @@ def test_triton_config_from_the_executor(monkeypatch):
     )
     args = _inputs(5, [3, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1))
     paged_attention(*args, implementation="triton")
-    backend = _paged.PAGED_BACKENDS["triton"]
+    backend = _backends.BACKENDS["triton"].paged
     request = validate_paged_attention(*args)
     assert seen[0] == backend.invocations(request)["forward"].kernel.heuristic_cfg(
         backend.invocations(request)["forward"]
@@ -168,12 +175,12 @@ def test_triton_config_from_the_executor(monkeypatch):
 def test_default_is_xla_off_gpu(monkeypatch):
     calls = []
 
-    class Recording(_paged.PagedXlaBackend):
+    class Recording(_paged_backends.PagedXlaBackend):
         def run(self, request, config, bwd_config):
             calls.append(request.q.shape)
             return super().run(request, config, bwd_config)
 
-    monkeypatch.setitem(_paged.PAGED_BACKENDS, "xla", Recording())
+    monkeypatch.setattr(_backends.BACKENDS["xla"], "paged", Recording())
     args = _inputs(6, [4, 9], cols=2, heads=2, kv_heads=1, dtype=jnp.float32, q_rows=(2, 1))
     paged_attention(*args)
     assert calls == [(2, 1, 2, H)]
@@ -233,7 +240,7 @@ def test_pallas_is_the_default_on_tpu_with_the_executors_config(monkeypatch):
     _paged._eager_call.clear_cache()
     args = _inputs(5, [3, 9], cols=2, heads=4, kv_heads=2, dtype=jnp.float32, q_rows=(2, 1))
     paged_attention(*args)
-    backend = _paged.PAGED_BACKENDS["pallas"]
+    backend = _backends.BACKENDS["pallas"].paged
     inv = backend.invocations(validate_paged_attention(*args))["forward"]
     assert seen == [inv.kernel.heuristic_cfg(inv)]
     assert isinstance(seen[0], ejk_kernels_tpu.RaggedPagedConfig)

@@ -74,7 +74,7 @@ def _recording():
                         constexprs.get("DQ_ATOMIC", False) or constexprs.get("DQ", False)
                     ),
                     # the ordinary dk/dv kernel's dq added by TMA reduces (Hopper, atomic_dq,
-                    # head_dim a power of two: `flash._options.dq_by_tma`)
+                    # head_dim a power of two: `flash._constexprs.dq_by_tma`)
                     "dq_tma": bool(constexprs.get("DQ_TMA", False)),
                     "warps": kw.get("num_warps"),
                     "stages": kw.get("num_stages"),
@@ -416,11 +416,11 @@ CASES = [
     ("gluon bwd documents padded tail h128", 2, 1024, 1024, 8, 2, 128, GG, dict(documents="padded", causal=True)),
     ("gluon bwd h256 documents padded tail fp16", 2, 1024, 1024, 8, 4, 256, GG, dict(documents="padded", dtype=jnp.float16)),
     # 32 (batch, head) groups of 64 query blocks: the persistent forward takes the last 9
-    # rows-major, the first 23 in the grid's order (`flash._options.rows_major`)
+    # rows-major, the first 23 in the grid's order (`flash._constexprs.rows_major`)
     ("gluon causal last groups rows-major", 1, 8192, 8192, 32, 8, 128, GG, dict(causal=True)),
     # head_dim 64 by the heuristics: the Gluon dk/dv kernel with groups or a soft cap, the
     # ordinary dq kernel beside it (64x32 tiles, its own dq block table) without a cap
-    # (`flash._config.dq_beside`), the Gluon one with; windows keep the ordinary forward.
+    # (`flash._select.DQ_RULES`), the Gluon one with; windows keep the ordinary forward.
     ("gluon bwd h64 gqa causal T>S sinks", 1, 1536, 1000, 16, 4, 64, GG, dict(causal=True, sinks=True)),
     ("gluon bwd h64 gqa documents fp16", 2, 2048, 2048, 8, 2, 64, GG, dict(documents=True, causal=True, dtype=jnp.float16)),
     ("gluon bwd h64 gqa window 2-sided", 1, 2048, 2048, 16, 4, 64, {"bwd": "gluon"}, dict(sliding_window=(300, 100))),

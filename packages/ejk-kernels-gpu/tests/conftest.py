@@ -66,9 +66,9 @@ def on_hopper_fixture(monkeypatch):
     `flash._backward_launch.launch`. Returns ``watch(hook)``: ``hook(name, grid, inputs, outs,
     consts, kwargs)`` sees every launch (``name``: the kernel's) and may return outputs that
     stand in for it (None: the launch runs as usual)."""
-    from ejk_kernels_gpu.flash import _backward_launch, _forward_launch, _options
+    from ejk_kernels_gpu.flash import _backward_launch, _forward_launch, _select
 
-    monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_select, "hopper_gpu", lambda: True)
 
     def watch(hook):
         for module in (_forward_launch, _backward_launch):

@@ -63,7 +63,7 @@ def test_whole_search_space_compiles_for_hopper(head_dim):
 _OFF_HEURISTIC = """
 import sys
 from ejk_kernels_gpu.aot import flash as aot
-from ejk_kernels_gpu.flash import _config as c
+from ejk_kernels_gpu.flash import _select as c
 
 h, failed = 128, 0
 size = lambda x: (x.block_q * x.block_k * (x.num_stages or 1), x.num_warps or 0)
@@ -150,7 +150,7 @@ def _threads(row: dict) -> int:
 
 
 def test_the_three_consumer_gluon_forward_builds_for_hopper():
-    """The soft cap's three-consumer tile (192 rows, 64 keys a step; `flash._config.THREE_CONSUMERS`)
+    """The soft cap's three-consumer tile (192 rows, 64 keys a step; `flash._select.THREE_CONSUMERS`)
     at head_dim 64 and 128, bf16 and fp16, causal (the heuristic's) and with segment ids
     (the tuning space's): four warpgroups, 160 registers a consumer thread and no spill
     without a table (one value reloaded with one: `aot.flash.GLUON_SPILL_BYTES`). The build
@@ -221,7 +221,7 @@ def test_the_gluon_backward_kernels_build_for_hopper():
     """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim
     64 and 128, bf16 and fp16: the Gluon one with three consumers, but at head_dim 64
-    without a cap the ordinary one with 64x32 tiles (`flash._config.dq_beside`). Three warpgroups
+    without a cap the ordinary one with 64x32 tiles (`flash._select.DQ_RULES`). Three warpgroups
     (four in the dq kernel), within shared memory and scratch; the Gluon dq kernel spills
     nothing, the dk/dv kernel at most the bytes `aot.flash.GLUON_SPILL_BYTES` allows."""
     rows = _compile_16_bit(
@@ -238,7 +238,7 @@ def test_the_gluon_backward_kernels_build_for_hopper():
         if head_dim == 128 or variant == "softcap"
     }
     assert all(r["fits"] and r["spill_stores"] == 0 for r in gluon_dq)
-    # Without a block table its three consumers (`flash._config.GLUON_DQ_THREE`: 192 rows, two
+    # Without a block table its three consumers (`flash._select.GLUON_DQ_THREE`: 192 rows, two
     # slots, four warpgroups)
     tiles = {(r["config"]["block_q"], r["config"]["num_stages"], r["threads"]) for r in gluon_dq}
     assert tiles == {(192, 2, 512)}
@@ -270,7 +270,7 @@ def test_the_gluon_backward_kernels_build_every_mask_for_hopper():
     """The Gluon dk/dv kernel (two and three slots) with windows, documents as segment ids,
     packed sequences and context parallelism's global positions with documents (the block
     tables' paths) at head_dim 64 and 128, and the Gluon dq kernel beside it at 128
-    (pipelined, three slots; at 64 the ordinary one, `flash._config.dq_beside`): three
+    (pipelined, three slots; at 64 the ordinary one, `flash._select.DQ_RULES`): three
     warpgroups, within shared memory; the dq kernel spills nothing, the dk/dv kernel at
     most its allowance (`aot.flash.GLUON_SPILL_BYTES`)."""
     rows = _compile(

@@ -225,7 +225,7 @@ def test_relative_calls_compare_positions_without_sequence_ids(rng, make_inputs)
     kernels get no id tables and build without ``SEQ_IDS`` (its loads spilled registers in
     the Gluon builds: `aot.flash`'s "relative" variant)."""
     from ejk_kernels_gpu.context._blocks import block_options, block_tables
-    from ejk_kernels_gpu.flash._options import gluon_constexprs, kernel_constexprs
+    from ejk_kernels_gpu.flash._constexprs import gluon_constexprs, kernel_constexprs
 
     q, k, v = make_inputs(rng, 1, 32, 32, 2, 1, 16, jnp.float32)
     masks = BlockMasks(scale=0.25, causal=True, relative=True)
@@ -318,7 +318,7 @@ def test_keys_and_values_as_one_array_give_the_same_results(rng, make_inputs):
 )
 def test_block_calls_refuse_backward_configs_no_kernel_runs(rng, make_inputs, bwd, match):
     """Context parallelism's block calls check a backward config as `flash_attention` does
-    (`flash._options.check_bwd_config`), not only its own entry point."""
+    (`flash._select.check_bwd_config`), not only its own entry point."""
     from ejk_kernels_gpu import FlashConfig
     from ejk_kernels_gpu.context._blocks import block_options
 

@@ -24,17 +24,16 @@ import pytest
 from ejk_kernels_gpu import FlashConfig, flash_attention
 from ejk_kernels_gpu.build import _jax_triton_fix
 from ejk_kernels_gpu.build._triton import multiprocessors
-from ejk_kernels_gpu.flash._config import (
+from ejk_kernels_gpu.flash._config import gluon_fits, ordinary_config
+from ejk_kernels_gpu.flash._schedule import forward_order
+from ejk_kernels_gpu.flash._select import (
     _GLUON_CONFIGS,
     GLUON_DQ_64,
     THREE_CONSUMERS,
     dq_beside,
     fwd_heuristic,
     fwd_search_space,
-    gluon_fits,
-    ordinary_config,
 )
-from ejk_kernels_gpu.flash._schedule import forward_order
 from ejk_sequtils import random_document_ids, reference_attention
 
 GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=True)
@@ -106,7 +105,8 @@ def test_soft_cap_calls_take_three_consumers_at_head_dim_128():
     ],
 )  # fmt: skip
 def test_calls_with_a_soft_cap_and_no_table_run_three_consumers(on_hopper, kwargs, three):
-    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs
+    from ejk_kernels_gpu.flash._constexprs import gluon_constexprs
+    from ejk_kernels_gpu.flash._select import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -549,7 +549,7 @@ def test_unmasked_and_causal_calls_launch_it_by_default(gluon_launches, rng, clo
     # the launch's tile order for one program a tile, causal; persistent ones, the grid's
     assert consts["ORDERED"] == (causal and not persistent)
     assert consts["QK"] == pytest.approx(128**-0.5 * math.log2(math.e))
-    # causal calls of up to 8192 keys take two slots (`flash._options.short_causal`), others three
+    # causal calls of up to 8192 keys take two slots (`flash._select.short_causal`), others three
     slots = 2 if causal else 3
     assert (consts["BM"], consts["BN"], consts["STAGES"], kw["num_warps"]) == (128, 128, slots, 4)
     assert outs[:3] == [(q.shape, q.dtype), ((2, heads, q_len), jnp.float32), ((1,), jnp.int32)]
@@ -786,7 +786,8 @@ def test_jax_triton_hook_compiles_gluon_kernels_itself(monkeypatch, scratch_ptx)
     ],
 )
 def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg, persistent):
-    from ejk_kernels_gpu.flash._options import CallOptions, gluon_persistent
+    from ejk_kernels_gpu.flash._constexprs import gluon_persistent
+    from ejk_kernels_gpu.flash._select import CallOptions
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
@@ -816,8 +817,9 @@ def test_short_causal_calls_take_their_last_tiles_rows_major(shape, causal, seg,
     sequences of at most `ROWS_MAJOR_WAVES` tiles a multiprocessor (132 here); the last
     groups holding `TAIL_WAVES` multiprocessors' worth of the heaviest tiles in causal
     calls without a table of at most `TAIL_BLOCKS` query blocks."""
-    from ejk_kernels_gpu.flash import _options
-    from ejk_kernels_gpu.flash._options import CallOptions, gluon_persistent, rows_major
+    from ejk_kernels_gpu.flash import _constexprs
+    from ejk_kernels_gpu.flash._constexprs import gluon_persistent, rows_major
+    from ejk_kernels_gpu.flash._select import CallOptions
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
@@ -825,7 +827,7 @@ def test_short_causal_calls_take_their_last_tiles_rows_major(shape, causal, seg,
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=128, num_stages=2, gluon=True)
     persistent = gluon_persistent(opts, shape, shape[1], cfg)
-    assert _options.multiprocessors() == 132
+    assert _constexprs.multiprocessors() == 132
     assert rows_major(opts, shape, cfg, persistent=persistent) == expected
 
 
@@ -864,7 +866,8 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
     documents and causal calls of up to 8192 keys (its output then gets a buffer of its own,
     ``OBUF``: the next tile's q loads during a tile's epilogue), three otherwise (no room for
     it); head_dim 64 has room with three; one program a tile, or head_dim 256, never."""
-    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs, gluon_obuf
+    from ejk_kernels_gpu.flash._constexprs import gluon_constexprs, gluon_obuf
+    from ejk_kernels_gpu.flash._select import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -895,8 +898,8 @@ def test_calls_with_short_or_heavy_key_loops_give_the_output_a_buffer_of_its_own
 def test_head_dim_64_calls_take_the_gluon_forward_but_under_a_window(on_hopper, kwargs, gluon):
     """At head_dim 64 the forward heuristic takes the Gluon forward (three slots) for every
     call it can run but those with a sliding window, where it measured slower than the
-    ordinary kernel (H200, `flash._config._GLUON_HEURISTIC_HEAD_DIMS`)."""
-    from ejk_kernels_gpu.flash._options import call_options
+    ordinary kernel (H200, `flash._select.FORWARD_RULES`)."""
+    from ejk_kernels_gpu.flash._select import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -932,8 +935,8 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
     """At head_dim 64 the backward heuristic takes the Gluon dk/dv kernel (two slots) with
     groups or a soft cap, the ordinary dq kernel beside it without a cap and the Gluon one
     with (three consumers without a block table); MHA without a cap keeps the ordinary
-    kernels (H200, `flash._config._GLUON_BWD_HEURISTIC_HEAD_DIMS`, `flash._config.dq_beside`)."""
-    from ejk_kernels_gpu.flash._options import call_options
+    kernels (H200, `flash._select.BACKWARD_RULES`, `flash._select.DQ_RULES`)."""
+    from ejk_kernels_gpu.flash._select import call_options
     from ejk_sequtils import validate_attention
 
     kwargs = dict(kwargs)
@@ -948,7 +951,7 @@ def test_head_dim_64_backwards_take_the_gluon_dkdv_kernel_with_groups_or_a_soft_
         cap = "logits_soft_cap" in kwargs
         dq = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
         assert dq_beside(opts.bwd_cfg, 64, cap, tabled=True) == (GLUON_DQ_64 if cap else dq)
-        # without a table and with a cap its three consumers (`flash._config.GLUON_DQ_THREE`)
+        # without a table and with a cap its three consumers (`flash._select.GLUON_DQ_THREE`)
         three = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
         assert dq_beside(opts.bwd_cfg, 64, cap, tabled=False) == (three if cap else dq)
 
@@ -969,7 +972,8 @@ def test_soft_caps_up_to_55_in_bf16_fix_each_rows_shift(
 ):
     """The Gluon forward keeps each row's shift from a tile's first key block on
     (``FIXED_SHIFT``) where the cap bounds the logits within bf16's range."""
-    from ejk_kernels_gpu.flash._options import call_options, gluon_constexprs
+    from ejk_kernels_gpu.flash._constexprs import gluon_constexprs
+    from ejk_kernels_gpu.flash._select import call_options
     from ejk_sequtils import validate_attention
 
     q = jnp.zeros((1, 1024, 8, 128), dtype)
@@ -986,7 +990,7 @@ GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, glu
 
 
 def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_allowed():
-    from ejk_kernels_gpu.flash._config import bwd_heuristic, bwd_search_space
+    from ejk_kernels_gpu.flash._select import bwd_heuristic, bwd_search_space
 
     assert bwd_heuristic(128, 2, False, 4, gluon=True) == GLUON_DKDV
     # MHA without a soft cap: dq in it, three slots; with a cap dq beside it
@@ -1197,7 +1201,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
 ):
     """At head_dim 64 with groups the Gluon dk/dv kernel runs by default, and beside it
     the ordinary dq kernel with 64x32 tiles, walking a dq block table built for those
-    (`flash._config.dq_beside`); with a soft cap the Gluon dq kernel. The gradients, through the
+    (`flash._select.DQ_RULES`); with a soft cap the Gluon dq kernel. The gradients, through the
     dk/dv kernel's emulation and the interpreted dq kernel, match the reference."""
     _, kwargs = case
     kwargs = dict(kwargs)
@@ -1208,7 +1212,7 @@ def test_head_dim_64_runs_the_ordinary_dq_kernel_beside_the_gluon_dkdv_kernel(
     assert grid == (3, batch * kv_heads) and (consts["BM"], consts["BN"]) == (64, 128)
     if "logits_soft_cap" in kwargs:
         [(dq_grid, dq_consts, _, _)] = gluon_launches.dq
-        # (384 rows: two programs of 192, its three consumers, `flash._config.GLUON_DQ_THREE`)
+        # (384 rows: two programs of 192, its three consumers, `flash._select.GLUON_DQ_THREE`)
         assert gluon_launches.ordinary_dq == [] and dq_grid == (2, batch * heads)
         assert dq_consts["BM"] == 192
     else:

@@ -69,7 +69,7 @@ def test_backward_space_offers_both_ways_of_computing_dq():
 
 
 def test_dq_goes_by_tma_only_for_atomic_dq_on_hopper_with_whole_tile_rows():
-    from ejk_kernels_gpu.flash._options import dq_by_tma
+    from ejk_kernels_gpu.flash._constexprs import dq_by_tma
 
     atomic = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
     assert dq_by_tma(atomic, 128, hopper=True)

@@ -12,7 +12,7 @@ import pytest
 
 from ejk_kernels_gpu import FlashConfig
 from ejk_kernels_gpu.flash import _tables
-from ejk_kernels_gpu.flash._options import CallOptions
+from ejk_kernels_gpu.flash._select import CallOptions
 from ejk_sequtils import visibility_mask
 
 CU_Q = [0, 9, 9, 30, 38]

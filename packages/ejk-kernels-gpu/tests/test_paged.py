@@ -21,7 +21,7 @@ from ejk_kernels_gpu import (
     paged_search_space,
     unsupported_paged_reason,
 )
-from ejk_kernels_gpu.flash import _decode
+from ejk_kernels_gpu.flash import _decode, _select
 from ejk_kernels_gpu.paged import _launch as _paged_launch
 from ejk_kernels_gpu.paged._config import tile_shape
 from ejk_sequtils import (
@@ -309,7 +309,7 @@ def test_flash_attention_decode_takes_the_split_kv_kernel_with_flash_gradients(
     """Few queries, many keys: the split-KV forward serves flash_attention (spied), values
     and every gradient (flash backward) match the reference; top-left causal with one query
     sees key 0 alone."""
-    monkeypatch.setattr(_decode, "MIN_DECODE_KEYS", 64)
+    monkeypatch.setattr(_select, "MIN_DECODE_KEYS", 64)
     launches = decode_launches
     q, k, v = (
         jnp.asarray(rng.standard_normal(s), jnp.float32)
@@ -354,11 +354,11 @@ def test_flash_attention_route_leaves_other_calls():
         k = jnp.zeros((1, 2048, 2, 16))
         return validate_attention(q, k, k, **kwargs)
 
-    assert _decode.routes_to_decode(request(), None)
-    assert not _decode.routes_to_decode(request(), FlashConfig())  # explicit: flash
-    assert not _decode.routes_to_decode(request(sliding_window=(8, 8)), None)
-    assert not _decode.routes_to_decode(request(return_lse=True), None)
-    assert not _decode.routes_to_decode(request(dropout_rate=0.1, dropout_seed=1), None)
+    assert _select.routes_to_decode(request(), None)
+    assert not _select.routes_to_decode(request(), FlashConfig())  # explicit: flash
+    assert not _select.routes_to_decode(request(sliding_window=(8, 8)), None)
+    assert not _select.routes_to_decode(request(return_lse=True), None)
+    assert not _select.routes_to_decode(request(dropout_rate=0.1, dropout_seed=1), None)
 
 
 def test_executor_runs_the_paged_kernel(rng, close):

@@ -2,7 +2,7 @@
 tiles, heaviest first within blocks of (batch, head) groups, and a shorter schedule than
 the grid's own order where programs' work is uneven; the steps it weighs, from block
 tables and from causal alone, are the blocks the kernels walk. Also the persistent
-forward's own order with its last groups rows-major (`flash._options.rows_major`)."""
+forward's own order with its last groups rows-major (`flash._constexprs.rows_major`)."""
 
 from __future__ import annotations
 
@@ -160,9 +160,10 @@ def test_grouped_causal_dkdv_programs_end_with_light_ones():
 @pytest.mark.parametrize("shape", [(4, 4096, 32), (1, 8192, 32), (8, 2048, 16)])
 def test_short_causal_forwards_end_with_light_tiles(shape):
     # Causal calls without a table: in the grid's order the last groups' heaviest tiles
-    # start late; `flash._options.rows_major` takes the last groups one query block at a time.
+    # start late; `flash._constexprs.rows_major` takes the last groups one query block at a time.
     from ejk_kernels_gpu import FlashConfig
-    from ejk_kernels_gpu.flash._options import CallOptions, rows_major
+    from ejk_kernels_gpu.flash._constexprs import rows_major
+    from ejk_kernels_gpu.flash._select import CallOptions
 
     batch, q_len, heads = shape
     opts = CallOptions(

@@ -16,8 +16,9 @@ import pytest
 
 from ejk_kernels_gpu import FlashConfig, flash_attention
 from ejk_kernels_gpu.build._jax_triton_fix import redirect_scratch, threads_required
-from ejk_kernels_gpu.flash import _backward_launch, _options
-from ejk_kernels_gpu.flash._config import fwd_heuristic, fwd_search_space, ordinary_config
+from ejk_kernels_gpu.flash import _backward_launch, _select
+from ejk_kernels_gpu.flash._config import ordinary_config
+from ejk_kernels_gpu.flash._select import fwd_heuristic, fwd_search_space
 from ejk_sequtils import reference_attention
 
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
@@ -115,7 +116,7 @@ def bwd_launches_fixture(monkeypatch):
             return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
         return launch(kernel, grid, inputs, outs, consts, **kwargs)
 
-    monkeypatch.setattr(_options, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(_select, "hopper_gpu", lambda: True)
     monkeypatch.setattr(_backward_launch, "launch", spy)
     return seen
 

@@ -1,36 +1,44 @@
-"""The attention backends the facade chooses from, and the fall-through between them.
+"""The attention backends, one object each, and the fall-through between them.
 
-Every backend is one object with the same parts:
-
-- ``supported(request, platform)``: None, or the reason it cannot serve the request
-  (a cheap static check);
-- ``invocations(request)``: the `ejk_executor` invocations whose configs it runs with,
-  ``{"forward": ..., "backward": ...}`` (none for backends without performance knobs);
-  the executor chooses them (explicit, overlay, memory, persistent cache where ``ejk
-  tune`` stores, then heuristic or autotune), ``heuristic_config``/``backward_config``
-  /``config_space`` are the kernels' own answers for the same invocations;
-- ``run(request, config, bwd_config)``: computes the request; it may still raise
-  ``NotImplementedError`` with a reason (a kernel refusing a shape it only learns about
-  when called), and the facade then moves on to the next backend. Any other error is
-  a bug and propagates.
-
-Kernel packages are imported inside the methods, never at import time, so the facade
-works with whichever of them is installed.
+`BACKENDS` holds one object per backend (``xla``, ``triton``, ``pallas``, ``cudnn``; the parts
+every backend has are in `_backend`): its dense entry point (`flash_attention`: this object's
+``supported``, ``invocations``, ``run``), its paged one (``paged``: `_paged_backends`), how
+context-parallel steps run on it (``context_steps``, `context_reason`), its block-sparse one
+(`block_sparse`), how `dot_product_attention` runs on it (``dot_product``) and its config
+types; where it has none of them, ``absent`` says why. `flash_attention`,
+`dot_product_attention`, `paged_attention`, `blocksparse_attention` and the context-parallel
+calls all look their backend up here. `run_first` tries backends in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ejk_sequtils import AttentionRequest, PagedAttentionRequest
+import ejk_kernels_gpu
+import ejk_kernels_tpu
+from ejk_executor import Invocation
+from ejk_sequtils import (
+    AttentionRequest,
+    PagedAttentionRequest,
+    cu_seqlens_to_segment_ids,
+    reference_attention,
+)
 
+from ._backend import (
+    Backend,
+    installed,
+    is_gpu,
+    kernel_executor,
+    platform_of,
+    triton_missing,
+)
+from ._paged_backends import PagedPallasBackend, PagedTritonBackend, PagedXlaBackend
 from ._xla import xla_attention
 
 __all__ = [
@@ -40,137 +48,48 @@ __all__ = [
     "default_order",
     "installed",
     "kernel_executor",
+    "paged_backends",
     "platform_of",
     "resolve_implementation",
     "run_first",
     "triton_missing",
 ]
 
-# Why the triton backends refuse a call where Triton is not installed: it comes with the
-# cuda extra only, so a CPU install stays light (its interpreter alone needs triton too).
-TRITON_MISSING = (
-    "Triton is not installed: the triton backend needs the cuda extra "
-    "(pip install 'ejk-attention[cuda]'; on CPU, triton alone runs its interpreter)"
-)
-
-
-def installed(module: str) -> bool:
-    """Whether top-level ``module`` can be imported here (looked up, not imported)."""
-    return importlib.util.find_spec(module) is not None
-
-
-def triton_missing() -> str | None:
-    """`TRITON_MISSING` where Triton is not installed, else None."""
-    return None if installed("triton") else TRITON_MISSING
-
-
-def platform_of(request: AttentionRequest | PagedAttentionRequest) -> str:
-    """The platform the call runs on: the devices of concrete inputs, else the default backend."""
-    q = request.q
-    if isinstance(q, jax.Array) and not isinstance(q, jax.core.Tracer):
-        return next(iter(q.devices())).platform
-    return jax.default_backend()
-
-
-def _is_gpu(platform: str) -> bool:
-    return platform in ("gpu", "cuda", "rocm")
-
-
-@functools.cache
-def kernel_executor() -> Any:
-    """The executor that picks kernel configs: explicit, memory, then the persistent cache
-    (where ``ejk tune`` stores autotuned ones), else the kernel's heuristic."""
-    from ejk_executor import ConfigSelectorChain, Executor
-
-    from ._tuned import open_cache
-
-    return Executor(ConfigSelectorChain(persistent=open_cache()))
-
-
-class Backend:
-    """One way to compute attention (the base is a backend without performance knobs)."""
-
-    name: str = ""
-
-    def supported(self, request: AttentionRequest, platform: str) -> str | None:
-        """None if this backend serves ``request`` on ``platform``, else the reason."""
-        del request, platform
-        return None
-
-    def invocations(self, request: AttentionRequest) -> dict[str, Any]:
-        """The executor invocations (``"forward"``, ``"backward"``) whose configs ``run`` takes."""
-        del request
-        return {}
-
-    def heuristic_config(self, request: AttentionRequest) -> Any:
-        """The forward config the kernel's heuristic picks (None: no knobs)."""
-        inv = self.invocations(request).get("forward")
-        return None if inv is None else inv.kernel.heuristic_cfg(inv)
-
-    def backward_config(self, request: AttentionRequest) -> Any:
-        """The backward config the kernel's heuristic picks (None: no knobs)."""
-        inv = self.invocations(request).get("backward")
-        return None if inv is None else inv.kernel.heuristic_cfg(inv)
-
-    def config_space(self, request: AttentionRequest) -> list[Any]:
-        """The forward configs worth timing for ``request``."""
-        inv = self.invocations(request).get("forward")
-        return [] if inv is None else list(inv.kernel.config_space(inv))
-
-    def choose_configs(
-        self, request: AttentionRequest, config: Any = None, bwd_config: Any = None
-    ) -> tuple[Any, Any]:
-        """``(config, bwd_config)``: the given ones, else the executor's choice for each."""
-        invocations = self.invocations(request)
-        chosen = []
-        for part, given in (("forward", config), ("backward", bwd_config)):
-            inv = invocations.get(part)
-            if given is None and inv is not None:
-                given = kernel_executor().chooser.choose(inv).cfg
-            chosen.append(given)
-        return chosen[0], chosen[1]
-
-    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
-        raise NotImplementedError(f"{type(self).__name__}.run")
-
-    def run_configured(
-        self,
-        request: AttentionRequest | PagedAttentionRequest,
-        config: Any = None,
-        bwd_config: Any = None,
-    ) -> Any:
-        """``run`` with `choose_configs`' configs. A config the executor read from its
-        persistent cache that fails at launch is dropped there (one CacheWarning) and the
-        call runs again with the executor's next choice."""
-        configs = self.choose_configs(request, config, bwd_config)
-        try:
-            return self.run(request, *configs)
-        except NotImplementedError:
-            raise
-        except Exception as err:
-            reason = f"it failed at launch ({type(err).__name__}: {err})"
-            invocations = self.invocations(request)
-            chain = kernel_executor().chooser
-            dropped = [
-                chain.drop_cached(invocations[part], chosen, reason)
-                for part, given, chosen in zip(
-                    ("forward", "backward"), (config, bwd_config), configs, strict=True
-                )
-                if given is None and part in invocations
-            ]
-            if not any(dropped):
-                raise
-        return self.run(request, *self.choose_configs(request, config, bwd_config))
-
 
 class XlaBackend(Backend):
-    """The definition in plain jnp with its own VJP (`_xla`): every feature, every platform."""
+    """The definition in plain jnp with its own VJP (`_xla`): every feature, every platform;
+    paged (`_paged_xla`), context-parallel steps in einsums, block-sparse masks applied
+    densely, `dot_product_attention` as jax.nn's own xla path."""
 
     name = "xla"
+    paged = PagedXlaBackend()
+    context_steps = "einsums"
+    dot_product = "jax.nn"
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
         del config, bwd_config  # no performance knobs
         return xla_attention(request)
+
+    def block_sparse(self, mask: Any) -> Backend:
+        return XlaMaskBackend(mask)
+
+
+class XlaMaskBackend(Backend):
+    """The xla backend under a block-sparse mask: the reference with the mask as part of
+    the visibility (not an additive -inf bias, so the soft cap, which maps -inf to -cap,
+    cannot unmask anything)."""
+
+    name = "xla"
+
+    def __init__(self, mask: Any):
+        self.mask = mask
+
+    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
+        del config, bwd_config
+        dense = jnp.asarray(self.mask.dense())
+        dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
+        kw = request.keyword_arguments()
+        return reference_attention(request.q, request.k, request.v, mask=dense.astype(bool), **kw)
 
 
 _CUDNN_UNSUPPORTED = {
@@ -190,9 +109,15 @@ class CudnnBackend(Backend):
     """``jax.nn.dot_product_attention(implementation="cudnn")`` where the request fits it."""
 
     name = "cudnn"
+    dot_product = "jax.nn"
+    absent = MappingProxyType({
+        "paged": "cuDNN serves no paged KV cache here",
+        "context_steps": "context parallelism runs its steps on triton or xla",
+        "block_sparse": "cuDNN takes no block-sparse mask",
+    })  # fmt: skip
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
-        if not _is_gpu(platform):
+        if not is_gpu(platform):
             return f"cuDNN needs an NVIDIA GPU, this call runs on {platform}"
         if request.q.dtype not in (jnp.float16, jnp.bfloat16):
             return f"cuDNN flash attention needs float16/bfloat16 inputs, got {request.q.dtype}"
@@ -233,39 +158,39 @@ class CudnnBackend(Backend):
 
 
 class TritonBackend(Backend):
-    """``ejk_kernels_gpu`` (on CPU its kernels run in Triton's interpreter)."""
+    """``ejk_kernels_gpu`` (on CPU its kernels run in Triton's interpreter): the flash
+    kernels, the split-KV paged kernel, the context-parallel block kernels
+    (`ejk_kernels_gpu.context`); `dot_product_attention` through flash attention."""
 
     name = "triton"
+    paged = PagedTritonBackend()
+    context_steps = "kernels"
+    dot_product = "flash"
+    config_types = (ejk_kernels_gpu.FlashConfig, ejk_kernels_gpu.PagedConfig)
+    absent = MappingProxyType({"block_sparse": "the Triton kernels take no block-sparse mask"})
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
         del platform  # off GPU the kernels run in Triton's interpreter
-        if triton_missing():
-            return triton_missing()
-        try:
-            import ejk_kernels_gpu
-        except ImportError as err:
-            return f"ejk_kernels_gpu is not available: {err}"
-        return ejk_kernels_gpu.unsupported_reason(request)
+        return triton_missing() or ejk_kernels_gpu.unsupported_reason(request)
+
+    def context_reason(self, request: AttentionRequest) -> str | None:
+        """Why the context-parallel block kernels cannot serve ``request``, or None."""
+        return self.supported(request, jax.default_backend())
 
     def invocations(self, request: AttentionRequest) -> dict[str, Any]:
-        from ejk_executor import Invocation
-        from ejk_kernels_gpu import FlashAttentionBackward, FlashAttentionForward, routes_to_decode
-
         q, k, v, bias = request.q, request.k, request.v, request.bias
         kw = request.keyword_arguments()
         # The backward kernel times the gradient of a d_out shaped like the output (q's
         # shape: the kernels need v's head_dim == q's); q stands in for it in the key.
-        forward = Invocation.make(FlashAttentionForward(), (q, k, v, bias), kw)
-        backward = Invocation.make(FlashAttentionBackward(), (q, k, v, q, bias), kw)
-        if routes_to_decode(request):
+        forward = Invocation.make(ejk_kernels_gpu.FlashAttentionForward(), (q, k, v, bias), kw)
+        backward = Invocation.make(ejk_kernels_gpu.FlashAttentionBackward(), (q, k, v, q, bias), kw)
+        if ejk_kernels_gpu.routes_to_decode(request):
             # Decoding runs the split-KV kernel, which picks its own tile; a flash forward
             # config would force the flash forward (half the bandwidth: docs/performance.md).
             return {"backward": backward}
         return {"forward": forward, "backward": backward}
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
-        import ejk_kernels_gpu
-
         return ejk_kernels_gpu.attention(request, config=config, bwd_config=bwd_config)
 
 
@@ -275,8 +200,6 @@ def packed_segment_ids(request: AttentionRequest) -> Any:
     With one cu_seqlens for q and k, causal and window on global positions equal
     them on positions local to each sequence, so the kernels need no offsets.
     """
-    from ejk_sequtils import cu_seqlens_to_segment_ids
-
     _, q_len, kv_len, *_ = request.shape
     q_ids = cu_seqlens_to_segment_ids(request.cu_seqlens_q, q_len)
     kv_ids = cu_seqlens_to_segment_ids(request.cu_seqlens_k, kv_len)
@@ -292,28 +215,28 @@ class PallasBackend(Backend):
     """
 
     name = "pallas"
+    paged = PagedPallasBackend()
+    dot_product = "flash"
+    config_types = (ejk_kernels_tpu.BlockSparseConfig, ejk_kernels_tpu.RaggedPagedConfig)
+    absent = MappingProxyType(
+        {"context_steps": "context parallelism runs its steps on triton or xla"}
+    )
 
     def __init__(self, mask: Any = None):
         self.mask = mask
 
-    def _module(self) -> Any:
-        import ejk_kernels_tpu
-
-        return ejk_kernels_tpu
+    def block_sparse(self, mask: Any) -> Backend:
+        return PallasBackend(mask)
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
         del platform  # off TPU the kernel runs in Pallas' interpreter
-        try:
-            module = self._module()
-        except ImportError as err:
-            return f"ejk_kernels_tpu is not available: {err}"
         if "cu_seqlens" in request.features():
             if "segment_ids" in request.features():
                 return "the Pallas kernel takes cu_seqlens or segment_ids, not both"
             local = request.causal or request.sliding_window is not None
             if local and request.cu_seqlens_k is not request.cu_seqlens_q:
                 return "causal/window over packed input with cu_seqlens_k != cu_seqlens_q needs local positions"
-        return module.unsupported_reason(self._kernel_request(request))
+        return ejk_kernels_tpu.unsupported_reason(self._kernel_request(request))
 
     def _mask(self, request: AttentionRequest) -> Any:
         """The mask that selects the kernel's config: ours, else the one causal and window
@@ -321,7 +244,7 @@ class PallasBackend(Backend):
         _, q_len, kv_len, *_ = request.shape
         if self.mask is not None or q_len == 0 or kv_len == 0:
             return self.mask
-        return self._module().attention_mask(
+        return ejk_kernels_tpu.attention_mask(
             q_len, kv_len, causal=request.causal, sliding_window=request.sliding_window
         )
 
@@ -337,9 +260,6 @@ class PallasBackend(Backend):
         )
 
     def invocations(self, request: AttentionRequest) -> dict[str, Any]:
-        from ejk_executor import Invocation
-        from ejk_kernels_tpu import BlockSparseAttention
-
         local = dataclasses.replace(
             self._kernel_request(request), causal=False, sliding_window=None
         )
@@ -353,7 +273,9 @@ class PallasBackend(Backend):
             "dropout_seed": local.dropout_seed,
             "return_lse": local.return_lse,
         }
-        inv = Invocation.make(BlockSparseAttention(), (local.q, local.k, local.v), kw)
+        inv = Invocation.make(
+            ejk_kernels_tpu.BlockSparseAttention(), (local.q, local.k, local.v), kw
+        )
         return {"forward": inv, "backward": inv}
 
     def choose_configs(
@@ -369,7 +291,7 @@ class PallasBackend(Backend):
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
         del bwd_config  # the same config (see choose_configs)
-        return self._module().blocksparse_attention_request(
+        return ejk_kernels_tpu.blocksparse_attention_request(
             self._kernel_request(request), self.mask, config=config
         )
 
@@ -383,9 +305,15 @@ BACKENDS: dict[str, Backend] = {
 IMPLEMENTATIONS: tuple[str, ...] = tuple(BACKENDS)
 
 
+def paged_backends() -> dict[str, Backend]:
+    """The paged parts of the backends that have one, by name (read when called: a test or
+    a user replacing one is seen)."""
+    return {name: b.paged for name, b in BACKENDS.items() if b.paged is not None}
+
+
 def default_order(platform: str) -> tuple[str, ...]:
     """What ``implementation=None`` tries, in order, on ``platform``."""
-    if _is_gpu(platform):
+    if is_gpu(platform):
         return ("triton", "cudnn", "xla")
     if platform == "tpu":
         return ("pallas", "xla")

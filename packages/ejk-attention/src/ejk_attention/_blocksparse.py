@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from jax import Array
 from jaxtyping import Float, Int
 
-from ejk_sequtils import AttentionRequest, reference_attention, validate_attention
+from ejk_kernels_tpu import Mask
+from ejk_sequtils import validate_attention
 
-from ._backends import Backend, PallasBackend, platform_of, resolve_implementation, run_first
+from ._backends import BACKENDS, platform_of, resolve_implementation, run_first
 
 __all__ = ["blocksparse_attention"]
 
@@ -25,10 +25,6 @@ AnyArray = Array | np.ndarray
 
 
 def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
-    try:
-        from ejk_kernels_tpu import Mask
-    except ImportError as err:  # pragma: no cover - a declared dependency
-        raise NotImplementedError(f"blocksparse_attention needs ejk_kernels_tpu: {err}") from None
     if not isinstance(mask, Mask):
         raise TypeError(f"mask must be an ejk_kernels_tpu Mask, got {type(mask).__name__}")
     shape = tuple(mask.shape)
@@ -38,26 +34,6 @@ def _check_mask(mask: Any, heads: int, q_len: int, kv_len: int) -> None:
         raise ValueError(
             f"mask shape {shape} must be ({q_len}, {kv_len}) or (1|{heads}, {q_len}, {kv_len})"
         )
-
-
-class _DenseMaskBackend(Backend):
-    """The xla path: the reference with the mask as part of the visibility.
-
-    The mask joins the visibility (not an additive -inf bias), so the soft cap,
-    which maps -inf to -cap, cannot unmask anything.
-    """
-
-    name = "xla"
-
-    def __init__(self, mask: Any):
-        self.mask = mask
-
-    def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
-        del config, bwd_config
-        dense = jnp.asarray(self.mask.dense())
-        dense = dense[None, None] if dense.ndim == 2 else dense[None]  # [1, 1|N, T, S]
-        kw = request.keyword_arguments()
-        return reference_attention(request.q, request.k, request.v, mask=dense.astype(bool), **kw)
 
 
 def blocksparse_attention(
@@ -112,5 +88,7 @@ def blocksparse_attention(
     names = resolve_implementation(implementation)
     if names is None:
         names = ("pallas", "xla") if platform_of(request) == "tpu" else ("xla",)
-    backends = {"pallas": PallasBackend(mask), "xla": _DenseMaskBackend(mask)}
+    # Each backend's block-sparse part (pallas first: the kernel's own order where it runs).
+    parts = {name: BACKENDS[name].block_sparse(mask) for name in ("pallas", *BACKENDS)}
+    backends = {name: part for name, part in parts.items() if part is not None}
     return run_first(request, names, config, backends=backends)[1]

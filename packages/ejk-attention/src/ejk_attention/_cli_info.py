@@ -4,11 +4,16 @@ packages declare, the GPU kernel stack, the backends here and the config cache."
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import json
 import re
 from typing import Any
+
+from ejk_config import device_fingerprint
+
+from ._backends import default_order, triton_missing
+from ._tuned import open_cache
+from ._xla import XLA_BACKEND
 
 __all__ = [
     "PACKAGES",
@@ -154,9 +159,6 @@ def info(args: argparse.Namespace, console: Any) -> int:
     import jax
     from rich.table import Table
 
-    from ._backends import default_order
-    from ._tuned import open_cache
-
     accel = _accelerator()
     plugins = ", ".join(f"{k} {v}" for k, v in accel["plugins"].items()) or "none"
     console.print(
@@ -189,12 +191,7 @@ def info(args: argparse.Namespace, console: Any) -> int:
     for d in jax.devices():
         devices.add_row(str(d.id), d.platform, d.device_kind)
     console.print(devices)
-    try:
-        from ejk_config import device_fingerprint
-
-        console.print(f"fingerprint: {device_fingerprint()}")
-    except ImportError as err:  # pragma: no cover - ejk-config is a dependency
-        console.print(f"fingerprint: unavailable ({err})")
+    console.print(f"fingerprint: {device_fingerprint()}")
     order = default_order(jax.default_backend())
     backends = Table(title="backends")
     for col in ("implementation", "here"):
@@ -225,34 +222,16 @@ def info(args: argparse.Namespace, console: Any) -> int:
 def _backends_here(platform: str) -> dict[str, str]:
     """Each backend and how it runs on ``platform`` (or why it does not)."""
 
-    def importable(module: str) -> bool:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            return False
-        return True
-
-    from ._backends import triton_missing
-    from ._xla import XLA_BACKEND
-
     gpu, tpu = platform in ("gpu", "cuda", "rocm"), platform == "tpu"
     return {
         "xla": XLA_BACKEND,
         "triton": (
-            "not installed (ejk-kernels-gpu)"
-            if not importable("ejk_kernels_gpu")
-            else "Triton not installed: the cuda extra of ejk-attention brings it"
+            "Triton not installed: the cuda extra of ejk-attention brings it"
             if triton_missing()
             else "compiled kernels"
             if gpu
             else "Triton interpreter (slow; tests only)"
         ),
         "cudnn": "jax.nn cuDNN flash attention" if gpu else "needs an NVIDIA GPU",
-        "pallas": (
-            "not installed (ejk-kernels-tpu)"
-            if not importable("ejk_kernels_tpu")
-            else "compiled kernels"
-            if tpu
-            else "Pallas TPU interpreter (slow; tests only)"
-        ),
+        "pallas": ("compiled kernels" if tpu else "Pallas TPU interpreter (slow; tests only)"),
     }

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from ejk_kernels_gpu.context import BlockMasks, block_backward, block_forward
 from ejk_sequtils import dropout_keep_mask, visibility_mask
 
 from ._context_plan import Call
@@ -47,8 +48,6 @@ class CallMasks:
 
 
 def _block_masks(cm: CallMasks, call: Call) -> Any:
-    from ejk_kernels_gpu.context import BlockMasks
-
     causal, window, relative = cm.of(call)
     return BlockMasks(
         scale=cm.scale,
@@ -108,8 +107,6 @@ def call_forward(
     ``ids``: the ``(q_ids, k_ids)`` pair or None; offsets used by relative calls;
     ``dropout_key``: the call's `ejk_sequtils.dropout_key` with dropout, else None)."""
     if cm.kernels:
-        from ejk_kernels_gpu.context import block_forward
-
         masks = _block_masks(cm, call)
         return block_forward(
             masks,
@@ -138,8 +135,6 @@ def call_backward(
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)`` of one call given the rows' global ``out``, ``lse`` and cotangents."""
     if cm.kernels:
-        from ejk_kernels_gpu.context import block_backward
-
         masks = _block_masks(cm, call)
         return block_backward(
             masks,

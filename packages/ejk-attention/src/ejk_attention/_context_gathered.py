@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
+from ejk_kernels_gpu.context import BlockMasks, block_backward, block_forward
 from ejk_sequtils import from_zigzag, to_zigzag
 
 from ._context_calls import CallMasks
@@ -57,8 +58,6 @@ def device_blocks(x: Array, size: int, zigzag: bool) -> Array:
 
 
 def _block_masks(cm: CallMasks) -> Any:
-    from ejk_kernels_gpu.context import BlockMasks
-
     relative = cm.causal or cm.window is not None
     return BlockMasks(
         scale=cm.scale,
@@ -117,8 +116,6 @@ def gathered_forward(
     device's keys (the own block's ids made padding, so its blocks are skipped) resuming
     the first call's rows inside the kernel (`block_forward`'s ``resume``): no merge pass,
     and tiles of rows whose documents start in the own block write nothing."""
-    from ejk_kernels_gpu.context import block_forward
-
     masks = _block_masks(cm)
     q_offset = tuple(layout.offsets(me, layout.q_len))
     if not own_block_first(layout, q_ids):
@@ -148,8 +145,6 @@ def gathered_backward(
     dk and dv are the two halves of one array (the kernel writes them side by side,
     `block_backward`'s ``joint_dkdv``): joined again for the reduce-scatter
     (`_ring._reduce_scatter`), XLA takes that array itself, with no copy."""
-    from ejk_kernels_gpu.context import block_backward
-
     q, _, _, q_ids, _, out, lse = res
     d_out, d_lse = cts
     keys, kv_ids = _whole(layout, gathered)

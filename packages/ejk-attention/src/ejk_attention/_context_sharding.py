@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from ejk_sequtils import AttentionRequest, causal_shard_work
 
+from ._backends import packed_segment_ids
 from ._ring import one_call_serves, pick_implementation, ring_attention
 from ._shard_map import add_traced_seed, shard_start
 from ._zigzag_exchange import from_zigzag_local, to_zigzag_local
@@ -141,8 +142,6 @@ def context_call(
                 f"serve {name} yet; pass segment ids for documents, or shard B and N only"
             )
     if packed:
-        from ._backends import packed_segment_ids
-
         request = dataclasses.replace(
             request, segment_ids=packed_segment_ids(request), cu_seqlens_q=None, cu_seqlens_k=None
         )

@@ -32,7 +32,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejk_sequtils import describe_value, normalize_window, visibility_mask
 
-from ._backends import default_order, resolve_implementation
+from ._backends import BACKENDS, default_order, resolve_implementation
 from ._bias import hiding_bias
 from ._eager import eager_jit
 from ._flash import flash_attention
@@ -191,7 +191,17 @@ def _flash(implementation: str, query, key, value, bias, mask, kw: dict) -> Any:
     return out, residual
 
 
-_BACKENDS = {"xla": _jax_nn, "cudnn": _jax_nn, "triton": _flash, "pallas": _flash}
+# How `dot_product_attention` runs on a backend, by its ``dot_product`` part (`_backends`).
+_ROUTES = {"jax.nn": _jax_nn, "flash": _flash}
+
+
+def _routes() -> tuple[tuple[str, Any], ...]:
+    """Each backend's route, by name (read when called: a test replacing one is seen)."""
+    return tuple(
+        (name, _ROUTES[backend.dot_product])
+        for name, backend in BACKENDS.items()
+        if backend.dot_product is not None
+    )
 
 
 def _platform(query: Array) -> str:
@@ -254,7 +264,7 @@ def dot_product_attention(
         local_window_size=normalize_window(local_window_size, "local_window_size"),
         names=resolve_implementation(implementation),
         return_residual=return_residual,
-        backends=tuple(_BACKENDS.items()),
+        backends=_routes(),
     )
 
 
@@ -275,7 +285,7 @@ def _attention(
     backends: tuple[tuple[str, Any], ...],
 ) -> Any:
     """`dot_product_attention` with its window normalized and its implementation names
-    resolved; ``backends`` is `_BACKENDS`' items (a cache key of `_eager_attention`: a
+    resolved; ``backends`` is `_routes()` (a cache key of `_eager_attention`: a
     test replacing one gets a new trace). Checks look at shapes and dtypes only."""
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
@@ -302,6 +312,9 @@ def _attention(
     backends = dict(backends)
     reasons = []
     for name in names:
+        if name not in backends:
+            reasons.append(f"{name}: it runs no dot_product_attention")
+            continue
         try:
             result = backends[name](name, query, key, value, bias, mask, kw)
             break

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -159,7 +158,7 @@ def flash_attention(
         )
         statics = (options, implementation, config, bwd_config, tuple(BACKENDS.values()))
         if _hashable(statics):
-            return _compiled_plain_call(q, k, v, bias, softmax_sinks, *statics)
+            return _compiled_plain(q, k, v, bias, softmax_sinks, *statics)
     request = validate_attention(
         q,
         k,
@@ -275,7 +274,7 @@ class _PlainOptions(NamedTuple):
     return_lse: Any
 
 
-def _plain_call(
+def _plain(
     q: Any,
     k: Any,
     v: Any,
@@ -287,29 +286,22 @@ def _plain_call(
     bwd_config: Any,
     backends: tuple[Any, ...],
 ) -> Any:
-    """`flash_attention` of a call without segment ids, packing, a seed or a mesh, traced by
-    `_compiled_plain_call` (inside the trace the arrays are tracers: the ordinary path).
+    """A call without segment ids, packing, a seed or a mesh: validated, then the backends
+    in order (`_compute`), as the general path runs it on one device.
 
     ``backends`` is only a cache key: the backend objects the dispatch looks up (a test or a
     user replacing one gets a new trace).
     """
     del backends
-    # The function itself, not a type-checking wrapper (jaxtyping in the tests): the outer
-    # call was checked, or deliberately not, and validation names bad arguments anyway.
-    return inspect.unwrap(flash_attention)(
-        q,
-        k,
-        v,
-        bias,
-        softmax_sinks=softmax_sinks,
-        implementation=implementation,
-        config=config,
-        bwd_config=bwd_config,
-        **options._asdict(),
-    )
+    request = validate_attention(
+        q, k, v, bias, softmax_sinks=softmax_sinks, **options._asdict()
+    )  # fmt: skip
+    return _compute(request, resolve_implementation(implementation), config, bwd_config)
 
 
-_compiled_plain_call = jax.jit(_plain_call, static_argnums=(5, 6, 7, 8, 9))
+# One compiled `_plain` per signature of concrete arrays on one device: the statics
+# positional, so jit's C++ dispatch keys it as cheaply as a user's own jitted call.
+_compiled_plain = jax.jit(_plain, static_argnums=(5, 6, 7, 8, 9))
 
 
 def _concrete_on_one_default_device(*arrays: Any) -> bool:

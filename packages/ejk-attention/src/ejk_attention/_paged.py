@@ -1,8 +1,9 @@
 """`paged_attention` and `ragged_paged_attention`: attention over a paged KV cache (serving).
 
 Both validate the call once (`ejk_sequtils.validate_paged_attention`, where the
-conventions are defined) and run the first backend that serves it: ``triton`` (the
-split-KV decode kernel of `ejk_kernels_gpu`, when that package has it) on GPU, ``pallas``
+conventions are defined) and run the first backend whose paged part
+(`_backends.BACKENDS[name].paged`, `_paged_backends`) serves it: ``triton`` (the
+split-KV decode kernel of `ejk_kernels_gpu`) on GPU, ``pallas``
 (the ragged paged kernel of `ejk_kernels_tpu`) on TPU, else ``xla`` (`_paged_xla`), which
 runs everywhere. Named explicitly, ``triton`` and ``pallas`` also run off their device,
 in their interpreters (slowly: for tests). FP8 caches (``float8_e4m3fn`` pages with
@@ -23,148 +24,16 @@ from ejk_sequtils import PagedAttentionRequest, validate_paged_attention
 from ._backends import (
     Backend,
     default_order,
-    kernel_executor,
+    paged_backends,
     platform_of,
     resolve_implementation,
     run_first,
-    triton_missing,
 )
 from ._eager import eager_jit
-from ._paged_xla import xla_paged_attention
 
-__all__ = ["PAGED_BACKENDS", "paged_attention", "ragged_paged_attention"]
+__all__ = ["paged_attention", "ragged_paged_attention"]
 
 AnyArray = Array | np.ndarray
-
-
-class PagedXlaBackend(Backend):
-    """`xla_paged_attention`: every feature, every platform."""
-
-    name = "xla"
-
-    def supported(self, request: PagedAttentionRequest, platform: str) -> str | None:
-        del request, platform
-        return None
-
-    def choose_configs(
-        self, request: PagedAttentionRequest, config: Any = None, bwd_config: Any = None
-    ) -> tuple[Any, Any]:
-        del request, config, bwd_config  # no performance knobs
-        return None, None
-
-    def run(self, request: PagedAttentionRequest, config: Any, bwd_config: Any) -> Any:
-        del config, bwd_config
-        return xla_paged_attention(request)
-
-
-class _PagedKernelBackend(Backend):
-    """A kernel package's paged attention: ``paged_attention_request(request, config=)``,
-    ``unsupported_paged_reason(request)`` and its `ejk_executor` kernel (`_kernel`).
-
-    The package is looked up when called, so the facade works without it (or with a
-    version that has no paged kernel). The config comes from the executor (explicit
-    ``config=``, else its caches, where a tuned config is stored, else the kernel's
-    heuristic) when the package has the executor kernel; otherwise the kernel's own
-    heuristic. Forward only.
-    """
-
-    package = ""
-    # Why the kernels cannot run here though the package imports (a missing dependency).
-    missing: Any = staticmethod(lambda: None)
-
-    def _module(self) -> Any:
-        """The kernel package (imported here, so the facade works without it)."""
-        raise NotImplementedError
-
-    def _kernel(self) -> Any:
-        """Its `ejk_executor.Kernel` class for paged attention."""
-        raise NotImplementedError
-
-    def supported(self, request: PagedAttentionRequest, platform: str) -> str | None:
-        del platform  # off their device the kernels run in an interpreter
-        if self.missing():
-            return self.missing()
-        try:
-            module = self._module()
-        except ImportError as err:
-            return f"{self.package} is not available: {err}"
-        if not hasattr(module, "paged_attention_request"):
-            return f"this {self.package} has no paged attention kernel"
-        reason = getattr(module, "unsupported_paged_reason", None)
-        return None if reason is None else reason(request)
-
-    def invocations(self, request: PagedAttentionRequest) -> dict[str, Any]:
-        from ejk_executor import Invocation
-
-        kernel = self._kernel()
-        args = (request.q, request.k_pages, request.v_pages, request.page_table, request.kv_lens)
-        kwargs = {
-            "cu_q_lens": request.cu_q_lens,
-            "softmax_scale": request.softmax_scale,
-            "sliding_window": request.sliding_window,
-            "logits_soft_cap": request.logits_soft_cap,
-            "softmax_sinks": request.softmax_sinks,
-        }
-        if request.is_quantized:  # only then: the keys of unquantised calls stay as they were
-            kwargs.update(k_scales=request.k_scales, v_scales=request.v_scales)
-        return {"forward": Invocation.make(kernel(), args, kwargs)}
-
-    def choose_configs(
-        self, request: PagedAttentionRequest, config: Any = None, bwd_config: Any = None
-    ) -> tuple[Any, Any]:
-        del bwd_config  # forward only
-        inv = self.invocations(request).get("forward")
-        if config is None and inv is not None:
-            config = kernel_executor().chooser.choose(inv).cfg
-        return config, None
-
-    def run(self, request: PagedAttentionRequest, config: Any, bwd_config: Any) -> Any:
-        del bwd_config
-        return self._module().paged_attention_request(request, config=config)
-
-
-class PagedTritonBackend(_PagedKernelBackend):
-    """``ejk_kernels_gpu.paged_attention_request``, the split-KV kernel (on CPU it runs in
-    Triton's interpreter); executor kernel ``PagedAttention``."""
-
-    name = "triton"
-    package = "ejk_kernels_gpu"
-    missing = staticmethod(triton_missing)
-
-    def _module(self) -> Any:
-        import ejk_kernels_gpu
-
-        return ejk_kernels_gpu
-
-    def _kernel(self) -> Any:
-        from ejk_kernels_gpu import PagedAttention
-
-        return PagedAttention
-
-
-class PagedPallasBackend(_PagedKernelBackend):
-    """``ejk_kernels_tpu.paged_attention_request``, the ragged paged Pallas kernel (on TPU;
-    elsewhere it runs in Pallas' TPU interpreter); executor kernel ``RaggedPagedAttention``."""
-
-    name = "pallas"
-    package = "ejk_kernels_tpu"
-
-    def _module(self) -> Any:
-        import ejk_kernels_tpu
-
-        return ejk_kernels_tpu
-
-    def _kernel(self) -> Any:
-        from ejk_kernels_tpu import RaggedPagedAttention
-
-        return RaggedPagedAttention
-
-
-PAGED_BACKENDS: dict[str, Backend] = {
-    "triton": PagedTritonBackend(),
-    "pallas": PagedPallasBackend(),
-    "xla": PagedXlaBackend(),
-}
 
 
 def _call(
@@ -186,8 +55,8 @@ def _call(
     backends: tuple[tuple[str, Backend], ...],
 ) -> Array:
     """A paged call (``cu_q_lens`` None: `paged_attention`) on the first backend of ``names``
-    that serves it; ``backends`` is `PAGED_BACKENDS`' items (a cache key of `_eager_call`:
-    a test replacing one gets a new trace)."""
+    that serves it; ``backends`` is `_backends.paged_backends`' items (a cache key of
+    `_eager_call`: a test replacing one gets a new trace)."""
     arrays = (
         q,
         k_pages,
@@ -204,7 +73,7 @@ def _call(
     )
     request = _validate(arrays, options)
     if names is None:
-        names = tuple(n for n in default_order(platform_of(request)) if n in PAGED_BACKENDS)
+        names = tuple(n for n in default_order(platform_of(request)) if n in dict(backends))
     return run_first(request, names, config, backends=dict(backends))[1]
 
 
@@ -249,7 +118,7 @@ def _run(
         logits_soft_cap=request.logits_soft_cap,
         names=resolve_implementation(implementation),
         config=config,
-        backends=tuple(PAGED_BACKENDS.items()),
+        backends=tuple(paged_backends().items()),
     )
 
 

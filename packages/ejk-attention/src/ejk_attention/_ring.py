@@ -41,7 +41,7 @@ from jaxtyping import Float, Int, Integer
 
 from ejk_sequtils import dropout_key, validate_attention, varying_like
 
-from ._backends import triton_missing
+from ._backends import BACKENDS, triton_missing
 from ._context_calls import CallMasks, call_backward, call_forward, merge
 from ._context_gathered import gathered_backward, gathered_forward, gathers_kv_pair
 from ._context_plan import LAYOUTS, Call, Layout, put_rows, step_plan, take_rows
@@ -512,21 +512,13 @@ def _use_kernels(implementation: str | None, request: Any) -> bool:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
         )
-    if implementation == "xla":
+    if implementation == "xla":  # (`_backends.XlaBackend.context_steps`: einsums)
         return False
     if triton_missing():
         if implementation == "triton":
             raise NotImplementedError(f"ring_attention: {triton_missing()}")
         return False
-    try:
-        from ejk_kernels_gpu import unsupported_reason
-    except ImportError:
-        if implementation == "triton":
-            raise NotImplementedError(
-                "implementation='triton' needs ejk-kernels-gpu (the cuda extra)"
-            ) from None
-        return False
-    reason = unsupported_reason(request)
+    reason = BACKENDS["triton"].context_reason(request)  # its steps: the block kernels
     if implementation == "triton":
         if reason is not None:
             raise NotImplementedError(

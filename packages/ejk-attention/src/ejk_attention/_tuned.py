@@ -25,6 +25,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ejk_config import device_fingerprint
+from ejk_executor import CacheWarning, PersistentCache, default_cache_dir
+from ejk_kernels_gpu import FlashConfig, PagedConfig
+from ejk_kernels_tpu import BlockSparseConfig
 from ejk_sequtils import AttentionRequest, PagedAttentionRequest, validate_paged_attention
 
 __all__ = [
@@ -67,27 +71,12 @@ def backend_key(request: AttentionRequest, fingerprint: str) -> str:
 
 
 def cache_types() -> tuple[type, ...]:
-    """Config classes of every installed ejk kernel package, so the cache can decode them."""
-    types: list[type] = [BackendChoice]
-    try:
-        from ejk_kernels_gpu import FlashConfig, PagedConfig
-
-        types += [FlashConfig, PagedConfig]
-    except ImportError:
-        pass
-    try:
-        from ejk_kernels_tpu import BlockSparseConfig
-
-        types.append(BlockSparseConfig)
-    except ImportError:
-        pass
-    return tuple(types)
+    """Config classes of the ejk kernel packages, so the cache can decode them."""
+    return (BackendChoice, FlashConfig, PagedConfig, BlockSparseConfig)
 
 
 @functools.cache
 def _cache_at(path: Path) -> Any:
-    from ejk_executor import PersistentCache
-
     return PersistentCache(path, types=cache_types())
 
 
@@ -97,8 +86,6 @@ def open_cache(path: str | Path | None = None, *, fresh: bool = False) -> Any:
     The same object is reused per path (it keeps what it read in memory); ``fresh=True``
     opens a new one, which sees entries removed on disk since (the CLI uses it).
     """
-    from ejk_executor import PersistentCache, default_cache_dir
-
     where = Path(path if path is not None else default_cache_dir()).expanduser()
     if fresh:
         _cache_at.cache_clear()
@@ -108,19 +95,12 @@ def open_cache(path: str | Path | None = None, *, fresh: bool = False) -> Any:
 
 def tuned_backend(request: AttentionRequest) -> str | None:
     """The tuned backend for ``request`` on this machine, or None (no entry, no executor)."""
-    try:
-        from ejk_config import device_fingerprint
-    except ImportError:
-        return None
     choice = open_cache().get(backend_key(request, device_fingerprint()))
     return choice.implementation if isinstance(choice, BackendChoice) else None
 
 
 def drop_tuned_backend(request: AttentionRequest, reason: str) -> None:
     """Remove the stored backend choice for ``request`` (it failed), with one CacheWarning."""
-    from ejk_config import device_fingerprint
-    from ejk_executor import CacheWarning
-
     cache = open_cache()
     warnings.warn(
         f"config cache {cache.path}: dropping the backend choice for this call: {reason}; "

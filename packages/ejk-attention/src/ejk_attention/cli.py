@@ -15,9 +15,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._backends import IMPLEMENTATIONS
-from ._bench import BASELINE, BENCH_IMPLEMENTATIONS, parse_case
+from ejk_config import device_fingerprint
+from ejk_executor import AutotunePolicy, ConfigSelectorChain, PersistentCache, write_atomic
+from ejk_sequtils import validate_attention
+
+from ._backends import (
+    BACKENDS,
+    IMPLEMENTATIONS,
+    Backend,
+    default_order,
+    paged_backends,
+    platform_of,
+)
+from ._bench import (
+    BASELINE,
+    BENCH_IMPLEMENTATIONS,
+    bench_implementations,
+    inputs_for,
+    parse_case,
+    request_for,
+    run_all,
+    tflops,
+)
 from ._cli_info import PACKAGES, info, package_version
+from ._tuned import BackendChoice, backend_key, cache_types, open_cache, paged_case, paged_request
 
 __all__ = ["main"]
 
@@ -142,8 +163,6 @@ def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path |
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from ._bench import tflops
-
     every = [r for _, rows in runs for r in rows]
     cases = list(dict.fromkeys(r["case"] for r in every))
     impls = list(dict.fromkeys(r["implementation"] for r in every))
@@ -182,12 +201,7 @@ def _plot(runs: list[tuple[str, list[dict[str, Any]]]], title: str, path: Path |
 def _machine() -> dict[str, Any]:
     import jax
 
-    try:
-        from ejk_config import device_fingerprint
-
-        fingerprint = device_fingerprint()
-    except ImportError:  # pragma: no cover
-        fingerprint = None
+    fingerprint = device_fingerprint()
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
@@ -214,7 +228,6 @@ def _machine_title(machine: dict[str, Any]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(args)
-    from ._bench import bench_implementations, run_all
 
     out = Path(args.out)
     unwritable = _unwritable(out)
@@ -279,8 +292,6 @@ def _write_all(out: Path, files: list[tuple[str, Any]]) -> int | None:
     were written, else say which files are complete and return the exit status (1, or 130
     when interrupted). A previous run's file this run did not replace is removed, so no
     file of one run is left beside another run's."""
-    from ejk_executor import write_atomic
-
     done: list[str] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -339,8 +350,6 @@ def _compare_runs(paths: list[str]) -> list[dict[str, Any]]:
 def _ratio_table(runs: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    from ._bench import tflops
-
     a, b = (_timed(r) for r in runs)
     table = Table(title="TFLOP/s of B over A (> 1: B is faster)")
     for col in ("case", "implementation"):
@@ -385,12 +394,6 @@ def _tune(args: argparse.Namespace) -> int:
         return _tune_paged(args)
     import jax
 
-    from ejk_config import device_fingerprint
-
-    from ._backends import default_order
-    from ._bench import request_for, run_all
-    from ._tuned import BackendChoice, backend_key, open_cache
-
     cases = _cases(args)
     # Only flash_attention's backends: a stored choice is one implementation=None runs.
     impls = tuple(args.impl or default_order(jax.default_backend()))
@@ -434,8 +437,6 @@ def _tune(args: argparse.Namespace) -> int:
 def _stored(args: argparse.Namespace, cache: Any, keys: list[str], console: Any, why: str) -> int:
     """The end of ``ejk tune``: exit 1 with ``why`` when nothing was stored, or when an
     entry is not in the cache file; else say how many entries were stored, exit 0."""
-    from ._tuned import open_cache
-
     if not keys:
         return _fail("tune", f"nothing stored in {cache.path}: {why}")
     # The cache turns memory-only when it cannot write: believe the file, not the object.
@@ -454,10 +455,6 @@ def _tune_kernel_configs(
     The invocations are the facade's own (`TritonBackend.invocations`), so the keys
     stored are the ones `flash_attention` looks up. Returns those keys.
     """
-    from ejk_sequtils import validate_attention
-
-    from ._backends import BACKENDS
-    from ._bench import inputs_for
 
     chooser = _autotuner(args, cache)
     keys = []
@@ -473,8 +470,6 @@ def _tune_kernel_configs(
 def _autotuner(args: argparse.Namespace, cache: Any) -> Any:
     """An `ejk_executor.ConfigSelectorChain` that times ``--max-candidates`` configs
     (``--warmup``, ``--iters``) and stores the fastest in ``cache``."""
-    from ejk_executor import AutotunePolicy, ConfigSelectorChain
-
     policy = AutotunePolicy(
         on_miss="autotune",
         num_warmup=args.warmup,
@@ -495,13 +490,10 @@ def _tune_paged(args: argparse.Namespace) -> int:
     """
     import jax
 
-    from ._backends import default_order, platform_of
-    from ._paged import PAGED_BACKENDS
-    from ._tuned import open_cache, paged_request
-
     platform = jax.default_backend()
-    runs = [n for n in default_order(platform) if n in PAGED_BACKENDS]
-    names = args.impl or [n for n in runs if _has_configs(PAGED_BACKENDS[n])]
+    paged = paged_backends()
+    runs = [n for n in default_order(platform) if n in paged]
+    names = args.impl or [n for n in runs if _has_configs(paged[n])]
     if not names:
         return _fail(
             "tune",
@@ -516,7 +508,7 @@ def _tune_paged(args: argparse.Namespace) -> int:
     for case in _progress(args, "tune paged configs")(args.paged_cases):
         request = paged_request(case)
         for name in names:
-            backend = PAGED_BACKENDS[name]
+            backend = paged[name]
             reason = backend.supported(request, platform_of(request))
             invocations = {} if reason else backend.invocations(request)
             if not invocations:
@@ -535,8 +527,6 @@ def _tune_paged(args: argparse.Namespace) -> int:
 
 def _has_configs(backend: Any) -> bool:
     """Whether ``backend`` runs with executor configs (it builds invocations)."""
-    from ._backends import Backend
-
     return type(backend).invocations is not Backend.invocations
 
 
@@ -555,7 +545,6 @@ def _describe(cfg: Any) -> str:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from ._tuned import cache_types, open_cache
 
     console = _console()
     cache = open_cache(args.cache_dir, fresh=True)
@@ -604,8 +593,6 @@ def _copy_entries(args: argparse.Namespace, cache: Any, types: tuple[type, ...])
     Every file involved is opened strict: one that cannot be read or written raises
     (OSError, ValueError) instead of warning, and a damaged one is never moved aside.
     """
-    from ejk_executor import PersistentCache
-
     given = PersistentCache(Path(args.path), types=types, strict=True)
     if args.action == "export":
         src, dst = cache, given
@@ -707,18 +694,17 @@ def _tune_problem(args: argparse.Namespace) -> str | None:
     if args.op == "flash":
         given = _given(args, PAGED_OPTIONS)
         return f"{', '.join(given)} apply to --op paged only" if given else None
-    from ._paged import PAGED_BACKENDS
 
+    paged = paged_backends()
     if args.kernels is not None:
         given = "--kernels" if args.kernels else "--no-kernels"
         return f"{given} applies to --op flash only: --op paged tunes the --impl backends' configs"
     for name in args.impl or ():
-        if name not in PAGED_BACKENDS:
+        if name not in paged:
             return (
-                f"--impl {name}: paged_attention has no {name} backend "
-                f"(it has {', '.join(PAGED_BACKENDS)})"
+                f"--impl {name}: paged_attention has no {name} backend (it has {', '.join(paged)})"
             )
-        if not _has_configs(PAGED_BACKENDS[name]):
+        if not _has_configs(paged[name]):
             return f"--impl {name}: paged_attention's {name} backend has no config to tune"
     try:
         args.paged_cases = _paged_cases(args)
@@ -729,8 +715,6 @@ def _tune_problem(args: argparse.Namespace) -> str | None:
 
 def _paged_cases(args: argparse.Namespace) -> list[Any]:
     """``--op paged``'s `PagedCase` per ``--shape``; ValueError naming a shape no cache holds."""
-    from ._tuned import paged_case
-
     cases = []
     for text in args.shape or DEFAULT_PAGED_SHAPES:
         try:

@@ -28,26 +28,23 @@ from ..build._jax_triton_fix import (
     source_signature,
     threads_required,
 )
-from ..flash._config import (
-    GLUON_BWD_CONFIGS,
-    SHARED_MEMORY_LIMIT,
-    WS_BWD_CONFIGS,
-    FlashConfig,
-    bwd_heuristic,
-    bwd_search_space,
-    dq_beside,
-    fits_shared_memory,
-    fwd_heuristic,
-    fwd_search_space,
-    ordinary_config,
-)
-from ..flash._options import (
-    CallOptions,
+from ..flash._config import SHARED_MEMORY_LIMIT, FlashConfig, fits_shared_memory, ordinary_config
+from ..flash._constexprs import (
     dq_by_tma,
     gluon_constexprs,
     gluon_dkdv_constexprs,
     gluon_dq_constexprs,
     kernel_constexprs,
+)
+from ..flash._select import (
+    GLUON_BWD_CONFIGS,
+    WS_BWD_CONFIGS,
+    CallOptions,
+    bwd_heuristic,
+    bwd_search_space,
+    dq_beside,
+    fwd_heuristic,
+    fwd_search_space,
 )
 
 __all__ = ["compile_kernel", "main"]

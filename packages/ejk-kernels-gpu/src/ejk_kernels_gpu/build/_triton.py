@@ -14,7 +14,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +25,7 @@ from ejk_sequtils import varying_like
 
 from . import _jax_triton_fix
 
-__all__ = ["gpu_available", "hopper_gpu", "kernels", "launch", "multiprocessors"]
+__all__ = ["by_name", "gpu_available", "hopper_gpu", "kernels", "launch", "multiprocessors"]
 
 
 def gpu_available() -> bool:
@@ -163,6 +163,58 @@ def _interpret_call(
     )
 
 
+def by_name(
+    kernel: Any,
+    inputs: Mapping[str, Any],
+    outputs: Mapping[str, jax.ShapeDtypeStruct],
+    *,
+    zeroed: Iterable[str] = (),
+    aliases: Mapping[str, str] | None = None,
+) -> tuple[tuple[Any, ...], tuple[jax.ShapeDtypeStruct, ...], dict[str, Any]]:
+    """A launch's pointer arguments given by name, as `launch` takes them by position.
+
+    Args:
+        kernel: a kernel of the `kernels` module; its signature (``kernel.arg_names``)
+            gives the positions.
+        inputs: ``{argument name: array}``, in any order.
+        outputs: ``{argument name: shape and dtype}``, in any order.
+        zeroed: names of the outputs that must start as zeros.
+        aliases: ``{input name: output name}``: that output is that input's buffer.
+
+    Returns:
+        ``(inputs, outputs, options)``: the arrays and shapes in the kernel's order, and
+        ``zeroed`` and ``aliases`` by position, `launch`'s keywords.
+
+    Raises:
+        ValueError: the names are not the kernel's leading arguments, inputs first, or a
+            zeroed or aliased name is not one of them.
+    """
+    names = tuple(kernel.arg_names)
+    given = len(inputs) + len(outputs)
+    in_names, out_names = names[: len(inputs)], names[len(inputs) : given]
+    zeroed, aliases = tuple(zeroed), dict(aliases or {})
+    if (
+        set(in_names) != set(inputs)
+        or set(out_names) != set(outputs)
+        or not set(zeroed) <= set(outputs)
+        or not set(aliases) <= set(inputs)
+        or not set(aliases.values()) <= set(outputs)
+    ):
+        raise ValueError(
+            f"{kernel.__name__} takes the pointers {in_names} then {out_names}, got inputs "
+            f"{tuple(inputs)}, outputs {tuple(outputs)}, zeroed {zeroed}, aliases {aliases}"
+        )
+    options = dict(
+        zeroed=tuple(name in zeroed for name in out_names),
+        aliases={in_names.index(i): out_names.index(o) for i, o in aliases.items()},
+    )
+    return (
+        tuple(inputs[name] for name in in_names),
+        tuple(outputs[name] for name in out_names),
+        options,
+    )
+
+
 def launch(
     kernel: Any,
     grid: tuple[int, ...],
@@ -180,7 +232,8 @@ def launch(
     Args:
         kernel: a kernel of the `kernels` module (a ``triton.jit`` or ``gluon.jit`` function).
         grid: the launch grid.
-        inputs: arrays passed as pointers, in the kernel's order.
+        inputs: arrays passed as pointers, in the kernel's order (`by_name` gives it from
+            names).
         out_shapes: shapes and dtypes of the outputs, passed as pointers after the inputs.
         constexprs: every other kernel argument (all static).
         num_warps, num_stages: launch options (ignored by the interpreter).

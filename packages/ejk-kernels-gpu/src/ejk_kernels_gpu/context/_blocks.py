@@ -40,12 +40,14 @@ from jaxtyping import Float, Int, UInt32
 from ejk_sequtils import validate_attention
 
 from ..flash._backward_launch import backward
-from ..flash._config import FlashConfig, bwd_heuristic, fwd_heuristic
+from ..flash._config import FlashConfig
 from ..flash._forward_launch import forward
-from ..flash._options import (
+from ..flash._select import (
     CallOptions,
+    bwd_heuristic,
     call_options,
     can_run_gluon_dkdv,
+    fwd_heuristic,
     gluon_dkdv_tiles,
     offer_gluon,
 )

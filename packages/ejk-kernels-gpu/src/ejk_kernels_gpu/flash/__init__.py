@@ -1,5 +1,6 @@
 """Flash attention: the public entry (`flash_attention`, `attention`; `flash._api`), which build and
-config a call gets (`flash._options`, `flash._config`), its block tables (`_tables`), the launches
+config a call gets (`flash._select`, with the config type in `flash._config`), its block tables
+(`_tables`), the kernels' compile-time arguments (`flash._constexprs`), the launches
 (`flash._forward_launch`, `flash._backward_launch`, their order `flash._schedule`), the custom VJP (`flash._vjp`),
 decoding on the split-KV kernel (`_decode`) and the executor kernels (`_executor`)."""
 
@@ -7,14 +8,14 @@ from ._api import attention as attention
 from ._api import flash_attention as flash_attention
 from ._api import unsupported_reason as unsupported_reason
 from ._config import FlashConfig as FlashConfig
-from ._config import bwd_heuristic as bwd_heuristic
-from ._config import bwd_search_space as bwd_search_space
 from ._config import fits_shared_memory as fits_shared_memory
-from ._config import fwd_heuristic as fwd_heuristic
-from ._config import fwd_search_space as fwd_search_space
-from ._decode import routes_to_decode as routes_to_decode
 from ._executor import FlashAttentionBackward as FlashAttentionBackward
 from ._executor import FlashAttentionForward as FlashAttentionForward
+from ._select import bwd_heuristic as bwd_heuristic
+from ._select import bwd_search_space as bwd_search_space
+from ._select import fwd_heuristic as fwd_heuristic
+from ._select import fwd_search_space as fwd_search_space
+from ._select import routes_to_decode as routes_to_decode
 
 __all__ = [
     "FlashAttentionBackward",

@@ -13,7 +13,7 @@ from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._config import FlashConfig
 from ._decode import decode_route
-from ._options import call_options, check_bwd_config
+from ._select import call_options, check_bwd_config
 from ._tables import kernel_tables
 from ._vjp import flash_vjp
 

@@ -8,23 +8,33 @@ import jax.numpy as jnp
 from jax import Array
 
 from ..build._jax_triton_fix import scratch_bytes
-from ..build._triton import hopper_gpu, kernels, launch
+from ..build._triton import by_name, hopper_gpu, kernels, launch
 from ._config import FlashConfig, ordinary_config
+from ._constexprs import dq_by_tma, gluon_dkdv_constexprs, gluon_dq_constexprs, kernel_constexprs
 from ._forward_launch import check_kv_pair
-from ._options import (
-    CallOptions,
-    can_run_gluon_dkdv,
-    dq_by_tma,
-    gluon_dkdv_constexprs,
-    gluon_dkdv_wide,
-    gluon_dq_constexprs,
-    kernel_constexprs,
-    runnable_config,
-)
 from ._schedule import Walk, launch_order
+from ._select import CallOptions, can_run_gluon_dkdv, gluon_dkdv_wide, runnable_config
 from ._tables import Tables, dummy
 
 __all__ = ["backward"]
+
+
+def _shared_inputs(q, k, v, d_out, stats, tables: Tables, ranges) -> dict:
+    """The inputs every backward kernel takes, by argument name: q, k, v, dO, the rows'
+    statistics (lse and delta), the masking tables and the kernel's block table."""
+    lse, delta = stats
+    return dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=d_out, lse_ptr=lse, delta_ptr=delta, **tables.masking(),
+        ranges_ptr=ranges,
+    )  # fmt: skip
+
+
+def _ordinary_inputs(q, k, v, bias, d_out, stats, tables: Tables, ranges) -> dict:
+    """The inputs of the ordinary dq and dk/dv kernels: `_shared_inputs`, the bias (or a
+    placeholder) and the dropout seed."""
+    bias_in = dummy(q.dtype) if bias is None else bias
+    shared = _shared_inputs(q, k, v, d_out, stats, tables, ranges)
+    return dict(shared, bias_ptr=bias_in, seed_ptr=tables.seed)
 
 
 def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
@@ -34,29 +44,30 @@ def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: F
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     kv_shape = (*k.shape[:3], head_dim)  # (k may be k and v as one array, ``KV_PAIR``)
-    bias_in = dummy(q.dtype) if bias is None else bias
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
     grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
     tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
     scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
-    dk, dv, dlogits, dq_sum, _ = launch(
-        kernels().dkdv_kernel,
-        grid,
-        (q, k, v, bias_in, d_out, *stats, *tables.masking(), tables.dkdv_ranges, tables.seed),
-        (
-            jax.ShapeDtypeStruct(kv_shape, k.dtype),
-            jax.ShapeDtypeStruct(kv_shape, v.dtype),
-            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
-            scratch,  # global scratch for TMA descriptors (see _jax_triton_fix); unused otherwise
+    kernel = kernels().dkdv_kernel
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=_ordinary_inputs(q, k, v, bias, d_out, stats, tables, tables.dkdv_ranges),
+        outputs=dict(
+            dk_ptr=jax.ShapeDtypeStruct(kv_shape, k.dtype),
+            dv_ptr=jax.ShapeDtypeStruct(kv_shape, v.dtype),
+            dbias_ptr=jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+            dq_acc_ptr=jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
+            scratch_ptr=scratch,  # TMA descriptors (see _jax_triton_fix); unused otherwise
         ),
-        dict(consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
         # Skipped blocks leave the logits gradient untouched, and every key block adds
         # into dq: both must start at zero.
-        zeroed=(False, False, bias is not None, cfg.atomic_dq, False),
-    )
+        zeroed=(*(("dbias_ptr",) if bias is not None else ()),
+                *(("dq_acc_ptr",) if cfg.atomic_dq else ())),
+    )  # fmt: skip
+    dk, dv, dlogits, dq_sum, _ = launch(
+        kernel, grid, inputs, outputs, dict(consts, DQ_ATOMIC=cfg.atomic_dq, DQ_TMA=tma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **where,
+    )  # fmt: skip
     return dk, dv, dlogits, dq_sum if cfg.atomic_dq else None
 
 
@@ -84,21 +95,22 @@ def _gluon_dkdv(
     walk = Walk.of_keys(kv_len, q.shape[1], cfg)
     order = launch_order(tables.dkdv_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1])  # fmt: skip
-    dk, dv, dq_sum, _ = launch(
-        kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel,
-        grid,
-        (q, k, v, d_out, *stats, *tables.masking(), tables.dkdv_ranges, order),
-        (
-            jax.ShapeDtypeStruct(dk_shape, k.dtype),
-            jax.ShapeDtypeStruct((1,) if joint else kv_shape, v.dtype),  # joint: unused
-            jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
-            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+    kernel = kernels().gluon_dkdv_wide_kernel if wide else kernels().gluon_dkdv_kernel
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=dict(_shared_inputs(q, k, v, d_out, stats, tables, tables.dkdv_ranges), order_ptr=order),
+        outputs=dict(
+            dk_ptr=jax.ShapeDtypeStruct(dk_shape, k.dtype),
+            dv_ptr=jax.ShapeDtypeStruct((1,) if joint else kv_shape, v.dtype),  # joint: unused
+            dq_acc_ptr=jax.ShapeDtypeStruct(q.shape if cfg.atomic_dq else (1,), jnp.float32),
+            scratch_ptr=jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        consts,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        zeroed=(False, False, cfg.atomic_dq, False),
-    )
+        zeroed=("dq_acc_ptr",) if cfg.atomic_dq else (),
+    )  # fmt: skip
+    dk, dv, dq_sum, _ = launch(
+        kernel, grid, inputs, outputs, consts, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **where,
+    )  # fmt: skip
     return dk, None if joint else dv, dq_sum if cfg.atomic_dq else None
 
 
@@ -113,18 +125,21 @@ def _gluon_dq(
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
     order = launch_order(tables.dq_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=grid[1])  # fmt: skip
-    dq, _ = launch(
-        kernels().gluon_dq_kernel,
-        grid,
-        (q, k, v, d_out, *stats, *tables.masking(), tables.dq_ranges, order),
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+    kernel = kernels().gluon_dq_kernel
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=dict(
+            _shared_inputs(q, k, v, d_out, stats, tables, tables.dq_ranges), order_ptr=order
         ),
-        consts,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        outputs=dict(
+            dq_ptr=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            scratch_ptr=jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        ),
     )
+    dq, _ = launch(
+        kernel, grid, inputs, outputs, consts, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **where,
+    )  # fmt: skip
     return dq
 
 
@@ -191,8 +206,6 @@ def backward(
     # A config names the resident tile (block_q) and the streamed one (block_k): queries
     # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
     dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
-    bias_in = dummy(q.dtype) if bias is None else bias
-    masking = tables.masking()
     if gluon:
         dk, dv, dq_sum = _gluon_dkdv(
             opts, q, k, v, d_out, stats, tables, opts.bwd_cfg, joint_dkdv, kv_pair
@@ -212,18 +225,19 @@ def backward(
         dq_cfg = beside or cfg
         dq_consts = dict(consts, BLOCK_M=dq_cfg.block_q, BLOCK_N=dq_cfg.block_k)
         dq_grid = (-(-q_len // dq_cfg.block_q), batch * heads)
-        dq, _ = launch(
-            kernels().dq_kernel,
-            dq_grid,
-            (q, k, v, bias_in, d_out, *stats, *masking, tables.dq_ranges, tables.seed),
-            (
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),
+        kernel = kernels().dq_kernel
+        inputs, outputs, where = by_name(
+            kernel,
+            inputs=_ordinary_inputs(q, k, v, bias, d_out, stats, tables, tables.dq_ranges),
+            outputs=dict(
+                dq_ptr=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                scratch_ptr=jax.ShapeDtypeStruct((scratch_bytes(dq_grid) if ws else 1,), jnp.uint8),
             ),
-            dq_consts,
-            num_warps=dq_cfg.num_warps,
-            num_stages=dq_cfg.num_stages,
-        )
+        )  # fmt: skip
+        dq, _ = launch(
+            kernel, dq_grid, inputs, outputs, dq_consts, num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages, **where,
+        )  # fmt: skip
     dbias = None
     if bias is not None:
         axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)

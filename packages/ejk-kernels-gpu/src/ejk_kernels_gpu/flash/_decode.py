@@ -23,37 +23,11 @@ from ejk_sequtils import AttentionRequest
 from ..paged._config import paged_heuristic, tile_shape
 from ..paged._launch import PagedCall, paged_forward, uniform_tiles
 from ._config import FlashConfig
-from ._options import CallOptions, call_options
+from ._select import CallOptions, call_options, routes_to_decode
 from ._tables import Tables, kernel_tables
 from ._vjp import flash_vjp_bwd, flash_vjp_fwd
 
-__all__ = ["decode_route", "routes_to_decode"]
-
-# Where the split-KV kernel serves a flash_attention call: at most this many query rows
-# per kv group, at least this many keys.
-MAX_DECODE_ROWS = 64
-MIN_DECODE_KEYS = 1024
-
-
-def routes_to_decode(request: AttentionRequest, config: FlashConfig | None = None) -> bool:
-    """Whether `decode_route` serves a validated request: no explicit forward config, no
-    bias, segment ids, packing, dropout, window or lse; unmasked, or causal with one query
-    (top-left causal: it sees key 0 alone); ``T·G <= MAX_DECODE_ROWS`` and
-    ``S >= MIN_DECODE_KEYS``."""
-    batch, q_len, kv_len, heads, kv_heads, _ = request.shape
-    return (
-        config is None
-        and request.bias is None
-        and request.segment_ids is None
-        and request.cu_seqlens_q is None
-        and request.dropout_rate == 0.0
-        and request.sliding_window is None
-        and not request.return_lse
-        and (not request.causal or q_len == 1)
-        and batch > 0
-        and 0 < q_len * (heads // kv_heads) <= MAX_DECODE_ROWS
-        and kv_len >= MIN_DECODE_KEYS
-    )
+__all__ = ["decode_route"]
 
 
 def _split_kv(call: PagedCall, q, k, v, sinks):

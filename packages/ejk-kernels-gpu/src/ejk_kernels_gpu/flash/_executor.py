@@ -19,10 +19,12 @@ from ejk_executor import Invocation, Kernel
 from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._api import flash_attention
-from ._config import FlashConfig, bwd_search_space, fwd_search_space
-from ._options import (
+from ._config import FlashConfig
+from ._select import (
+    bwd_search_space,
     call_options,
     can_run_gluon_dkdv,
+    fwd_search_space,
     gluon_dkdv_tiles,
     offer_gluon,
     offer_warp_specialize,

@@ -7,16 +7,11 @@ import jax.numpy as jnp
 from jax import Array
 
 from ..build._jax_triton_fix import scratch_bytes
-from ..build._triton import kernels, launch
+from ..build._triton import by_name, kernels, launch
 from ._config import FlashConfig, ordinary_config
-from ._options import (
-    CallOptions,
-    gluon_constexprs,
-    gluon_grid,
-    kernel_constexprs,
-    runnable_config,
-)
+from ._constexprs import gluon_constexprs, gluon_grid, kernel_constexprs
 from ._schedule import Walk, launch_order
+from ._select import CallOptions, runnable_config
 from ._tables import Tables, dummy
 
 __all__ = ["check_kv_pair", "forward"]
@@ -38,7 +33,6 @@ def _gluon_forward(
     consts = gluon_constexprs(
         opts, q, k, sinks is not None, cfg, resume=resume is not None, kv_pair=kv_pair
     )
-    prev = _previous(resume, q)
     grid = gluon_grid(q.shape, cfg, persistent=consts["PERSISTENT"])
     # The counter of the persistent programs: the table kernel's zero where it built the
     # forward's table (taken over, `Tables.fwd_counter`), else zeroed by a memset.
@@ -46,33 +40,31 @@ def _gluon_forward(
     walk = Walk.of_rows(q_len, k.shape[1], cfg)
     order = launch_order(tables.fwd_ranges, walk, ordered=consts["ORDERED"], tabled=opts.tabled(),
                          causal=opts.causal, groups=batch * heads)  # fmt: skip
-    out, lse, _, _ = launch(
-        kernels().gluon_fwd_kernel,
-        grid,
-        (
-            q,
-            k,
-            v,
-            dummy(jnp.float32) if sinks is None else sinks,
-            *prev,
-            *tables.masking(),
-            tables.fwd_ranges,
-            order,
-            dummy() if counter is None else counter,
+    kernel = kernels().gluon_fwd_kernel
+    prev_o, prev_lse = _previous(resume, q)
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=dict(
+            q_ptr=q, k_ptr=k, v_ptr=v, sinks_ptr=dummy(jnp.float32) if sinks is None else sinks,
+            prev_o_ptr=prev_o, prev_lse_ptr=prev_lse, **tables.masking(),
+            ranges_ptr=tables.fwd_ranges, order_ptr=order,
+            counter_in_ptr=dummy() if counter is None else counter,
         ),
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
-            jax.ShapeDtypeStruct((1,), jnp.int32),  # the persistent programs' place counter
-            jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
+        outputs=dict(
+            o_ptr=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            lse_ptr=jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+            counter_ptr=jax.ShapeDtypeStruct((1,), jnp.int32),  # the persistent programs' place
+            scratch_ptr=jax.ShapeDtypeStruct((scratch_bytes(grid),), jnp.uint8),  # TMA descriptors
         ),
-        consts,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        zeroed=(False, False, consts["PERSISTENT"] and counter is None, False),
+        zeroed=("counter_ptr",) if consts["PERSISTENT"] and counter is None else (),
         # (o, lse) start as the previous; the counter as the table kernel's zero
-        aliases=({} if resume is None else {4: 0, 5: 1}) | ({} if counter is None else {14: 2}),
-    )
+        aliases=({} if resume is None else {"prev_o_ptr": "o_ptr", "prev_lse_ptr": "lse_ptr"})
+        | ({} if counter is None else {"counter_in_ptr": "counter_ptr"}),
+    )  # fmt: skip
+    out, lse, _, _ = launch(
+        kernel, grid, inputs, outputs, consts, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **where,
+    )  # fmt: skip
     return out, lse
 
 
@@ -144,37 +136,33 @@ def forward(
         cfg, ws = ordinary_config(cfg, q.shape[3], q.dtype.itemsize, opts.side_inputs(bias)), False
     consts = kernel_constexprs(opts, q, k, bias, sinks is not None, kv_pair=kv_pair)
     grid = (-(-q_len // cfg.block_q), batch * heads)
-    out, rows, _ = launch(
-        kernels().fwd_kernel,
-        grid,
-        (
-            q,
-            k,
-            v,
-            dummy(q.dtype) if bias is None else bias,
-            dummy(jnp.float32) if sinks is None else sinks,
-            *_previous(resume, q),
-            *tables.masking(),
-            tables.fwd_ranges,
-            tables.seed,
+    kernel = kernels().fwd_kernel
+    prev_o, prev_lse = _previous(resume, q)
+    # The warp-specialised build stores each lse 16 times (a TMA tile, see _forward_kernel).
+    # With a bias: the rows (m, log l) of each (batch, head); lse = m + log l.
+    rows_shape = (batch, heads, *((2,) if bias is not None else ()), q_len, *((16,) if ws else ()))
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=dict(
+            q_ptr=q, k_ptr=k, v_ptr=v, bias_ptr=dummy(q.dtype) if bias is None else bias,
+            sinks_ptr=dummy(jnp.float32) if sinks is None else sinks,
+            prev_o_ptr=prev_o, prev_lse_ptr=prev_lse, **tables.masking(),
+            ranges_ptr=tables.fwd_ranges, seed_ptr=tables.seed,
         ),
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            # The warp-specialised build stores each lse 16 times (a TMA tile, see
-            # _forward_kernel).
-            # With a bias: the rows (m, log l) of each (batch, head); lse = m + log l.
-            jax.ShapeDtypeStruct(
-                (batch, heads, *((2,) if bias is not None else ()), q_len, *((16,) if ws else ())),
-                jnp.float32,
-            ),
+        outputs=dict(
+            o_ptr=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            lse_ptr=jax.ShapeDtypeStruct(rows_shape, jnp.float32),
             # Global scratch for the TMA descriptors (see _jax_triton_fix); unused otherwise.
-            jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
+            scratch_ptr=jax.ShapeDtypeStruct((scratch_bytes(grid) if ws else 1,), jnp.uint8),
         ),
+        # (o, lse) start as the previous
+        aliases={} if resume is None else {"prev_o_ptr": "o_ptr", "prev_lse_ptr": "lse_ptr"},
+    )  # fmt: skip
+    out, rows, _ = launch(
+        kernel, grid, inputs, outputs,
         dict(consts, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, WS=ws, RESUME=resume is not None),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        aliases={} if resume is None else {5: 0, 6: 1},  # (o, lse) start as the previous
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **where,
+    )  # fmt: skip
     if bias is not None:
         return out, rows[:, :, 0] + rows[:, :, 1], rows
     lse = rows[..., 0] if ws else rows

@@ -129,7 +129,7 @@ def forward_order(groups: int, n_m: int, rows_major: int, causal: bool = True) -
     """The tiles the persistent Gluon forward's counter hands out, in order, as ``group *
     n_m + query block`` (the definition its producer follows, `kernels.gluon._forward._tile`
     and `_rows_major`): the grid's order (each group's ``n_m`` blocks, causal ones the last
-    first), then the last ``rows_major`` groups (``ROWS_MAJOR``, `flash._options.rows_major`; 0:
+    first), then the last ``rows_major`` groups (``ROWS_MAJOR``, `flash._constexprs.rows_major`; 0:
     none) one query block of each at a time."""
     place = np.arange(groups * n_m)
     first = (groups - rows_major) * n_m
@@ -143,7 +143,7 @@ def launch_order(
     table: Any, walk: Walk, *, ordered: bool, tabled: bool, causal: bool, groups: int
 ) -> Any:
     """The tile order a Gluon kernel's launch passes where it takes one (``ordered``, the
-    kernel's ``ORDERED``: `flash._options.CallOptions.ordered_tiles`), else a placeholder:
+    kernel's ``ORDERED``: `flash._select.CallOptions.ordered_tiles`), else a placeholder:
     `tile_order` of the block table's steps (``tabled``: segment ids or positions, sorted
     when the call runs) or of `causal_steps` (a constant of the call), for ``groups``
     (batch-major) of ``walk``'s programs."""

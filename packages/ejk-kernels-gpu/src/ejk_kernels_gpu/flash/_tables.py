@@ -25,7 +25,7 @@ from jax import Array
 from ejk_sequtils import AttentionRequest, dropout_key
 
 from ..build import _triton
-from ._options import CallOptions
+from ._select import CallOptions
 
 __all__ = [
     "Packing",
@@ -389,18 +389,21 @@ def fused_segment_table(
         table, pos, other_pos = dummy(), masks.pos, masks.other_pos
     else:
         table, pos, other_pos = masks, dummy(), dummy()
-    out, counter = _triton.launch(
-        _triton.kernels().segment_table_kernel,
-        (nblk, batch),
-        tuple(jnp.asarray(x, jnp.int32) for x in (ids, other_ids, table, pos, other_pos)),
-        (
-            jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),
-            jax.ShapeDtypeStruct((1,), jnp.int32),
+    kernel = _triton.kernels().segment_table_kernel
+    inputs, outputs, where = _triton.by_name(
+        kernel,
+        inputs=dict(ids_ptr=ids, other_ptr=other_ids, mask_ptr=table, pos_ptr=pos,
+                    other_pos_ptr=other_pos),
+        outputs=dict(
+            out_ptr=jax.ShapeDtypeStruct((batch, nblk, 4), jnp.int32),
+            counter_ptr=jax.ShapeDtypeStruct((1,), jnp.int32),
         ),
-        consts,
-        num_warps=TABLE_WARPS,
-        num_stages=1,
-    )
+    )  # fmt: skip
+    inputs = tuple(jnp.asarray(x, jnp.int32) for x in inputs)
+    out, counter = _triton.launch(
+        kernel, (nblk, batch), inputs, outputs, consts, num_warps=TABLE_WARPS, num_stages=1,
+        **where,
+    )  # fmt: skip
     return out, counter
 
 
@@ -512,9 +515,12 @@ class Tables:
         """These tables as the backward keeps them: without the forward's counter."""
         return dataclasses.replace(self, fwd_counter=None)
 
-    def masking(self) -> tuple[Any, ...]:
-        """The masking tables in the kernels' argument order (`kernels.triton._common.MaskTables`)."""
-        return (self.q_sid, self.k_sid, self.q_pos, self.k_pos, self.q_seg, self.k_seg)
+    def masking(self) -> dict[str, Any]:
+        """The masking tables by the kernels' argument names (`kernels.triton._common.MaskTables`)."""
+        return dict(
+            qsid_ptr=self.q_sid, ksid_ptr=self.k_sid, qpos_ptr=self.q_pos, kpos_ptr=self.k_pos,
+            qseg_ptr=self.q_seg, kseg_ptr=self.k_seg,
+        )  # fmt: skip
 
 
 jax.tree_util.register_dataclass(

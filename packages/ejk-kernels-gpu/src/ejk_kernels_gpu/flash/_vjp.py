@@ -12,7 +12,7 @@ import jax
 
 from ._backward_launch import backward
 from ._forward_launch import forward
-from ._options import CallOptions
+from ._select import CallOptions
 from ._tables import Tables
 
 __all__ = ["flash_vjp", "flash_vjp_bwd", "flash_vjp_fwd"]

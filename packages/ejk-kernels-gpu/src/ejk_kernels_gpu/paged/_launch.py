@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..build._limits import LOG2E, head_block
-from ..build._triton import kernels, launch
+from ..build._triton import by_name, kernels, launch
 from ._config import PagedConfig, TileShape
 
 __all__ = [
@@ -190,26 +190,34 @@ def paged_forward(
     kv_heads = k_pages.shape[2]
     splits = call.config.num_splits
     grid = (splits, tiles.shape[0] * kv_heads)
-    if splits == 1:
-        out_shapes = (jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),)
+    if splits == 1:  # the kernel writes no lse (an unused pointer, see paged_kernel)
+        outputs = dict(
+            o_ptr=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+            lse_ptr=jax.ShapeDtypeStruct((1,), jnp.float32),
+        )
     else:
-        out_shapes = (
-            jax.ShapeDtypeStruct((splits, rows, heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((splits, rows, heads), jnp.float32),
+        outputs = dict(
+            o_ptr=jax.ShapeDtypeStruct((splits, rows, heads, head_dim), jnp.float32),
+            lse_ptr=jax.ShapeDtypeStruct((splits, rows, heads), jnp.float32),
         )
     sinks_in = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     kind = kv_scale_kind(k_scales, v_scales)
-    scales = (_scales_input(s, kind, k_pages.shape[:3]) for s in (k_scales, v_scales))
+    kernel = paged_kernels().paged_kernel
+    inputs, outputs, where = by_name(
+        kernel,
+        inputs=dict(
+            q_ptr=q_rows, k_ptr=k_pages, v_ptr=v_pages,
+            k_scales_ptr=_scales_input(k_scales, kind, k_pages.shape[:3]),
+            v_scales_ptr=_scales_input(v_scales, kind, k_pages.shape[:3]),
+            page_table_ptr=page_table, tiles_ptr=tiles, sinks_ptr=sinks_in,
+        ),
+        outputs=outputs,
+    )  # fmt: skip
     outs = launch(
-        paged_kernels().paged_kernel,
-        grid,
-        (q_rows, k_pages, v_pages, *scales, page_table, tiles, sinks_in),
-        # One split: the kernel writes no lse (an unused pointer, see paged_kernel).
-        out_shapes if splits > 1 else (*out_shapes, jax.ShapeDtypeStruct((1,), jnp.float32)),
+        kernel, grid, inputs, outputs,
         paged_constexprs(call, q_rows, k_pages, page_table, sinks is not None, kind),
-        num_warps=call.config.num_warps,
-        num_stages=call.config.num_stages,
-    )
+        num_warps=call.config.num_warps, num_stages=call.config.num_stages, **where,
+    )  # fmt: skip
     if splits == 1:
         return outs[0]
     o, lse = outs

@@ -29,8 +29,8 @@ columns and adds the result into a float32 buffer by a TMA reduce (`_add_dq`,
 consumer warpgroups of 64 query rows, k and v streamed; three consumers, 192 rows a
 program, without a block table; two, 128 rows, pipelined with three slots, with one at
 head_dim 128; 64 keys a step, 32 at head_dim 256 where 128 rows of q and dO take 128 KiB:
-`flash._config.dq_beside`), or the ordinary dq kernel. Calls the dk/dv kernel takes
-(`flash._options.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias or
+`flash._select.DQ_RULES`), or the ordinary dq kernel. Calls the dk/dv kernel takes
+(`flash._select.can_run_gluon_dkdv`): 16-bit, head_dim 64 or 128, a positive scale, no bias or
 dropout (every mask, the soft cap and sinks are fine: the sinks
 live in the lse; the soft cap's slope ``1 - tanh²`` scales dS), and query rows on whole
 64-row tiles (q and dO are read through one descriptor over every (batch, head)); the

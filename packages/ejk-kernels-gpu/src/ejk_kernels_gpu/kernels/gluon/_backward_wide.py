@@ -18,7 +18,7 @@ columns]`` boxes (a consumer's rows by a column half), so every matmul operand i
 buffer, no row slice of a swizzled tile. The query blocks visited and the masks come from
 `query_blocks` (the block table with a window, packing or segment ids). dq comes from the
 Gluon dq kernel beside it (`kernels.gluon._backward.gluon_dq_kernel` with 32 keys a step,
-`flash._config.GLUON_DQ_256`). Keys past the end are zero-filled on load and clipped on
+`flash._select.GLUON_DQ_256`). Keys past the end are zero-filled on load and clipped on
 store.
 """
 

@@ -9,7 +9,7 @@ One program owns ``BM`` = 128 query rows of one (batch, query head):
   ``empty`` one (every consumer is done with it), k and v apart, so k of block j is
   freed before v is;
 - ``NC`` = BM / 64 consumer warpgroups own 64 rows each: two, or three for soft caps
-  (`flash._config.THREE_CONSUMERS`, 192-row tiles: a third softmax on the MUFU while the other
+  (`flash._select.THREE_CONSUMERS`, 192-row tiles: a third softmax on the MUFU while the other
   two wait on their matmuls).
   Per key block j they issue ``q·kⱼᵀ`` and ``pⱼ₋₁·vⱼ₋₁`` together, wait for the first,
   run block j's online softmax while the second runs, then wait for it
@@ -34,24 +34,24 @@ A tile is one query block of one (batch, head); programs take tiles in the grid'
 head's query blocks consecutive, so the programs at work share k and v in L2; causal
 ones heaviest first), with ``ORDERED`` in the launch's (`flash._schedule.launch_order`: a few
 heads' query blocks at a time, the heaviest first), or with ``ROWS_MAJOR`` (persistent
-causal programs, `flash._options.rows_major`) the last ``ROWS_MAJOR`` (batch, head) groups'
+causal programs, `flash._constexprs.rows_major`) the last ``ROWS_MAJOR`` (batch, head) groups'
 one query block of each at a time, the last first (`_rows_major`): all of them in short
 calls with documents, the last few in short causal ones, so the last tiles are light.
 Where S fills whole key tiles and T whole 64-row steps
-(`flash._options.gluon_persistent`; a last tile's consumers past T only release its buffers,
+(`flash._constexprs.gluon_persistent`; a last tile's consumers past T only release its buffers,
 `_release_tile`), one program per SM loops over the tiles it takes from an
 atomic counter (`_producer`; programs with lighter tiles take more): the producer copies
 the next tile's first k/v blocks and then its q while the consumers finish the previous
 tile's epilogue, and the ring's slots and phases run on across tiles (``count``); the
 consumers read the next tile and its key range while a tile's last p·v runs. Where
-shared memory has room (``OBUF``, `flash._options.gluon_obuf`: head_dim 64, or 128 with two
+shared memory has room (``OBUF``, `flash._constexprs.gluon_obuf`: head_dim 64, or 128 with two
 slots) the output leaves through a buffer of its own: a consumer releases q after its
 tile's last q·kᵀ, so the next q loads during the last p·v and the epilogue, and waits for
 its output's store only before the next one. Otherwise o leaves through q's buffer, whose
 store is waited for before the next q may load. Other calls run one program a tile
 through the same per-tile bodies (`_produce_tile`, `_consume_tile`).
 
-Calls it takes (`flash._options.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
+Calls it takes (`flash._select.can_run_gluon`): 16-bit inputs, head_dim 64, 128 or 256
 (256 with 64-key tiles), a positive scale, no bias or dropout; any masks, soft cap,
 sinks, grouped heads, key and query lengths (TMA zero-fills rows past the ends on load
 and clips them on store).
@@ -328,7 +328,7 @@ def _softmax(s, m_i, l_i, alpha_in, row_info, key_info, F: gl.constexpr, MASK: g
     are 0, not NaN.
 
     ``FIXED_SHIFT`` (a soft cap: logits in log2 units within ``[-CAP_OUT, CAP_OUT]``, and
-    CAP_OUT <= `flash._options.FIXED_SHIFT_CAP_OUT`; bf16): the tile's ``FIRST`` block sets each
+    CAP_OUT <= `flash._constexprs.FIXED_SHIFT_CAP_OUT`; bf16): the tile's ``FIRST`` block sets each
     row's shift m = max(its running max, CAP_OUT - _SHIFT_ROOM) and later blocks keep it,
     with neither a max per score nor a rescaling of o (alpha 1: `_issue_pv` skips it).
     Its l is then each thread's own sums of its columns (`_own_sums`, no shuffle a block;

@@ -237,7 +237,7 @@ def fwd_kernel(
         l_i = tl.where(lse_prev > float("-inf"), 1.0, 0.0)
         prev_base = prev_o_ptr + b64 * (T * N * H) + n * H
         acc = load_tile(prev_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True).to(tl.float32)
-    if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _options)
+    if WS:  # fully visible (full_lo = lo, full_hi = hi) or causal-only calls (see _select)
         k_desc = slab(k_base, S, H, kv_row, BLOCK_N, BLOCK_D)
         v_desc = slab(v_base, S, H, kv_row, BLOCK_N, BLOCK_D)
         acc, m_i, l_i = _fwd_ws_loop(

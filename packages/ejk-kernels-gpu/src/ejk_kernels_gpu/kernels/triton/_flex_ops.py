@@ -1,0 +1,123 @@
+"""Triton device functions of the flex kernels: the tile of scores under a user's mods, its
+gradient, the walk over a block list, and the operations the generated mod functions call.
+
+Imported only through `ejk_kernels_gpu.build._triton.kernels` (and by the modules
+`flex._plan` generates, which run after it), once the Triton backend is chosen.
+
+The mods arrive as ``@triton.jit`` functions passed to the kernels as constexpr arguments
+(``SCORE_FN``, ``DSCORE_FN``, ``MASK_FN``; generated per mod by `flex._plan`); each works
+elementwise on broadcastable tiles, and the captured arrays they read come as two flat
+buffers, ``ints`` and ``floats``. Scores are natural logits in float32 throughout (the
+score_mod is defined on them), the lse in natural units.
+"""
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from ._common import along_k, along_q
+from ._common import tanh as flex_tanh
+
+__all__ = ["FlexOptions", "flex_dscores", "flex_probs", "flex_scores", "flex_tanh",
+           "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "table_row"]  # fmt: skip
+
+
+class FlexOptions(NamedTuple):
+    """The compile-time options of one flex launch (each kernel builds it from its constexprs)."""
+
+    T: int  # query rows
+    S: int  # key rows
+    N: int  # query heads
+    G: int  # query heads per kv head
+    H: int  # q/k head dim
+    HV: int  # v head dim
+    BLOCK_D: int  # H padded to a power of two
+    BLOCK_DV: int  # HV padded to a power of two
+    SCALE: float  # softmax scale
+    MB: int  # batch rows of the block tables (1: one table for every row)
+    MN: int  # heads of the block tables (1: one table for every head)
+    TB: int  # query blocks
+    SB: int  # key blocks
+    HAS_SCORE: bool  # a score_mod (else SCORE_FN and DSCORE_FN are not called)
+
+
+@triton.jit
+def flex_trunc(x):
+    """A float rounded towards zero (for lax.rem on floats)."""
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def flex_trunc_div(a, b):
+    """Integer ``a / b`` rounded towards zero, as ``lax.div`` (the same in compiled code and
+    the interpreter, whose NumPy would floor)."""
+    q = tl.abs(a) // tl.abs(b)
+    return tl.where((a < 0) != (b < 0), -q, q)
+
+
+@triton.jit
+def flex_trunc_rem(a, b):
+    """Integer remainder with the dividend's sign, as ``lax.rem``."""
+    return a - b * flex_trunc_div(a, b)
+
+
+@triton.jit
+def table_row(b, n, block, F: tl.constexpr, BLOCKS: tl.constexpr):
+    """Row of a ``[MB, MN, BLOCKS, ...]`` block table for batch row ``b``, query head ``n``."""
+    if F.MB > 1:
+        mb = b
+    else:
+        mb = 0
+    if F.MN > 1:
+        mn = n
+    else:
+        mn = 0
+    return (mb * F.MN + mn) * BLOCKS + block
+
+
+@triton.jit
+def flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr, SCORE_FN: tl.constexpr,
+                MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+    """``(raw, s)``: ``raw = scale·a·cᵀ`` and the modded scores ``s`` (-inf where hidden).
+
+    ``(a, c)`` is ``(q, k)`` for a ``[BLOCK_M, BLOCK_N]`` tile, or ``(k, q)`` with TRANS
+    for its transpose (the dk/dv kernel's). The score_mod runs on every element; the
+    mask_mod only in PARTIAL blocks (a FULL block is visible everywhere by its table);
+    rows and columns past the ends are hidden in every block.
+    """
+    raw = tl.dot(a, tl.trans(c)) * F.SCALE
+    q_idx = along_q(offs_m, TRANS)
+    kv_idx = along_k(offs_n, TRANS)
+    visible = (q_idx < F.T) & (kv_idx < F.S)
+    if PARTIAL:
+        visible = visible & MASK_FN(b, n, q_idx, kv_idx, ints, floats)
+    if F.HAS_SCORE:
+        s = SCORE_FN(raw, b, n, q_idx, kv_idx, ints, floats)
+    else:
+        s = raw
+    return raw, tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def flex_probs(a, c, lse, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr,
+               SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, PARTIAL: tl.constexpr,
+               TRANS: tl.constexpr):  # fmt: skip
+    """``(raw, P)`` of a tile rebuilt from the row's lse (loaded by `load_rows`: an emptied
+    row's -inf lse as 0, so its P, every score -inf, is 0)."""
+    raw, s = flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN,
+                         PARTIAL, TRANS)  # fmt: skip
+    return raw, tl.exp(s - along_q(lse, TRANS))
+
+
+@triton.jit
+def flex_dscores(raw, p, dp, delta, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr,
+                 DSCORE_FN: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+    """The gradient of the raw scores: ``dS = P ∘ (dP - delta)`` (FlashAttention-2, Alg. 2)
+    through the score_mod, ``dS · ∂score_mod/∂score`` at ``raw``; 0 where P is (hidden
+    elements, whose derivative may be anything)."""
+    ds = p * (dp - along_q(delta, TRANS))
+    if F.HAS_SCORE:
+        d = DSCORE_FN(raw, b, n, along_q(offs_m, TRANS), along_k(offs_n, TRANS), ints, floats)
+        ds = tl.where(p > 0.0, ds * d, 0.0)
+    return ds

@@ -183,13 +183,22 @@ def _directory() -> str:
     return path
 
 
+def _holds(path: str, source: str) -> bool:
+    """Whether the file at ``path`` exists and holds ``source``."""
+    try:
+        with open(path) as f:
+            return f.read() == source
+    except OSError:
+        return False
+
+
 def _load(key: str, source: str) -> ModuleType:
     """The generated module of ``source``, written to its file once and imported."""
     with _LOCK:
         if key in _MODULES:
             return _MODULES[key]
         path = os.path.join(_directory(), f"ejk_flex_mods_{key}.py")
-        if not os.path.exists(path) or open(path).read() != source:
+        if not _holds(path, source):
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 f.write(source)

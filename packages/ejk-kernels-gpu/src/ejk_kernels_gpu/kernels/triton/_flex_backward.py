@@ -12,7 +12,15 @@ import triton
 import triton.language as tl
 
 from ._common import load_rows, load_tile, store_tile
-from ._flex_ops import FlexOptions, flex_dscores, flex_probs, table_row
+from ._flex_ops import (
+    FlexOptions,
+    flex_dscores,
+    flex_probs,
+    head_slab,
+    kv_tiles,
+    query_program,
+    table_row,
+)
 
 
 @triton.jit
@@ -20,11 +28,7 @@ def _dq_block(dq, start_n, q, do, lse, delta, k_base, v_base, b, n, offs_m, ints
               F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
               MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """dq += dS·K for one key block."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, F.BLOCK_D)
-    offs_dv = tl.arange(0, F.BLOCK_DV)
-    k = load_tile(k_base, offs_n, offs_d, (F.N // F.G) * F.H, F.S, F.H, F.BLOCK_D, True)
-    v = load_tile(v_base, offs_n, offs_dv, (F.N // F.G) * F.HV, F.S, F.HV, F.BLOCK_DV, True)
+    offs_n, k, v = kv_tiles(k_base, v_base, start_n, F, BLOCK_N)
     raw, p = flex_probs(q, k, lse, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN,
                         PARTIAL, False)  # fmt: skip
     dp = tl.dot(do, tl.trans(v))
@@ -69,24 +73,11 @@ def flex_dq_kernel(
         T=T, S=S, N=N, G=G, H=H, HV=HV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, SCALE=SCALE, MB=MB,
         MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE,
     )  # fmt: skip
-    K: tl.constexpr = N // G
-    pid_m = tl.program_id(0)
-    pid_bn = tl.program_id(1)
-    b = pid_bn // N
-    n = pid_bn % N
-    b64 = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = q_ptr + b64 * (T * N * H) + n * H
-    q = load_tile(q_base, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    do_base = do_ptr + b64 * (T * N * HV) + n * HV
-    do = load_tile(do_base, offs_m, offs_dv, N * HV, T, HV, BLOCK_DV, True)
+    b, n, offs_m, q, k_base, v_base, row = query_program(q_ptr, k_ptr, v_ptr, F, BLOCK_M)
+    do = load_tile(head_slab(do_ptr, b, n, T, N, HV), offs_m, tl.arange(0, BLOCK_DV), N * HV, T,
+                   HV, BLOCK_DV, True)  # fmt: skip
     lse = load_rows(lse_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
     delta = load_rows(delta_ptr + (b * N + n) * T, offs_m, T, True, 1.0)
-    k_base = k_ptr + b64 * (S * K * H) + (n // G) * H
-    v_base = v_ptr + b64 * (S * K * HV) + (n // G) * HV
-    row = table_row(b, n, pid_m, F, TB)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_list(dq, pnum_ptr, pidx_ptr, row, q, do, lse, delta, k_base, v_base, b, n, offs_m,
@@ -95,7 +86,8 @@ def flex_dq_kernel(
     dq = _dq_list(dq, fnum_ptr, fidx_ptr, row, q, do, lse, delta, k_base, v_base, b, n, offs_m,
                   ints_ptr, floats_ptr, F, SCORE_FN, DSCORE_FN, MASK_FN, False, BLOCK_N,
                   INTERPRET)  # fmt: skip
-    store_tile(dq_ptr + b64 * (T * N * H) + n * H, offs_m, offs_d, dq * SCALE, N * H, T, H)
+    dq_base = head_slab(dq_ptr, b, n, T, N, H)
+    store_tile(dq_base, offs_m, tl.arange(0, BLOCK_D), dq * SCALE, N * H, T, H)
 
 
 @triton.jit
@@ -161,24 +153,21 @@ def flex_dkdv_kernel(
     )  # fmt: skip
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = pid_bk // K
-    kh = pid_bk % K
-    b64 = b.to(tl.int64)
+    b = tl.program_id(1) // K
+    kh = tl.program_id(1) % K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_base = k_ptr + b64 * (S * K * H) + kh * H
-    v_base = v_ptr + b64 * (S * K * HV) + kh * HV
-    k = load_tile(k_base, offs_n, offs_d, K * H, S, H, BLOCK_D, True)
-    v = load_tile(v_base, offs_n, offs_dv, K * HV, S, HV, BLOCK_DV, True)
+    k = load_tile(head_slab(k_ptr, b, kh, S, K, H), offs_n, offs_d, K * H, S, H, BLOCK_D, True)
+    v = load_tile(head_slab(v_ptr, b, kh, S, K, HV), offs_n, offs_dv, K * HV, S, HV, BLOCK_DV,
+                  True)  # fmt: skip
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(0, G):
         n = kh * G + g
-        q_base = q_ptr + b64 * (T * N * H) + n * H
-        do_base = do_ptr + b64 * (T * N * HV) + n * HV
+        q_base = head_slab(q_ptr, b, n, T, N, H)
+        do_base = head_slab(do_ptr, b, n, T, N, HV)
         lse_base = lse_ptr + (b * N + n) * T
         delta_base = delta_ptr + (b * N + n) * T
         row = table_row(b, n, pid_n, F, SB)
@@ -188,5 +177,5 @@ def flex_dkdv_kernel(
         dk, dv = _dkdv_list(dk, dv, fnum_ptr, fidx_ptr, row, k, v, q_base, do_base, lse_base,
                             delta_base, b, n, offs_n, ints_ptr, floats_ptr, F, SCORE_FN,
                             DSCORE_FN, MASK_FN, False, BLOCK_M, INTERPRET)  # fmt: skip
-    store_tile(dk_ptr + b64 * (S * K * H) + kh * H, offs_n, offs_d, dk * SCALE, K * H, S, H)
-    store_tile(dv_ptr + b64 * (S * K * HV) + kh * HV, offs_n, offs_dv, dv, K * HV, S, HV)
+    store_tile(head_slab(dk_ptr, b, kh, S, K, H), offs_n, offs_d, dk * SCALE, K * H, S, H)
+    store_tile(head_slab(dv_ptr, b, kh, S, K, HV), offs_n, offs_dv, dv, K * HV, S, HV)

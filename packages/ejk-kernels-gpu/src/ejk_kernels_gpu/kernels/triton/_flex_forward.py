@@ -11,8 +11,8 @@ on every visited element (see `_flex_ops.flex_scores`).
 import triton
 import triton.language as tl
 
-from ._common import load_tile, store_tile
-from ._flex_ops import FlexOptions, flex_scores, table_row
+from ._common import store_tile
+from ._flex_ops import FlexOptions, flex_scores, head_slab, kv_tiles, query_program
 
 
 @triton.jit
@@ -20,11 +20,7 @@ def _fwd_block(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m, ints, fl
                F: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
                PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """One key block's online-softmax update of (acc, m, l); m in natural units."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, F.BLOCK_D)
-    offs_dv = tl.arange(0, F.BLOCK_DV)
-    k = load_tile(k_base, offs_n, offs_d, (F.N // F.G) * F.H, F.S, F.H, F.BLOCK_D, True)
-    v = load_tile(v_base, offs_n, offs_dv, (F.N // F.G) * F.HV, F.S, F.HV, F.BLOCK_DV, True)
+    offs_n, k, v = kv_tiles(k_base, v_base, start_n, F, BLOCK_N)
     _, s = flex_scores(q, k, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN, PARTIAL,
                        False)  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -76,20 +72,7 @@ def flex_fwd_kernel(
         T=T, S=S, N=N, G=G, H=H, HV=HV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, SCALE=SCALE, MB=MB,
         MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE,
     )  # fmt: skip
-    K: tl.constexpr = N // G
-    pid_m = tl.program_id(0)
-    pid_bn = tl.program_id(1)
-    b = pid_bn // N
-    n = pid_bn % N
-    b64 = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(q_ptr + b64 * (T * N * H) + n * H, offs_m, offs_d, N * H, T, H, BLOCK_D, True)
-    k_base = k_ptr + b64 * (S * K * H) + (n // G) * H
-    v_base = v_ptr + b64 * (S * K * HV) + (n // G) * HV
-    row = table_row(b, n, pid_m, F, TB)
-
+    b, n, offs_m, q, k_base, v_base, row = query_program(q_ptr, k_ptr, v_ptr, F, BLOCK_M)
     m_i = tl.zeros([BLOCK_M], tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -104,5 +87,5 @@ def flex_fwd_kernel(
     l_safe = tl.where(has_mass, l_i, 1.0)
     lse = tl.where(has_mass, m_i + tl.log(l_safe), float("-inf"))
     tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
-    o_base = o_ptr + b64 * (T * N * HV) + n * HV
-    store_tile(o_base, offs_m, offs_dv, acc / l_safe[:, None], N * HV, T, HV)
+    o_base = head_slab(o_ptr, b, n, T, N, HV)
+    store_tile(o_base, offs_m, tl.arange(0, BLOCK_DV), acc / l_safe[:, None], N * HV, T, HV)

@@ -16,11 +16,12 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ._common import along_k, along_q
+from ._common import along_k, along_q, load_tile
 from ._common import tanh as flex_tanh
 
 __all__ = ["FlexOptions", "flex_dscores", "flex_probs", "flex_scores", "flex_tanh",
-           "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "table_row"]  # fmt: skip
+           "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "head_slab", "kv_tiles", "query_program",
+           "table_row"]  # fmt: skip
 
 
 class FlexOptions(NamedTuple):
@@ -60,6 +61,40 @@ def flex_trunc_div(a, b):
 def flex_trunc_rem(a, b):
     """Integer remainder with the dividend's sign, as ``lax.rem``."""
     return a - b * flex_trunc_div(a, b)
+
+
+@triton.jit
+def head_slab(ptr, b, head, ROWS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr):
+    """Where one (batch, head)'s ``[ROWS, DIM]`` slab of a ``[B, ROWS, HEADS, DIM]`` array
+    starts (rows ``HEADS·DIM`` apart)."""
+    return ptr + b.to(tl.int64) * (ROWS * HEADS * DIM) + head * DIM
+
+
+@triton.jit
+def query_program(q_ptr, k_ptr, v_ptr, F: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What a program of a ``(query blocks, B·N)`` grid (forward, dq) starts from:
+    ``(b, n, offs_m, q, k_base, v_base, row)``: its batch row, query head, query rows,
+    their resident q tile, its kv head's k and v slabs and its row of the block tables."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1) // F.N
+    n = tl.program_id(1) % F.N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_base = head_slab(q_ptr, b, n, F.T, F.N, F.H)
+    q = load_tile(q_base, offs_m, tl.arange(0, F.BLOCK_D), F.N * F.H, F.T, F.H, F.BLOCK_D, True)
+    k_base = head_slab(k_ptr, b, n // F.G, F.S, F.N // F.G, F.H)
+    v_base = head_slab(v_ptr, b, n // F.G, F.S, F.N // F.G, F.HV)
+    return b, n, offs_m, q, k_base, v_base, table_row(b, n, pid_m, F, F.TB)
+
+
+@triton.jit
+def kv_tiles(k_base, v_base, start_n, F: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(offs_n, k, v)``: the key rows from ``start_n`` and their k and v tiles (zeros past S)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k_stride: tl.constexpr = (F.N // F.G) * F.H
+    v_stride: tl.constexpr = (F.N // F.G) * F.HV
+    k = load_tile(k_base, offs_n, tl.arange(0, F.BLOCK_D), k_stride, F.S, F.H, F.BLOCK_D, True)
+    v = load_tile(v_base, offs_n, tl.arange(0, F.BLOCK_DV), v_stride, F.S, F.HV, F.BLOCK_DV, True)
+    return offs_n, k, v
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu.flex import flex_attention, unsupported_flex_reason
+from ejk_kernels_gpu.flex import FlexConfig, flex_attention, unsupported_flex_reason
 from ejk_kernels_gpu.flex._plan import Unsupported, plan_mods
 
 B, T, S, N, K, H = 2, 37, 45, 4, 2, 16
@@ -62,22 +62,23 @@ def block_lists(kinds):
     return tuple(jnp.asarray(x) for x in out)
 
 
-def kinds_of(visible):
-    """Block kinds ``[B, N, TB, SB]`` of a dense bool mask (padding counts as visible)."""
-    padded = np.ones((B, N, TB * BLOCK, SB * BLOCK), bool)
+def kinds_of(visible, block=BLOCK):
+    """Block kinds ``[B, N, T / block, S / block]`` of a dense bool mask."""
+    tb, sb = -(-T // block), -(-S // block)
+    padded = np.ones((B, N, tb * block, sb * block), bool)
     inside = np.zeros_like(padded)
     padded[:, :, :T, :S] = np.broadcast_to(np.asarray(visible), (B, N, T, S))
     inside[:, :, :T, :S] = True
-    blocks = lambda x: x.reshape(B, N, TB, BLOCK, SB, BLOCK)
+    blocks = lambda x: x.reshape(B, N, tb, block, sb, block)
     any_ = (blocks(padded & inside)).any(axis=(3, 5))
     all_ = blocks(padded).all(axis=(3, 5))
     return np.where(all_, 2, np.where(any_, 1, 0)).astype(np.int8)
 
 
-def run(q, k, v, kinds, score_mod=None, mask_mod=None, **kw):
+def run(q, k, v, kinds, score_mod=None, mask_mod=None, block=BLOCK, **kw):
     return flex_attention(
         q, k, v, score_mod=score_mod, mask_mod=mask_mod, kv_blocks=block_lists(kinds),
-        q_blocks=block_lists(np.swapaxes(kinds, -1, -2)), block_size=(BLOCK, BLOCK),
+        q_blocks=block_lists(np.swapaxes(kinds, -1, -2)), block_size=(block, block),
         softmax_scale=H**-0.5, **kw,
     )  # fmt: skip
 
@@ -102,6 +103,25 @@ def test_partial_blocks_apply_the_mask_mod_and_full_ones_do_not():
     _close(run(q, k, v, full, mask_mod=_causal), dense(q, k, v, visible=block_visible))
 
 
+def _grads(fn, q, k, v, **kw):
+    return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, **kw))), argnums=(0, 1, 2))(q, k, v)
+
+
+def test_tiles_smaller_than_the_blocks():
+    """32 x 32 blocks walked by 16-row tiles (forward and both backward kernels)."""
+    q, k, v = _inputs(5)
+    visible = _causal(*_grid())
+    tiles = FlexConfig(block_q=16, block_k=16)
+    kw = dict(kinds=kinds_of(visible, 32), mask_mod=_causal, block=32, config=tiles,
+              bwd_config=tiles)  # fmt: skip
+    _close(run(q, k, v, **kw), dense(q, k, v, visible=visible))
+    for g, w in zip(_grads(run, q, k, v, **kw), _grads(dense, q, k, v, visible=visible),
+                    strict=True):  # fmt: skip
+        _close(g, w, 1e-4)
+    with pytest.raises(ValueError, match="block_q=64 must divide the block mask's blocks"):
+        run(q, k, v, **dict(kw, config=FlexConfig(block_q=64, block_k=16)))
+
+
 def test_blocks_left_out_of_the_lists_are_never_visited():
     q, k, v = _inputs(1)
     kinds = np.full((1, 1, TB, SB), 2, np.int8)
@@ -112,11 +132,8 @@ def test_blocks_left_out_of_the_lists_are_never_visited():
     visible[:, :, 32:, 32:] = False
     _close(run(q, k, v, kinds), dense(q, k, v, visible=visible))
 
-    def loss(q, k, v, fn, **kw):
-        return jnp.sum(jnp.sin(fn(q, k, v, **kw)))
-
-    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, run, kinds=kinds)
-    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dense, visible=visible)
+    got = _grads(run, q, k, v, kinds=kinds)
+    want = _grads(dense, q, k, v, visible=visible)
     for g, w in zip(got, want, strict=True):
         _close(g, w, 1e-4)
 

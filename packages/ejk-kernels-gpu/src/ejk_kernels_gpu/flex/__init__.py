@@ -7,12 +7,14 @@ from ._api import default_block_size as default_block_size
 from ._api import flex_attention as flex_attention
 from ._api import unsupported_flex_reason as unsupported_flex_reason
 from ._config import FlexConfig as FlexConfig
-from ._config import flex_heuristic as flex_heuristic
+from ._config import bwd_heuristic as bwd_heuristic
+from ._config import fwd_heuristic as fwd_heuristic
 
 __all__ = [
     "FlexConfig",
+    "bwd_heuristic",
     "default_block_size",
     "flex_attention",
-    "flex_heuristic",
+    "fwd_heuristic",
     "unsupported_flex_reason",
 ]

@@ -16,7 +16,7 @@ from jax import Array
 from jaxtyping import Float
 
 from ..build._triton import gpu_available
-from ._config import FlexConfig, flex_heuristic
+from ._config import FlexConfig, bwd_heuristic, check_tiles, fwd_heuristic
 from ._launch import FlexCall, Tables
 from ._plan import Unsupported, plan_mods
 from ._vjp import flex_vjp
@@ -104,6 +104,7 @@ def flex_attention(
     softmax_scale: float,
     return_lse: bool = False,
     config: FlexConfig | None = None,
+    bwd_config: FlexConfig | None = None,
 ) -> Any:
     """Flex attention in Triton: ``score_mod`` and ``mask_mod`` compiled into the kernels.
 
@@ -126,7 +127,8 @@ def flex_attention(
         block_size: ``(q_block, kv_block)`` of the lists: the kernels' tiles.
         softmax_scale: multiplies ``q·kᵀ``.
         return_lse: also return the float32 lse ``[B, N, T]``.
-        config: launch options; default `flex_heuristic`.
+        config: the forward's tiles and launch options; default `fwd_heuristic`.
+        bwd_config: the dq and dk/dv kernels'; default `bwd_heuristic`.
 
     Returns:
         ``out [B, T, N, Hv]`` in q's dtype, or ``(out, lse)``.
@@ -134,12 +136,14 @@ def flex_attention(
     Raises:
         NotImplementedError: `unsupported_flex_reason` (a mod's primitive named).
         TypeError: a config that is not a `FlexConfig`.
+        ValueError: a config whose tiles do not divide the blocks (`check_tiles`).
     """
     reason = unsupported_flex_reason(q, k, v, score_mod, mask_mod, block_size)
     if reason is not None:
         raise NotImplementedError(reason)
-    if config is not None and not isinstance(config, FlexConfig):
-        raise TypeError(f"config must be a FlexConfig or None, got {config!r}")
+    for name, cfg in (("config", config), ("bwd_config", bwd_config)):
+        if cfg is not None and not isinstance(cfg, FlexConfig):
+            raise TypeError(f"{name} must be a FlexConfig or None, got {cfg!r}")
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     batch, q_len, heads, _ = q.shape
     kv_len = k.shape[1]
@@ -160,8 +164,12 @@ def flex_attention(
             f"kv_blocks and q_blocks must list {rows} query blocks and {cols} key blocks of "
             f"{block_size}, got {kv_blocks[0].shape} and {q_blocks[0].shape}"
         )
-    cfg = config or flex_heuristic(block_size, q.shape[3])
-    call = FlexCall(plan, float(softmax_scale), (q_block, kv_block), mask_heads, cfg)
+    head_dim = max(q.shape[3], v.shape[3])
+    fwd = config or fwd_heuristic(block_size, head_dim)
+    bwd = bwd_config or bwd_heuristic(block_size, head_dim)
+    check_tiles(fwd, block_size, "forward")
+    check_tiles(bwd, block_size, "backward")
+    call = FlexCall(plan, float(softmax_scale), (q_block, kv_block), mask_heads, fwd, bwd)
     n_score = plan.score_captures
     score_caps, mask_caps = list(consts[:n_score]), list(consts[n_score:])
     out, lse = flex_vjp(call, q, k, v, score_caps, mask_caps, kv_blocks, q_blocks)

@@ -1,37 +1,83 @@
-"""`FlexConfig`: the launch options of the flex kernels, and their heuristic.
+"""`FlexConfig`: the tiles and launch options of the flex kernels, and their heuristics.
 
-The tiles are the `BlockMask`'s blocks (the tables name blocks of that size), so a config
-holds only warps and pipelining stages.
+The block lists name blocks of the `BlockMask`'s size; a kernel's tiles divide them (a
+listed block is walked a tile at a time), so a mask built once with 128 x 128 blocks serves
+backward kernels whose registers hold 64-row tiles.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["FlexConfig", "flex_heuristic"]
+__all__ = ["FlexConfig", "bwd_heuristic", "check_tiles", "fwd_heuristic"]
+
+
+def _power_of_two(value: object, low: int, high: int) -> bool:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    return ok and low <= value <= high and value & (value - 1) == 0  # type: ignore[operator]
 
 
 class FlexConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Launch options of the flex kernels (forward, dq and dk/dv alike).
+    """Tiles and launch options of the flex kernels (one config for the forward, one for both
+    backward kernels).
 
     Attributes:
-        num_warps: warps per program, a power of two in ``[1, 16]``.
-        num_stages: software-pipelining depth of the block loops, ``>= 1``.
+        block_q: rows of the resident tile: queries (forward, dq) or keys (dk/dv); a power
+            of two in [16, 256] dividing the block mask's block along that axis.
+        block_k: rows of the streamed tile: keys (forward, dq) or queries (dk/dv); likewise.
+        num_warps: warps per program, a power of two in [1, 16].
+        num_stages: software-pipelining depth of the loops, >= 1.
     """
 
+    block_q: int = 64
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        w = self.num_warps
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1 or w > 16 or w & (w - 1):
-            raise ValueError(f"FlexConfig: num_warps must be a power of two in [1, 16], got {w!r}")
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not _power_of_two(value, 16, 256):
+                raise ValueError(f"FlexConfig: {name} must be a power of two in [16, 256], got {value!r}")  # fmt: skip
+        if not _power_of_two(self.num_warps, 1, 16):
+            raise ValueError(f"FlexConfig: num_warps must be a power of two in [1, 16], got {self.num_warps!r}")  # fmt: skip
         s = self.num_stages
         if isinstance(s, bool) or not isinstance(s, int) or s < 1:
             raise ValueError(f"FlexConfig: num_stages must be an int >= 1, got {s!r}")
 
 
-def flex_heuristic(block_size: tuple[int, int], head_dim: int) -> FlexConfig:
-    """Four warps for tiles up to 64 x 64 elements (or head_dim <= 64), eight above."""
-    small = block_size[0] * block_size[1] <= 64 * 64 or head_dim <= 64
-    return FlexConfig(num_warps=4 if small else 8, num_stages=2)
+def fwd_heuristic(block_size: tuple[int, int], head_dim: int) -> FlexConfig:
+    """The forward's tiles: 128 query rows by 64 keys with eight warps (128 keys at head_dim
+    <= 64); above head_dim 128, 64 by 64 (shared memory). Smaller blocks: theirs."""
+    q_block, kv_block = block_size
+    if head_dim > 128:
+        return FlexConfig(block_q=min(64, q_block), block_k=min(64, kv_block), num_warps=8)
+    block_q = min(128, q_block)
+    block_k = min(128 if head_dim <= 64 else 64, kv_block)
+    return FlexConfig(block_q=block_q, block_k=block_k, num_warps=8 if block_q >= 128 else 4)
+
+
+def bwd_heuristic(block_size: tuple[int, int], head_dim: int) -> FlexConfig:
+    """The backward's tiles: 64 resident rows by 32 streamed ones, four warps (above head_dim
+    128: 32 by 32); the dk/dv kernel's resident k, v, dk and dv then stay in registers
+    (sm_90 builds without spills: `aot.flex`). Smaller blocks: theirs."""
+    block_q = min(32 if head_dim > 128 else 64, *block_size)
+    return FlexConfig(block_q=block_q, block_k=min(32, *block_size), num_warps=4)
+
+
+def check_tiles(config: FlexConfig, block_size: tuple[int, int], role: str) -> None:
+    """``config``'s tiles divide the mask's blocks (``role``: "forward" or "backward").
+
+    Raises:
+        ValueError: a tile that does not divide its block, naming both.
+    """
+    q_block, kv_block = block_size
+    pairs = [("block_q", config.block_q, q_block), ("block_k", config.block_k, kv_block)]
+    if role == "backward":  # the dk/dv kernel: resident keys, streamed queries
+        pairs += [("block_q", config.block_q, kv_block), ("block_k", config.block_k, q_block)]
+    for name, tile, block in pairs:
+        if block % tile:
+            raise ValueError(
+                f"the {role} FlexConfig's {name}={tile} must divide the block mask's blocks "
+                f"{block_size} (the kernels walk each listed block a tile at a time)"
+            )

@@ -28,48 +28,55 @@ class FlexCall:
     Attributes:
         plan: the translated mods.
         scale: the softmax scale.
-        block_size: ``(q_block, kv_block)``: the tables' blocks, the kernels' tiles.
+        block_size: ``(q_block, kv_block)``: the blocks the lists name.
         table_heads: ``(MB, MN)``: the tables' batch rows and heads (1: broadcast).
-        config: launch options.
+        fwd_config: the forward's tiles and launch options.
+        bwd_config: the dq and dk/dv kernels'.
     """
 
     plan: ModPlan
     scale: float
     block_size: tuple[int, int]
     table_heads: tuple[int, int]
-    config: FlexConfig
+    fwd_config: FlexConfig
+    bwd_config: FlexConfig
 
-    def constexprs(self, q: Any, k: Any, v: Any, functions: tuple[str, ...]) -> dict[str, Any]:
+    def constexprs(
+        self, q: Any, k: Any, v: Any, cfg: FlexConfig, keys_resident: bool
+    ) -> dict[str, Any]:
+        """Every constexpr of a kernel but the mod functions (`ModPlan.functions`):
+        ``cfg``'s resident tile is keys (dk/dv) with ``keys_resident``, else queries."""
         _, q_len, heads, head_dim = q.shape
         kv_len, kv_heads, v_dim = k.shape[1], k.shape[2], v.shape[3]
         q_block, kv_block = self.block_size
-        score_fn, dscore_fn, mask_fn = self.plan.functions()
-        named = {"SCORE_FN": score_fn, "DSCORE_FN": dscore_fn, "MASK_FN": mask_fn}
+        rows, cols = (cfg.block_k, cfg.block_q) if keys_resident else (cfg.block_q, cfg.block_k)
         return dict(
             T=q_len, S=kv_len, N=heads, G=heads // kv_heads, H=head_dim, HV=v_dim,
             SCALE=float(self.scale), MB=self.table_heads[0], MN=self.table_heads[1],
             TB=-(-q_len // q_block), SB=-(-kv_len // kv_block),
-            HAS_SCORE=self.plan.score is not None, BLOCK_M=q_block, BLOCK_N=kv_block,
-            BLOCK_D=head_block(head_dim), BLOCK_DV=head_block(v_dim),
-            **{name: named[name] for name in functions},
+            HAS_SCORE=self.plan.score is not None, BLOCK_M=rows, BLOCK_N=cols,
+            BLOCK_D=head_block(head_dim), BLOCK_DV=head_block(v_dim), MASK_M=q_block,
+            MASK_N=kv_block,
         )  # fmt: skip
 
 
 def forward(call: FlexCall, q, k, v, ints, floats, kv_tables: Tables) -> tuple[Array, Array]:
     """``(out [B, T, N, Hv], lse [B, N, T])``, the lse float32 in natural units."""
     batch, q_len, heads, _ = q.shape
-    consts = call.constexprs(q, k, v, ("SCORE_FN", "MASK_FN"))
+    cfg = call.fwd_config
+    consts = call.constexprs(q, k, v, cfg, keys_resident=False)
+    fns = call.plan.functions()
     out, lse = launch(
         kernels().flex_fwd_kernel,
-        (consts["TB"], batch * heads),
+        (-(-q_len // cfg.block_q), batch * heads),
         (q, k, v, ints, floats, *kv_tables),
         (
             jax.ShapeDtypeStruct((batch, q_len, heads, v.shape[3]), q.dtype),
             jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
         ),
-        consts,
-        num_warps=call.config.num_warps,
-        num_stages=call.config.num_stages,
+        dict(consts, SCORE_FN=fns["SCORE_FN"], MASK_FN=fns["MASK_FN"]),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -78,25 +85,26 @@ def backward(
     call: FlexCall, q, k, v, ints, floats, kv_tables: Tables, q_tables: Tables, lse, d_out, delta
 ) -> tuple[Array, Array, Array]:
     """``(dq, dk, dv)``; ``delta`` is ``rowsum(dO ∘ O) - d_lse`` ``[B, N, T]`` (float32)."""
-    batch, _, heads, _ = q.shape
-    kv_heads = k.shape[2]
-    consts = call.constexprs(q, k, v, ("SCORE_FN", "DSCORE_FN", "MASK_FN"))
+    batch, q_len, heads, _ = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    cfg = call.bwd_config
+    fns = call.plan.functions()
     inputs = (q, k, v, d_out.astype(q.dtype), lse, delta, ints, floats)
-    options = dict(num_warps=call.config.num_warps, num_stages=call.config.num_stages)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     (dq,) = launch(
         kernels().flex_dq_kernel,
-        (consts["TB"], batch * heads),
+        (-(-q_len // cfg.block_q), batch * heads),
         (*inputs, *kv_tables),
         (jax.ShapeDtypeStruct(q.shape, q.dtype),),
-        consts,
+        dict(call.constexprs(q, k, v, cfg, keys_resident=False), **fns),
         **options,
     )
     dk, dv = launch(
         kernels().flex_dkdv_kernel,
-        (consts["SB"], batch * kv_heads),
+        (-(-kv_len // cfg.block_q), batch * kv_heads),
         (*inputs, *q_tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        consts,
+        dict(call.constexprs(q, k, v, cfg, keys_resident=True), **fns),
         **options,
     )
     return dq, dk, dv

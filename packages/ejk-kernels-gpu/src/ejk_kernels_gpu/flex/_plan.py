@@ -68,12 +68,18 @@ class ModPlan:
     score_captures: int
     captures: tuple[Capture, ...]
 
-    def functions(self) -> tuple[Any, Any, Any]:
-        """``(score_fn, dscore_fn, mask_fn)``: the generated ``@triton.jit`` functions (the
-        Triton backend is chosen first: `build._triton.kernels`)."""
+    def functions(self) -> dict[str, Any]:
+        """``{"SCORE_FN": ..., "DSCORE_FN": ..., "MASK_FN": ...}``: the generated ``@triton.jit``
+        functions, as the kernels' constexpr arguments (the Triton backend, GPU or
+        interpreter, is chosen first: `build._triton.kernels`)."""
         kernels()  # the interpreter switch, before the generated module imports triton
+        return self.loaded_functions()
+
+    def loaded_functions(self) -> dict[str, Any]:
+        """`functions` where triton is imported already (ahead-of-time builds)."""
         module = _load(self.key, self.source)
-        return module.score_fn, module.dscore_fn, module.mask_fn
+        return {"SCORE_FN": module.score_fn, "DSCORE_FN": module.dscore_fn,
+                "MASK_FN": module.mask_fn}  # fmt: skip
 
     def pack(self, consts: Sequence[Any]) -> tuple[jax.Array, jax.Array]:
         """The int32 and float32 buffers holding ``consts`` (the captures, in order)."""

@@ -147,7 +147,7 @@ class _Writer:
         return Unsupported(f"{self.where}: {what}")
 
     # -- values -----------------------------------------------------------------------
-    def new(self, code: str, dtype: np.dtype) -> _Expr:
+    def new(self, code: str, dtype: Any) -> _Expr:
         name = f"v{self.count}"
         self.count += 1
         self.lines.append(f"    {name} = {code}")

@@ -18,16 +18,17 @@ from ._flex_ops import (
     flex_probs,
     head_slab,
     kv_tiles,
+    listed_tile,
     query_program,
     table_row,
 )
 
 
 @triton.jit
-def _dq_block(dq, start_n, q, do, lse, delta, k_base, v_base, b, n, offs_m, ints, floats,
-              F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
-              MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """dq += dS·K for one key block."""
+def _dq_tile(dq, start_n, q, do, lse, delta, k_base, v_base, b, n, offs_m, ints, floats,
+             F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
+             MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """dq += dS·K for the key tile at ``start_n``."""
     offs_n, k, v = kv_tiles(k_base, v_base, start_n, F, BLOCK_N)
     raw, p = flex_probs(q, k, lse, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN,
                         PARTIAL, False)  # fmt: skip
@@ -41,20 +42,21 @@ def _dq_list(dq, num_ptr, idx_ptr, row, q, do, lse, delta, k_base, v_base, b, n,
              floats, F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
              MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr,
              INTERPRET: tl.constexpr):  # fmt: skip
-    count = tl.load(num_ptr + row)
+    """Every key tile of the blocks of one list of table row ``row`` (see `listed_tile`)."""
+    tiles = tl.load(num_ptr + row) * (F.MASK_N // BLOCK_N)
     base = idx_ptr + row * F.SB
     if INTERPRET:  # see _flex_forward._fwd_list
-        i = 0
-        while i < count:
-            dq = _dq_block(dq, tl.load(base + i) * BLOCK_N, q, do, lse, delta, k_base, v_base, b,
-                           n, offs_m, ints, floats, F, SCORE_FN, DSCORE_FN, MASK_FN, PARTIAL,
-                           BLOCK_N)  # fmt: skip
-            i += 1
+        it = 0
+        while it < tiles:
+            dq = _dq_tile(dq, listed_tile(base, it, F.MASK_N, BLOCK_N), q, do, lse, delta, k_base,
+                          v_base, b, n, offs_m, ints, floats, F, SCORE_FN, DSCORE_FN, MASK_FN,
+                          PARTIAL, BLOCK_N)  # fmt: skip
+            it += 1
     else:
-        for i in range(0, count):
-            dq = _dq_block(dq, tl.load(base + i) * BLOCK_N, q, do, lse, delta, k_base, v_base, b,
-                           n, offs_m, ints, floats, F, SCORE_FN, DSCORE_FN, MASK_FN, PARTIAL,
-                           BLOCK_N)  # fmt: skip
+        for it in range(0, tiles):
+            dq = _dq_tile(dq, listed_tile(base, it, F.MASK_N, BLOCK_N), q, do, lse, delta, k_base,
+                          v_base, b, n, offs_m, ints, floats, F, SCORE_FN, DSCORE_FN, MASK_FN,
+                          PARTIAL, BLOCK_N)  # fmt: skip
     return dq
 
 
@@ -66,12 +68,12 @@ def flex_dq_kernel(
     HV: tl.constexpr, SCALE: tl.constexpr, MB: tl.constexpr, MN: tl.constexpr, TB: tl.constexpr,
     SB: tl.constexpr, HAS_SCORE: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
     MASK_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dq ``[B, T, N, H]`` of one query block. Grid: (query blocks, B·N)."""
     F: tl.constexpr = FlexOptions(
         T=T, S=S, N=N, G=G, H=H, HV=HV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, SCALE=SCALE, MB=MB,
-        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE,
+        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE, MASK_M=MASK_M, MASK_N=MASK_N,
     )  # fmt: skip
     b, n, offs_m, q, k_base, v_base, row = query_program(q_ptr, k_ptr, v_ptr, F, BLOCK_M)
     do = load_tile(head_slab(do_ptr, b, n, T, N, HV), offs_m, tl.arange(0, BLOCK_DV), N * HV, T,
@@ -91,22 +93,22 @@ def flex_dq_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, start_m, k, v, q_base, do_base, lse_base, delta_base, b, n, offs_n, ints,
-                floats, F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
-                MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """dk += dSᵀ·q and dv += Pᵀ·dO for one query block of head ``n`` (transposed
-    ``[BLOCK_N, BLOCK_M]`` tiles: no register transposes)."""
+def _dkdv_tile(dk, dv, start_m, k, v, q_base, do_base, lse_base, delta_base, b, n, offs_n, ints,
+               floats, F: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
+               MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """dk += dSᵀ·q and dv += Pᵀ·dO for the query tile at ``start_m`` of head ``n``
+    (transposed ``[BLOCK_N, BLOCK_M]`` tiles: no register transposes)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, F.BLOCK_D)
-    offs_dv = tl.arange(0, F.BLOCK_DV)
-    q = load_tile(q_base, offs_m, offs_d, F.N * F.H, F.T, F.H, F.BLOCK_D, True)
-    do = load_tile(do_base, offs_m, offs_dv, F.N * F.HV, F.T, F.HV, F.BLOCK_DV, True)
+    q = load_tile(q_base, offs_m, tl.arange(0, F.BLOCK_D), F.N * F.H, F.T, F.H, F.BLOCK_D, True)
+    do = load_tile(do_base, offs_m, tl.arange(0, F.BLOCK_DV), F.N * F.HV, F.T, F.HV, F.BLOCK_DV,
+                   True)  # fmt: skip
     lse = load_rows(lse_base, offs_m, F.T, True, 1.0)
     delta = load_rows(delta_base, offs_m, F.T, True, 1.0)
     raw, pt = flex_probs(k, q, lse, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN,
                          PARTIAL, True)  # fmt: skip
     dpt = tl.dot(v, tl.trans(do))
-    dst = flex_dscores(raw, pt, dpt, delta, b, n, offs_m, offs_n, ints, floats, F, DSCORE_FN, True)
+    dst = flex_dscores(raw, pt, dpt, delta, b, n, offs_m, offs_n, ints, floats, F, DSCORE_FN,
+                       True)  # fmt: skip
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dk = tl.dot(dst.to(q.dtype), q, dk)
     return dk, dv
@@ -117,20 +119,21 @@ def _dkdv_list(dk, dv, num_ptr, idx_ptr, row, k, v, q_base, do_base, lse_base, d
                offs_n, ints, floats, F: tl.constexpr, SCORE_FN: tl.constexpr,
                DSCORE_FN: tl.constexpr, MASK_FN: tl.constexpr, PARTIAL: tl.constexpr,
                BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    count = tl.load(num_ptr + row)
+    """Every query tile of the blocks of one list of column ``row`` (see `listed_tile`)."""
+    tiles = tl.load(num_ptr + row) * (F.MASK_M // BLOCK_M)
     base = idx_ptr + row * F.TB
     if INTERPRET:  # see _flex_forward._fwd_list
-        i = 0
-        while i < count:
-            dk, dv = _dkdv_block(dk, dv, tl.load(base + i) * BLOCK_M, k, v, q_base, do_base,
-                                 lse_base, delta_base, b, n, offs_n, ints, floats, F, SCORE_FN,
-                                 DSCORE_FN, MASK_FN, PARTIAL, BLOCK_M)  # fmt: skip
-            i += 1
+        it = 0
+        while it < tiles:
+            dk, dv = _dkdv_tile(dk, dv, listed_tile(base, it, F.MASK_M, BLOCK_M), k, v, q_base,
+                                do_base, lse_base, delta_base, b, n, offs_n, ints, floats, F,
+                                SCORE_FN, DSCORE_FN, MASK_FN, PARTIAL, BLOCK_M)  # fmt: skip
+            it += 1
     else:
-        for i in range(0, count):
-            dk, dv = _dkdv_block(dk, dv, tl.load(base + i) * BLOCK_M, k, v, q_base, do_base,
-                                 lse_base, delta_base, b, n, offs_n, ints, floats, F, SCORE_FN,
-                                 DSCORE_FN, MASK_FN, PARTIAL, BLOCK_M)  # fmt: skip
+        for it in range(0, tiles):
+            dk, dv = _dkdv_tile(dk, dv, listed_tile(base, it, F.MASK_M, BLOCK_M), k, v, q_base,
+                                do_base, lse_base, delta_base, b, n, offs_n, ints, floats, F,
+                                SCORE_FN, DSCORE_FN, MASK_FN, PARTIAL, BLOCK_M)  # fmt: skip
     return dk, dv
 
 
@@ -142,14 +145,14 @@ def flex_dkdv_kernel(
     HV: tl.constexpr, SCALE: tl.constexpr, MB: tl.constexpr, MN: tl.constexpr, TB: tl.constexpr,
     SB: tl.constexpr, HAS_SCORE: tl.constexpr, SCORE_FN: tl.constexpr, DSCORE_FN: tl.constexpr,
     MASK_FN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MASK_M: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """dk ``[B, S, K, H]`` and dv ``[B, S, K, HV]`` of one key block, summed over the GQA
     group. The tables are the transposed ones (rows of ``[MB, MN, SB]``, ``TB`` query block
     indices each). Grid: (key blocks, B·K)."""
     F: tl.constexpr = FlexOptions(
         T=T, S=S, N=N, G=G, H=H, HV=HV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, SCALE=SCALE, MB=MB,
-        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE,
+        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE, MASK_M=MASK_M, MASK_N=MASK_N,
     )  # fmt: skip
     K: tl.constexpr = N // G
     pid_n = tl.program_id(0)
@@ -170,7 +173,7 @@ def flex_dkdv_kernel(
         do_base = head_slab(do_ptr, b, n, T, N, HV)
         lse_base = lse_ptr + (b * N + n) * T
         delta_base = delta_ptr + (b * N + n) * T
-        row = table_row(b, n, pid_n, F, SB)
+        row = table_row(b, n, (pid_n * BLOCK_N) // F.MASK_N, F, SB)
         dk, dv = _dkdv_list(dk, dv, pnum_ptr, pidx_ptr, row, k, v, q_base, do_base, lse_base,
                             delta_base, b, n, offs_n, ints_ptr, floats_ptr, F, SCORE_FN,
                             DSCORE_FN, MASK_FN, True, BLOCK_M, INTERPRET)  # fmt: skip

@@ -12,14 +12,15 @@ import triton
 import triton.language as tl
 
 from ._common import store_tile
-from ._flex_ops import FlexOptions, flex_scores, head_slab, kv_tiles, query_program
+from ._flex_ops import FlexOptions, flex_scores, head_slab, kv_tiles, listed_tile, query_program
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m, ints, floats,
-               F: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
-               PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """One key block's online-softmax update of (acc, m, l); m in natural units."""
+def _fwd_tile(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m, ints, floats,
+              F: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
+              PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The online-softmax update of (acc, m, l) by the key tile at ``start_n``; m in natural
+    units."""
     offs_n, k, v = kv_tiles(k_base, v_base, start_n, F, BLOCK_N)
     _, s = flex_scores(q, k, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN, PARTIAL,
                        False)  # fmt: skip
@@ -38,21 +39,21 @@ def _fwd_block(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m, ints, fl
 def _fwd_list(acc, m_i, l_i, num_ptr, idx_ptr, row, q, k_base, v_base, b, n, offs_m, ints,
               floats, F: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
               PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """Every key block of one list (partial or full) of table row ``row``."""
-    count = tl.load(num_ptr + row)
+    """Every key tile of the blocks of one list (partial or full) of table row ``row``."""
+    tiles = tl.load(num_ptr + row) * (F.MASK_N // BLOCK_N)
     base = idx_ptr + row * F.SB
     if INTERPRET:  # the interpreter takes no loaded range() bound (see _forward._fwd_loop)
-        i = 0
-        while i < count:
-            start_n = tl.load(base + i) * BLOCK_N
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m,
-                                       ints, floats, F, SCORE_FN, MASK_FN, PARTIAL, BLOCK_N)  # fmt: skip
-            i += 1
+        it = 0
+        while it < tiles:
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, listed_tile(base, it, F.MASK_N, BLOCK_N), q,
+                                      k_base, v_base, b, n, offs_m, ints, floats, F, SCORE_FN,
+                                      MASK_FN, PARTIAL, BLOCK_N)  # fmt: skip
+            it += 1
     else:
-        for i in range(0, count):
-            start_n = tl.load(base + i) * BLOCK_N
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m,
-                                       ints, floats, F, SCORE_FN, MASK_FN, PARTIAL, BLOCK_N)  # fmt: skip
+        for it in range(0, tiles):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, listed_tile(base, it, F.MASK_N, BLOCK_N), q,
+                                      k_base, v_base, b, n, offs_m, ints, floats, F, SCORE_FN,
+                                      MASK_FN, PARTIAL, BLOCK_N)  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -64,13 +65,13 @@ def flex_fwd_kernel(
     HV: tl.constexpr, SCALE: tl.constexpr, MB: tl.constexpr, MN: tl.constexpr, TB: tl.constexpr,
     SB: tl.constexpr, HAS_SCORE: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out ``[B, T, N, HV]`` and the lse ``[B, N, T]`` (natural units; -inf and a zero output
     on a row with no visible key). Grid: (query blocks, B·N)."""
     F: tl.constexpr = FlexOptions(
         T=T, S=S, N=N, G=G, H=H, HV=HV, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, SCALE=SCALE, MB=MB,
-        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE,
+        MN=MN, TB=TB, SB=SB, HAS_SCORE=HAS_SCORE, MASK_M=MASK_M, MASK_N=MASK_N,
     )  # fmt: skip
     b, n, offs_m, q, k_base, v_base, row = query_program(q_ptr, k_ptr, v_ptr, F, BLOCK_M)
     m_i = tl.zeros([BLOCK_M], tl.float32) + float("-inf")

@@ -20,7 +20,7 @@ from ._common import along_k, along_q, load_tile
 from ._common import tanh as flex_tanh
 
 __all__ = ["FlexOptions", "flex_dscores", "flex_probs", "flex_scores", "flex_tanh",
-           "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "head_slab", "kv_tiles", "query_program",
+           "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "head_slab", "kv_tiles", "listed_tile", "query_program",
            "table_row"]  # fmt: skip
 
 
@@ -41,6 +41,8 @@ class FlexOptions(NamedTuple):
     TB: int  # query blocks
     SB: int  # key blocks
     HAS_SCORE: bool  # a score_mod (else SCORE_FN and DSCORE_FN are not called)
+    MASK_M: int  # query rows of a block of the tables (a multiple of the kernel's tile)
+    MASK_N: int  # keys of a block of the tables
 
 
 @triton.jit
@@ -83,7 +85,7 @@ def query_program(q_ptr, k_ptr, v_ptr, F: tl.constexpr, BLOCK_M: tl.constexpr):
     q = load_tile(q_base, offs_m, tl.arange(0, F.BLOCK_D), F.N * F.H, F.T, F.H, F.BLOCK_D, True)
     k_base = head_slab(k_ptr, b, n // F.G, F.S, F.N // F.G, F.H)
     v_base = head_slab(v_ptr, b, n // F.G, F.S, F.N // F.G, F.HV)
-    return b, n, offs_m, q, k_base, v_base, table_row(b, n, pid_m, F, F.TB)
+    return b, n, offs_m, q, k_base, v_base, table_row(b, n, (pid_m * BLOCK_M) // F.MASK_M, F, F.TB)
 
 
 @triton.jit
@@ -95,6 +97,15 @@ def kv_tiles(k_base, v_base, start_n, F: tl.constexpr, BLOCK_N: tl.constexpr):
     k = load_tile(k_base, offs_n, tl.arange(0, F.BLOCK_D), k_stride, F.S, F.H, F.BLOCK_D, True)
     v = load_tile(v_base, offs_n, tl.arange(0, F.BLOCK_DV), v_stride, F.S, F.HV, F.BLOCK_DV, True)
     return offs_n, k, v
+
+
+@triton.jit
+def listed_tile(base, it, MASK: tl.constexpr, TILE: tl.constexpr):
+    """Where tile ``it`` of a list starts: a list of blocks of ``MASK`` rows is walked as
+    one flat loop of ``TILE``-row tiles (one loop body: unrolling the tiles of a block would
+    give each its own buffers and pipeline)."""
+    subs: tl.constexpr = MASK // TILE
+    return tl.load(base + it // subs) * MASK + (it % subs) * TILE
 
 
 @triton.jit

@@ -260,3 +260,19 @@ def test_bad_mods_raise_before_any_backend():
             return jnp.stack([score, score])
 
         flex_attention(q, k, v, wide, implementation="triton")
+
+
+def test_capture_gradient_under_jit():
+    """``jax.jit(jax.grad(...))`` of a relative-position table: the table is a tracer the
+    score_mod closes over, becoming a kernel argument and getting its cotangent."""
+    q, k, v = _qkv(t=20, s=33)
+    mask = _mask(causal_mask, b=None, n=None, t=20, s=33)
+    table = jnp.asarray(np.random.default_rng(9).standard_normal((N, 17)), jnp.float32)
+
+    def loss(table, impl):
+        out = flex_attention(q, k, v, _rel_bias(table), mask, implementation=impl)
+        return jnp.sum(jnp.sin(out))
+
+    got = jax.jit(jax.grad(loss), static_argnums=1)(table, "triton")
+    want = jax.grad(loss)(table, "xla")
+    _close(got, want, _tol(jnp.float32, "grad"), "dtable")

@@ -17,9 +17,16 @@ The block masks are jit arguments (built once, outside the timed calls), as a mo
 one mask in every layer. After the rows it prints issue 62's targets as ratios of these
 times, each with its bound and whether the run met it (in the JSON as ``targets``).
 
+``--check`` first compares each row's flex call with its reference on the row's inputs
+(outputs and q, k, v gradients by relative L2 error, within `BF16_TOL`, no NaN): the
+built-in masks for ``documents``/``window``, the ``xla`` flex backend on float32-upcast
+inputs for the score_mods (their table's gradient too): the compiled kernels' numerics,
+which the CPU tests see only through Triton's interpreter (in the JSON as ``checks``).
+
 Usage (GPU machine, after ``source scripts/gpu/setup.sh``):
     python3 packages/ejk-attention/benchmarks/bench_flex.py [--rows documents,window]
         [--rounds 7] [--json out.json --commit SHA]
+        [--check]
     (--tiny: the same rows on tiny shapes, to check the script on a CPU in Triton's
     interpreter.)
 """
@@ -51,6 +58,7 @@ from ejk_attention import (  # noqa: E402
     sliding_window_mask,
 )
 
+BF16_TOL = 2e-2  # as gpu_conformance.py: bf16 operands against a float32 reference
 # (name, contender, reference, timing, bound): issue 62's targets, each row named by (row,
 # label); met where the reference's time over the contender's is at least the bound.
 _DOCS = (("documents", "flex"), ("documents", "segment_ids"))
@@ -178,6 +186,48 @@ ROWS = {
 }
 
 
+def _relative_error(got, want) -> float:
+    got, want = (np.asarray(x, np.float64) for x in (got, want))
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(name: str, tiny: bool) -> dict:
+    """Row ``name``'s first contender (the flex call) against the second, or against the
+    ``xla`` flex backend on float32 inputs where the second is the flex call without a
+    score_mod: outputs and gradients by relative L2 error."""
+    build, small = ROWS[name]
+    _, entries = build(**(small if tiny else {}))
+    (row, fn, (q, k, v, d_out), side), ref = entries[0], entries[1]
+    if name == "mask128k":
+        return dict(row=name, skipped="the documents row checks the same call")
+    if row["as"] == "score_mod":  # the xla backend, float32, the capture differentiated too
+        mask, table = side
+
+        def ref_fn(q, k, v, table):
+            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+            score_mod = (_alibi if name == "alibi" else _relative)(table)
+            return flex_attention(*f32, score_mod, mask, implementation="xla")
+
+        got_fn = lambda q, k, v, table: fn(q, k, v, mask, table)
+        args = (q, k, v, table)
+    else:
+        ref_fn = lambda q, k, v: ref[1](q, k, v, *(ref[3] if len(ref) > 3 else ()))
+        got_fn = lambda q, k, v: fn(q, k, v, *side)
+        args = (q, k, v)
+
+    def value_and_grads(f):
+        out, pull = jax.vjp(f, *args)
+        return (out, *pull(d_out.astype(out.dtype)))
+
+    got = jax.jit(lambda *a: value_and_grads(got_fn))()
+    want = jax.jit(lambda *a: value_and_grads(ref_fn))()
+    names = ("out", "dq", "dk", "dv", "dtable")[: len(got)]
+    errors = {n: _relative_error(g, w) for n, g, w in zip(names, got, want, strict=True)}
+    finite = all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in got)
+    passed = finite and all(e <= BF16_TOL for e in errors.values())
+    return dict(row=name, errors=errors, finite=finite, passed=passed)
+
+
 def run(names: list[str], rounds: int, with_bwd: bool = True, tiny: bool = False) -> list[dict]:
     """Time the rows ``names`` in ``rounds`` interleaved rounds, printing each as JSON."""
     rows = []
@@ -234,12 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="")
     parser.add_argument("--commit", default="")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check)")
+    parser.add_argument("--check", action="store_true", help="compare values with references")
     args = parser.parse_args(argv)
     names = [n for n in args.rows.split(",") if n]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
     print("#", jax.devices(), jax.__version__)
+    checks = [check(name, args.tiny) for name in names] if args.check else []
+    for c in checks:
+        print(json.dumps(c), flush=True)
     rows = run(names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny)
     targets = evaluate(rows)
     for t in targets:
@@ -250,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         info = run_info("bench_flex.py", args.commit)
         info["script"] = "packages/ejk-attention/benchmarks/bench_flex.py"
         with open(args.json, "w") as f:
-            json.dump({**info, "rows": rows, "targets": targets}, f, indent=1, default=str)
-    return 0
+            result = {**info, "rows": rows, "targets": targets, "checks": checks}
+            json.dump(result, f, indent=1, default=str)
+    return 0 if all(c.get("passed", True) for c in checks) else 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def test_bench_flex_tiny_rows_and_targets(monkeypatch, tmp_path):
     once = timing.seconds_per_call
     monkeypatch.setattr(timing, "seconds_per_call", lambda f, *a, reps=10: once(f, *a, reps=1))
     out = tmp_path / "flex.json"
-    argv = ["--tiny", "--rounds", "1", "--rows", "documents,alibi,mask128k", "--json", str(out)]
+    argv = ["--tiny", "--rounds", "1", "--rows", "documents,alibi,mask128k", "--check",
+            "--json", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert {(r["row"], r["as"]) for r in result["rows"]} == {
@@ -37,6 +38,7 @@ def test_bench_flex_tiny_rows_and_targets(monkeypatch, tmp_path):
         ("alibi", "none"), ("mask128k", "flex"), ("mask128k", "create_block_mask"),
     }  # fmt: skip
     assert all("error" not in r and r["fwd_ms"] > 0 for r in result["rows"])
+    assert [c.get("passed") for c in result["checks"]] == [True, True, None]  # mask128k: skipped
     assert {t["target"] for t in result["targets"] if t["met"] is not None} >= {
         "documents as a mask_mod vs segment ids", "ALiBi score_mod vs none",
         "create_block_mask at T=128k vs one forward+backward",

@@ -157,6 +157,21 @@ def test_translated_arithmetic_matches_jax():
     _close(run(q, k, v, kinds, score_mod=score_mod), dense(q, k, v, score_mod), 1e-4)
 
 
+def test_translated_elementwise_functions_match_jax():
+    def score_mod(score, b, h, q_idx, kv_idx):
+        d = (q_idx - kv_idx).astype(jnp.float32)
+        x = jax.lax.erf(score) + jnp.sin(d) * jnp.cos(score) + jnp.floor(d / 3) + jnp.ceil(d / 5)
+        x = x + jnp.log1p(jnp.abs(score)) + jax.lax.rsqrt(d * d + 1.0) + jnp.exp2(-jnp.abs(d))
+        x = x + jnp.sign(d) + jnp.clip(score, -0.5, 0.5) + 1.0 / (d * d + 2.0) ** 2
+        odd = (q_idx % 2 == 1) ^ (kv_idx % 3 != 0)
+        x = x + jnp.where(~odd & jnp.isfinite(score), jnp.minimum(score, d), jnp.square(d) * 0.01)
+        return score + 0.1 * x
+
+    q, k, v = _inputs(6)
+    kinds = np.full((1, 1, TB, SB), 2, np.int8)
+    _close(run(q, k, v, kinds, score_mod=score_mod), dense(q, k, v, score_mod), 1e-4)
+
+
 def test_equal_mods_share_a_plan_and_different_ones_do_not():
     ids = jnp.arange(8, dtype=jnp.int32)
 

@@ -99,7 +99,6 @@ _BINARY = {
     "xor": "({} ^ {})",
     "max": "tl.maximum({}, {})",
     "min": "tl.minimum({}, {})",
-    "atan2": "tl.math.atan2({}, {})",
 }
 _FLOAT_UNARY = {
     "exp": "tl.exp({})",

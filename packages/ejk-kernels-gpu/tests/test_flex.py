@@ -195,6 +195,8 @@ def test_unsupported_primitives_are_named():
 
     with pytest.raises(Unsupported, match="primitive 'population_count'"):
         plan_mods(None, popcount)
+    with pytest.raises(Unsupported, match="array made inside the mod"):
+        plan_mods(lambda s, b, h, q_idx, kv_idx: s + jnp.arange(4.0)[h], None)
     q, k, v = _inputs()
     reason = unsupported_flex_reason(q, k, v, None, popcount, (BLOCK, BLOCK))
     assert "population_count" in reason

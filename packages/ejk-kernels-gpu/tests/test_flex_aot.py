@@ -15,9 +15,10 @@ pytestmark = pytest.mark.triton_build  # built by Triton in a subprocess: the sa
 
 
 def test_flex_builds_compile_for_hopper_without_spills(aot_rows):
-    """Masks over captured ids, a gathered float table and a tanh as score_mods, head_dim 128."""
-    rows = aot_rows("flex", "--head-dims", "128", "--mods", "documents,relative,softcap")
-    assert len(rows) == 9
+    """Masks over captured ids, a gathered float table, a tanh and integer arithmetic with
+    literals as score_mods, head_dim 128."""
+    rows = aot_rows("flex", "--head-dims", "128", "--mods", "documents,relative,softcap,mixed")
+    assert len(rows) == 12
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 ``python -m ejk_kernels_gpu.aot.flex`` translates a few representative mods (none, causal,
 documents over captured ids, a sliding window, ALiBi over captured slopes, a learnable
-relative-position table, a soft cap), compiles the forward, dq and dk/dv kernels with them
+relative-position table, a soft cap, and a mix of literals, integer division and prefix
+lengths), compiles the forward, dq and dk/dv kernels with them
 for ``GPUTarget("cuda", 90, 32)`` at the default 128 x 128 blocks and prints one JSON line
 per build: shared memory and register spills (ptxas). This proves the generated functions
 compile as constexpr arguments of the kernels, not only in the interpreter. It must run
@@ -43,6 +44,7 @@ def _mods() -> dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | N
     ids = jnp.zeros((_BATCH, _SEQ), jnp.int32)
     slopes = jnp.ones((_HEADS,), jnp.float32)
     table = jnp.zeros((_HEADS, 257), jnp.float32)
+    lengths = jnp.zeros((_BATCH,), jnp.int32)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -62,6 +64,13 @@ def _mods() -> dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | N
     def soft_cap(score, b, h, q_idx, kv_idx):
         return 30.0 * jnp.tanh(score / 30.0)
 
+    def prefix(b, h, q_idx, kv_idx):  # a literal True combined, as and_masks/or_masks do
+        return (jnp.bool_(True) & (q_idx >= kv_idx)) | (kv_idx < lengths[b])
+
+    def chunked(score, b, h, q_idx, kv_idx):  # integer division, rem, a -inf literal
+        near = (q_idx // 64 == kv_idx // 64) | ((q_idx - kv_idx) % 7 == 0)
+        return jnp.where(near, score, jnp.where(kv_idx > q_idx, -jnp.inf, score - 1.0))
+
     return {
         "plain": (None, None),
         "causal": (None, causal),
@@ -70,6 +79,7 @@ def _mods() -> dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | N
         "alibi": (alibi, causal),
         "relative": (relative, causal),
         "softcap": (soft_cap, None),
+        "mixed": (chunked, prefix),
     }
 
 

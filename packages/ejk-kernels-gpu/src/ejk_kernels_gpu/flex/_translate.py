@@ -280,7 +280,8 @@ def _primitive(w: _Writer, eqn: Any, ins: list[Any]) -> list[Any]:
                 inner = getattr(sub, "jaxpr", sub)
                 return _run(w, inner, getattr(sub, "consts", ()), ins)
     if name in ("dynamic_slice", "slice", "gather", "squeeze", "reshape", "broadcast_in_dim",
-                "concatenate", "copy", "copy_p", "convert_element_type"):  # fmt: skip
+                "concatenate", "copy", "copy_p", "convert_element_type", "stop_gradient",
+                "optimization_barrier"):  # fmt: skip
         return [_structural(w, name, params, ins, out_aval)]
     if any(isinstance(x, _Vec) for x in ins):
         raise w.refuse(f"primitive {name!r} on an index vector")
@@ -341,7 +342,12 @@ def _structural(w: _Writer, name: str, params: dict[str, Any], ins: list[Any], a
     """Indexing of captured arrays, index vectors, conversions: what is not elementwise."""
     x = ins[0]
     shape = tuple(aval.shape)
-    if name in ("copy", "copy_p"):
+    if name in ("dynamic_slice", "slice", "gather") and isinstance(x, _Const):
+        raise w.refuse(
+            f"primitive {name!r} of an array made inside the mod (its values are constants "
+            "of the trace): make it outside and let the mod capture it"
+        )
+    if name in ("copy", "copy_p", "stop_gradient", "optimization_barrier"):
         return x
     if name == "convert_element_type":
         return _convert(w, x, np.dtype(params["new_dtype"]))

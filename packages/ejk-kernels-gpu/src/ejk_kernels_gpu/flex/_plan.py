@@ -53,7 +53,8 @@ class ModPlan:
     """The translated mods of a call (hashes by identity: one object per distinct source).
 
     Attributes:
-        key: hash of the generated source (names its module).
+        key: hash of the generated source and the captures' shapes and dtypes (names the
+            generated module).
         source: the generated module's source.
         score: the score_mod's jaxpr (captures first, then score, b, h, q_idx, kv_idx), or None.
         mask: the mask_mod's jaxpr (captures first, then b, h, q_idx, kv_idx), or None.
@@ -118,8 +119,8 @@ def _layout(consts: Sequence[Any]) -> tuple[Capture, ...]:
     out = []
     for c in consts:
         dtype = np.dtype(c.dtype)
-        buffer = "floats" if np.issubdtype(dtype, np.floating) else "ints"
-        if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        buffer = "floats" if jnp.issubdtype(dtype, jnp.floating) else "ints"
+        if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
             raise Unsupported(f"a captured array of dtype {dtype}")
         shape = tuple(int(d) for d in np.shape(c))
         out.append(Capture(buffer, offsets[buffer], shape, dtype))
@@ -166,9 +167,12 @@ def plan_mods(
     else:
         pieces.append(_trivial("mask_fn", _INDEX_ARGS, "True"))
     source = _HEADER + "\n\n".join(pieces)
-    key = hashlib.sha256(source.encode()).hexdigest()[:24]
-    # One plan per source: the source spells out every operation of the mods, so mods of
-    # equal source mean the same (their jaxprs hold no values: the captures are inputs).
+    # One plan per source and captures' shapes and dtypes: the source spells out every
+    # operation of the mods, so mods of equal source mean the same, and their jaxprs (which
+    # hold no values: the captures are inputs) take captures of those dtypes (a bfloat16
+    # and a float32 table read alike in the kernels, not in the XLA cotangent pass).
+    avals = ";".join(f"{c.shape}:{c.dtype.name}" for c in captures)
+    key = hashlib.sha256(f"{source}\n# {avals}".encode()).hexdigest()[:24]
     with _LOCK:
         plan = _PLANS.setdefault(key, ModPlan(key, source, score, mask, n_score, captures))
     return plan, consts

@@ -207,14 +207,14 @@ class _Writer:
     def int_scalar(self, x: Any) -> _Expr:
         if isinstance(x, _View):
             x = self.load(x)
-        if not isinstance(x, _Expr) or not np.issubdtype(x.dtype, np.integer):
+        if not isinstance(x, _Expr) or not jnp.issubdtype(x.dtype, jnp.integer):
             raise self.refuse(f"an index that is not an integer scalar: {x!r}")
         return x
 
 
 def _stored(dtype: np.dtype) -> np.dtype:
     """The dtype a capture of ``dtype`` has in its buffer."""
-    return np.dtype(np.float32) if np.issubdtype(dtype, np.floating) else np.dtype(np.int32)
+    return np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating) else np.dtype(np.int32)
 
 
 def _literal(value: np.ndarray) -> str:
@@ -223,7 +223,7 @@ def _literal(value: np.ndarray) -> str:
         raise Unsupported(f"a constant array of shape {value.shape} used as a scalar")
     if value.dtype == np.bool_:
         return "True" if bool(value) else "False"
-    if np.issubdtype(value.dtype, np.integer):
+    if jnp.issubdtype(value.dtype, jnp.integer):
         return str(int(value))
     x = float(value)
     if math.isnan(x):
@@ -289,11 +289,11 @@ def _primitive(w: _Writer, eqn: Any, ins: list[Any]) -> list[Any]:
     if name in _BINARY:
         return [w.new(_BINARY[name].format(*args), dtype)]
     if name == "div":
-        if np.issubdtype(dtype, np.integer):  # rounds towards zero, as lax.div
+        if jnp.issubdtype(dtype, jnp.integer):  # rounds towards zero, as lax.div
             return [w.new(f"flex_trunc_div({args[0]}, {args[1]})", dtype)]
         return [w.new(f"({args[0]} / {args[1]})", dtype)]
     if name == "rem":
-        if np.issubdtype(dtype, np.integer):  # the dividend's sign, as lax.rem
+        if jnp.issubdtype(dtype, jnp.integer):  # the dividend's sign, as lax.rem
             return [w.new(f"flex_trunc_rem({args[0]}, {args[1]})", dtype)]
         return [w.new(f"({args[0]} - {args[1]} * flex_trunc({args[0]} / {args[1]}))", dtype)]
     if name == "neg":
@@ -318,7 +318,7 @@ def _primitive(w: _Writer, eqn: Any, ins: list[Any]) -> list[Any]:
         return [w.new(f"tl.minimum(tl.maximum({args[1]}, {args[0]}), {args[2]})", dtype)]
     if name == "is_finite":
         return [w.new(f"(tl.abs({args[0]}) < float('inf'))", dtype)]
-    if name in _FLOAT_UNARY and np.issubdtype(dtype, np.floating):
+    if name in _FLOAT_UNARY and jnp.issubdtype(dtype, jnp.floating):
         return [w.new(_FLOAT_UNARY[name].format(args[0]), dtype)]
     raise w.refuse(f"primitive {name!r} has no Triton translation")
 
@@ -384,9 +384,9 @@ def _convert(w: _Writer, x: Any, new: np.dtype) -> Any:
     if isinstance(x, _Vec):
         return _Vec(tuple(_convert(w, i, new) for i in x.items))
     old = x.dtype if isinstance(x, _Expr) else np.asarray(x.value).dtype
-    if np.issubdtype(new, np.floating) and new != np.float32:
+    if jnp.issubdtype(new, jnp.floating) and new != np.float32:
         raise w.refuse(f"a conversion to {new.name} (the kernels compute scores in float32)")
-    if np.issubdtype(new, np.integer) and new != np.int32:
+    if jnp.issubdtype(new, jnp.integer) and new != np.int32:
         raise w.refuse(f"a conversion to {new.name} (the kernels compute indices in int32)")
     if old == new:
         return x

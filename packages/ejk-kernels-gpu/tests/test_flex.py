@@ -195,6 +195,9 @@ def test_unsupported_primitives_are_named():
 
     with pytest.raises(Unsupported, match="primitive 'population_count'"):
         plan_mods(None, popcount)
+    small = jnp.arange(4, dtype=jnp.int8)
+    with pytest.raises(Unsupported, match="captured array of dtype int8"):
+        plan_mods(None, lambda b, h, q_idx, kv_idx: small[h] > 1)
     with pytest.raises(Unsupported, match="array made inside the mod"):
         plan_mods(lambda s, b, h, q_idx, kv_idx: s + jnp.arange(4.0)[h], None)
     q, k, v = _inputs()

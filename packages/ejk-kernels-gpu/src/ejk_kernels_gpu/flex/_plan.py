@@ -115,13 +115,20 @@ def _opened(mod: Callable[..., Any], args: Sequence[Any], where: str) -> tuple[A
 
 
 def _layout(consts: Sequence[Any]) -> tuple[Capture, ...]:
+    """Where each capture goes: int32 and bool ones in the int32 buffer, floating ones of
+    up to 32 bits in the float32 one (exact). Others are refused: the kernels compute
+    indices in int32 (an int8 sum, a uint32 comparison would differ) and scores in float32."""
     offsets = {"ints": 0, "floats": 0}
     out = []
     for c in consts:
         dtype = np.dtype(c.dtype)
-        buffer = "floats" if jnp.issubdtype(dtype, jnp.floating) else "ints"
-        if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
-            raise Unsupported(f"a captured array of dtype {dtype}")
+        floating = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 4
+        if not (floating or dtype in (np.dtype(np.int32), np.dtype(np.bool_))):
+            raise Unsupported(
+                f"a captured array of dtype {dtype} (the kernels take int32, bool and floating "
+                "captures of up to 32 bits: cast it before the mod captures it)"
+            )
+        buffer = "floats" if floating else "ints"
         shape = tuple(int(d) for d in np.shape(c))
         out.append(Capture(buffer, offsets[buffer], shape, dtype))
         offsets[buffer] += int(np.prod(shape, dtype=np.int64))

@@ -288,3 +288,11 @@ def test_rectangular_blocks_and_runs_repeat_bit_for_bit():
     first = flex_attention(q, k, v, _soft_cap, mask, implementation="triton")
     np.testing.assert_array_equal(first, flex_attention(q, k, v, _soft_cap, mask,
                                                         implementation="triton"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("t", "s"), [(48, 37), (37, 48)])
+def test_lengths_on_and_off_the_tiles(t, s):
+    """Keys (or queries) on whole tiles take no bounds masks; the other side still does."""
+    q, k, v = _qkv(t=t, s=s)
+    mask = _mask(causal_mask, b=None, n=None, t=t, s=s)
+    check(q, k, v, _alibi, mask, jnp.linspace(0.05, 0.4, N, dtype=jnp.float32))

@@ -129,20 +129,33 @@ def flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr, SCORE
 
     ``(a, c)`` is ``(q, k)`` for a ``[BLOCK_M, BLOCK_N]`` tile, or ``(k, q)`` with TRANS
     for its transpose (the dk/dv kernel's). The score_mod runs on every element; the
-    mask_mod only in PARTIAL blocks (a FULL block is visible everywhere by its table);
-    rows and columns past the ends are hidden in every block.
+    mask_mod only in PARTIAL blocks (a FULL block is visible everywhere by its table).
+    The streamed side's rows past its end (keys past S in the forward and dq kernels,
+    queries past T in dk/dv) are hidden where the tiles do not divide that length: their
+    zero-filled rows would count in the softmax or in dk and dv. The resident side's
+    rows past its end are never stored, and reach no other row.
     """
     raw = tl.dot(a, tl.trans(c)) * F.SCALE
     q_idx = along_q(offs_m, TRANS)
     kv_idx = along_k(offs_n, TRANS)
-    visible = (q_idx < F.T) & (kv_idx < F.S)
-    if PARTIAL:
-        visible = visible & MASK_FN(b, n, q_idx, kv_idx, ints, floats)
+    if TRANS:
+        ragged: tl.constexpr = tl.constexpr(F.T) % offs_m.shape[0] != 0
+        inside = q_idx < F.T
+    else:
+        ragged: tl.constexpr = tl.constexpr(F.S) % offs_n.shape[0] != 0
+        inside = kv_idx < F.S
     if F.HAS_SCORE:
         s = SCORE_FN(raw, b, n, q_idx, kv_idx, ints, floats)
     else:
         s = raw
-    return raw, tl.where(visible, s, float("-inf"))
+    if PARTIAL:
+        visible = MASK_FN(b, n, q_idx, kv_idx, ints, floats)
+        if ragged:
+            visible = visible & inside
+        s = tl.where(visible, s, float("-inf"))
+    elif ragged:
+        s = tl.where(inside, s, float("-inf"))
+    return raw, s
 
 
 @triton.jit

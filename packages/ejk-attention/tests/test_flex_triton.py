@@ -29,8 +29,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-# Pairwise-distinct sizes; T and S are not multiples of the 16-row blocks.
-B, T, S, N, K, H = 2, 37, 45, 4, 2, 16
+# Pairwise-distinct sizes; T and S are not multiples of the 16-row blocks. One kv head for
+# three query heads keeps the interpreter's grids small (ejk-kernels-gpu's tests/test_flex.py
+# runs the kernels with several kv heads and per-head tables).
+B, T, S, N, K, H = 2, 37, 45, 3, 1, 16
 BLOCK = 16
 
 
@@ -121,7 +123,8 @@ def _rel_bias(table):
     return rel
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16's default case is the ALiBi one (a bf16 capture too).
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_causal(dtype):
     check(*_qkv(dtype), block_mask=_mask(causal_mask, b=None, n=None))
 
@@ -147,8 +150,8 @@ def test_alibi_slopes_gradient(dtype):
     check(*_qkv(dtype), _alibi, _mask(causal_mask, b=None, n=None), slopes)
 
 
-def test_soft_cap_score_mod_without_mask_gqa_mqa():
-    check(*_qkv(kv_heads=1), lambda _: _soft_cap)
+def test_soft_cap_score_mod_without_mask():
+    check(*_qkv(), lambda _: _soft_cap)
 
 
 def test_relative_position_table_gradient_with_window():
@@ -290,7 +293,7 @@ def test_rectangular_blocks_and_runs_repeat_bit_for_bit():
                                                         implementation="triton"))  # fmt: skip
 
 
-@pytest.mark.parametrize(("t", "s"), [(48, 37), (37, 48)])
+@pytest.mark.parametrize(("t", "s"), [(48, 37), pytest.param(37, 48, marks=pytest.mark.slow)])
 def test_lengths_on_and_off_the_tiles(t, s):
     """Keys (or queries) on whole tiles take no bounds masks; the other side still does."""
     q, k, v = _qkv(t=t, s=s)

@@ -22,7 +22,9 @@ def test_flex_builds_compile_for_hopper_without_spills(aot_rows):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", ["64", "128", "256"])
-def test_every_flex_build_compiles(aot_rows, head_dim):
-    rows = aot_rows("flex", "--head-dims", head_dim)
+def test_every_flex_build_compiles(aot_rows, head_dim, dtype):
+    """Every representative mod, every kernel, at the heuristics' tiles for the dtype."""
+    rows = aot_rows("flex", "--head-dims", head_dim, "--dtype", dtype)
     assert {r["mods"] for r in rows} == set(MODS)

@@ -104,7 +104,7 @@ def compile_flex(
     score_mod, mask_mod = _mods()[mods]
     plan, _ = plan_mods(score_mod, mask_mod)
     heuristic = fwd_heuristic if kernel == "flex_fwd_kernel" else bwd_heuristic
-    cfg = config or heuristic((block, block), head_dim)
+    cfg = config or heuristic((block, block), head_dim, jnp.dtype(dtype).itemsize)
     call = FlexCall(plan, head_dim**-0.5, (block, block), (1, 1), cfg, cfg)
     q = jax.ShapeDtypeStruct((_BATCH, _SEQ, _HEADS, head_dim), jnp.dtype(dtype))
     k = jax.ShapeDtypeStruct((_BATCH, _SEQ, _KV_HEADS, head_dim), jnp.dtype(dtype))

@@ -165,8 +165,9 @@ def flex_attention(
             f"{block_size}, got {kv_blocks[0].shape} and {q_blocks[0].shape}"
         )
     head_dim = max(q.shape[3], v.shape[3])
-    fwd = config or fwd_heuristic(block_size, head_dim)
-    bwd = bwd_config or bwd_heuristic(block_size, head_dim)
+    itemsize = q.dtype.itemsize
+    fwd = config or fwd_heuristic(block_size, head_dim, itemsize)
+    bwd = bwd_config or bwd_heuristic(block_size, head_dim, itemsize)
     check_tiles(fwd, block_size, "forward")
     check_tiles(bwd, block_size, "backward")
     call = FlexCall(plan, float(softmax_scale), (q_block, kv_block), mask_heads, fwd, bwd)

@@ -46,23 +46,44 @@ class FlexConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"FlexConfig: num_stages must be an int >= 1, got {s!r}")
 
 
-def fwd_heuristic(block_size: tuple[int, int], head_dim: int) -> FlexConfig:
-    """The forward's tiles: 128 query rows by 64 keys with eight warps (128 keys at head_dim
-    <= 64); above head_dim 128, 64 by 64 (shared memory). Smaller blocks: theirs."""
-    q_block, kv_block = block_size
-    if head_dim > 128:
-        return FlexConfig(block_q=min(64, q_block), block_k=min(64, kv_block), num_warps=8)
-    block_q = min(128, q_block)
-    block_k = min(128 if head_dim <= 64 else 64, kv_block)
-    return FlexConfig(block_q=block_q, block_k=block_k, num_warps=8 if block_q >= 128 else 4)
+# (head_dim bound, 16-bit tiles, 32-bit tiles): (block_q, block_k, num_warps), the first row
+# whose bound holds; sm_90 builds (`aot.flex`) of every representative mod fit shared memory
+# and spill nothing with them.
+_FWD_TILES = (
+    (64, (128, 128, 8), (128, 64, 8)),
+    (128, (128, 64, 8), (64, 64, 8)),
+    (256, (64, 64, 8), (64, 32, 8)),
+)
+_BWD_TILES = (
+    (64, (64, 32, 4), (64, 32, 4)),
+    (128, (64, 32, 4), (32, 32, 4)),
+    (256, (32, 32, 4), (16, 16, 4)),
+)
 
 
-def bwd_heuristic(block_size: tuple[int, int], head_dim: int) -> FlexConfig:
-    """The backward's tiles: 64 resident rows by 32 streamed ones, four warps (above head_dim
-    128: 32 by 32); the dk/dv kernel's resident k, v, dk and dv then stay in registers
-    (sm_90 builds without spills: `aot.flex`). Smaller blocks: theirs."""
-    block_q = min(32 if head_dim > 128 else 64, *block_size)
-    return FlexConfig(block_q=block_q, block_k=min(32, *block_size), num_warps=4)
+def _pick(rows: tuple, block_size: tuple[int, int], head_dim: int, itemsize: int,
+          both: bool) -> FlexConfig:  # fmt: skip
+    tiles = next(row for row in rows if head_dim <= row[0])
+    block_q, block_k, warps = tiles[1] if itemsize <= 2 else tiles[2]
+    if both:  # the backward's tiles divide both block sides (dq and dk/dv swap them)
+        block_q, block_k = min(block_q, *block_size), min(block_k, *block_size)
+    else:
+        block_q, block_k = min(block_q, block_size[0]), min(block_k, block_size[1])
+    return FlexConfig(block_q=block_q, block_k=block_k, num_warps=warps)
+
+
+def fwd_heuristic(block_size: tuple[int, int], head_dim: int, itemsize: int = 2) -> FlexConfig:
+    """The forward's tiles (`_FWD_TILES`): 128 query rows by 64 keys with eight warps at
+    head_dim 128 in 16 bits; smaller at 256 and in float32 (shared memory). Smaller blocks:
+    theirs."""
+    return _pick(_FWD_TILES, block_size, head_dim, itemsize, both=False)
+
+
+def bwd_heuristic(block_size: tuple[int, int], head_dim: int, itemsize: int = 2) -> FlexConfig:
+    """The backward's tiles (`_BWD_TILES`): 64 resident rows by 32 streamed ones, four
+    warps, at head_dim 128 in 16 bits (the dk/dv kernel's resident k, v, dk and dv stay in
+    registers); smaller at 256 and in float32. Smaller blocks: theirs."""
+    return _pick(_BWD_TILES, block_size, head_dim, itemsize, both=True)
 
 
 def check_tiles(config: FlexConfig, block_size: tuple[int, int], role: str) -> None:

@@ -7,9 +7,9 @@ visit: empty ones never, full ones without the mask_mod. On a GPU they compile; 
 they run in Triton's interpreter.
 
 Refused, with the reason (the facade then moves on): Triton not installed; a mod using a
-primitive the translation lacks (named in the reason); block sizes other than powers of
-two in [16, 256] (the mask's blocks are the kernels' tiles); head dims above 256; dtypes
-other than float16, bfloat16 and float32.
+primitive, or a captured array's dtype, the translation lacks (named in the reason); block
+sizes other than powers of two in [16, 256] (the kernels walk the mask's blocks in tiles
+that divide them); head dims above 256; dtypes other than float16, bfloat16 and float32.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["TritonFlexBackend"]
 
 
 def _block_size(request: FlexRequest) -> tuple[int, int]:
-    """The kernels' tiles: the block mask's blocks, or the kernels' default without one."""
+    """The blocks the kernels walk: the block mask's, or the kernels' default without one."""
     if request.block_mask is not None:
         return request.block_mask.block_size
     from ejk_kernels_gpu.flex import default_block_size

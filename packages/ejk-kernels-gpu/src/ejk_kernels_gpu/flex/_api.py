@@ -46,8 +46,9 @@ def _block_reason(block_size: tuple[int, int]) -> str | None:
     for name, size in zip(("q_block", "kv_block"), block_size, strict=True):
         if size < 16 or size > 256 or size & (size - 1):
             return (
-                f"the Triton flex kernels take the block mask's blocks as their tiles: powers "
-                f"of two in [16, 256], got {name}={size} (block_size={block_size})"
+                f"the Triton flex kernels walk the block mask's blocks in tiles that divide "
+                f"them: block sizes must be powers of two in [16, 256], got {name}={size} "
+                f"(block_size={block_size})"
             )
     return None
 
@@ -65,7 +66,7 @@ def unsupported_flex_reason(
     Args:
         q, k, v: the call's arrays (checked already: ``[B, T, N, H]``, ``N % K == 0``).
         score_mod, mask_mod: the mods (None: none).
-        block_size: the block mask's ``(q_block, kv_block)`` (the kernels' tiles).
+        block_size: the block mask's ``(q_block, kv_block)`` (the kernels' tiles divide it).
 
     Returns:
         A sentence naming what is unsupported (a dtype, a head dim, a block size, a
@@ -124,7 +125,7 @@ def flex_attention(
             ``MB`` 1 or B and ``MN`` 1 or N; None: every block full.
         q_blocks: the transposed lists (per key block, the query blocks), None with
             ``kv_blocks``.
-        block_size: ``(q_block, kv_block)`` of the lists: the kernels' tiles.
+        block_size: ``(q_block, kv_block)`` of the lists (the kernels' tiles divide them).
         softmax_scale: multiplies ``q·kᵀ``.
         return_lse: also return the float32 lse ``[B, N, T]``.
         config: the forward's tiles and launch options; default `fwd_heuristic`.

@@ -143,7 +143,9 @@ def test_sliding_window_or_prefix():
     check(*_qkv(), block_mask=_mask(mask, b=None))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
+)
 def test_alibi_slopes_gradient(dtype):
     """bfloat16 slopes too: a capture of the inputs' dtype (read as float32 in the kernels)."""
     slopes = jnp.linspace(0.05, 0.4, N, dtype=jnp.float32).astype(dtype)

@@ -486,10 +486,13 @@ def test_implementations():
     assert FLEX_IMPLEMENTATIONS == ("xla", "triton", "pallas", "cudnn")
     want = flex_attention(q, k, v)
     np.testing.assert_array_equal(flex_attention(q, k, v, implementation="xla"), want)
-    # A kernel that refuses hands the call on to the next name.
-    np.testing.assert_array_equal(flex_attention(q, k, v, implementation=("triton", "xla")), want)
-    with pytest.raises(NotImplementedError, match="no Triton kernel yet"):
-        flex_attention(q, k, v, implementation="triton")
+    # A kernel that refuses hands the call on to the next name (triton: blocks of (8, 4)).
+    mask = create_block_mask(causal_mask, None, None, T, S, block_size=BLOCK)
+    want = flex_attention(q, k, v, block_mask=mask, implementation="xla")
+    got = flex_attention(q, k, v, block_mask=mask, implementation=("triton", "xla"))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(NotImplementedError, match="powers of two in \\[16, 256\\]"):
+        flex_attention(q, k, v, block_mask=mask, implementation="triton")
     with pytest.raises(NotImplementedError, match="head_dim 5 == q's 8"):
         flex_attention(q, k, v, implementation="pallas")  # the kernels need Hv == H
     with pytest.raises(ValueError, match="implementation must be one of"):

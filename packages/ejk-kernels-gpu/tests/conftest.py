@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -98,3 +103,22 @@ def scratch_ptx(name: str) -> str:
 @pytest.fixture(name="scratch_ptx")
 def scratch_ptx_fixture():
     return scratch_ptx
+
+
+def aot_rows(module: str, *args: str) -> list[dict]:
+    """The JSON rows of ``python -m ejk_kernels_gpu.aot.<module> *args``, run in a subprocess
+    with Triton's interpreter off; asserts every build compiled, within shared memory and
+    without spills."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", f"ejk_kernels_gpu.aot.{module}", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    rows = [json.loads(s) for s in proc.stdout.splitlines() if s.startswith("{")]
+    bad = [r for r in rows if "error" in r or not r["fits"] or r["spill_stores"] != 0]
+    assert rows and not bad and proc.returncode == 0, (bad, proc.stderr[-3000:])
+    return rows
+
+
+@pytest.fixture(name="aot_rows")
+def aot_rows_fixture():
+    return aot_rows

@@ -50,11 +50,15 @@ def flex_attention(
             may be None); None: every key visible.
         softmax_scale: multiplies ``q·kᵀ``; default ``H ** -0.5``.
         return_lse: also return the float32 log-sum-exp ``[B, N, T]`` (``-inf`` on emptied rows).
-        implementation: None (the platform's order: ``pallas`` then ``xla`` on TPU, ``xla``
-            elsewhere), ``"xla"``, ``"pallas"`` (the TPU block-sparse kernels, Pallas'
-            interpreter off TPU; mask_mods only, ``Hv == H``), or a sequence of names tried
-            in order. ``"triton"`` has no flex kernel yet and refuses.
-        config: a kernel config for backends that take one (``pallas``: an
+        implementation: None (the platform's order: ``triton`` then ``xla`` on GPUs,
+            ``pallas`` then ``xla`` on TPU, ``xla`` elsewhere), ``"xla"``, ``"triton"``
+            (``ejk_kernels_gpu``'s flex kernels with both mods translated into them,
+            Triton's interpreter off GPU; block sizes powers of two in [16, 256]; a mod it
+            cannot translate is refused, naming the primitive),
+            ``"pallas"`` (the TPU block-sparse kernels, Pallas' interpreter off TPU;
+            mask_mods only, ``Hv == H``), or a sequence of names tried in order.
+        config: a kernel config for backends that take one (``triton``: an
+            ``ejk_kernels_gpu.flex.FlexConfig``, the forward's tiles and warps; ``pallas``: an
             ``ejk_kernels_tpu.BlockSparseConfig``; ``xla`` has none).
 
     Returns:

@@ -2,9 +2,10 @@
 
 Each backend is a `ejk_attention._backends.Backend` taking a `FlexRequest`. The XLA one
 serves every call on every platform; the Pallas one (`_pallas`: the TPU block-sparse
-kernels, their interpreter elsewhere) serves mask_mods without a score_mod; the Triton
-(GPU) kernel comes with issue 62's GPU part, and until then its entry refuses with that
-reason. ``implementation=None`` tries ``pallas`` then ``xla`` on TPU, ``xla`` elsewhere.
+kernels, their interpreter elsewhere) serves mask_mods without a score_mod; the Triton one
+(`_triton`: ``ejk_kernels_gpu``'s flex kernels, Triton's interpreter off GPU) serves both
+mods where it can translate them. ``implementation=None`` tries ``triton`` then ``xla``
+on GPUs, ``pallas`` then ``xla`` on TPU, ``xla`` elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from .._backends import Backend, platform_of, resolve_implementation, run_first
 from ._pallas import PallasFlexBackend
 from ._request import FlexRequest
+from ._triton import TritonFlexBackend
 from ._xla import xla_flex_attention
 
 __all__ = ["FLEX_BACKENDS", "FLEX_IMPLEMENTATIONS", "run_flex"]
@@ -43,9 +45,7 @@ class Unavailable(Backend):
 
 FLEX_BACKENDS: dict[str, Backend] = {
     "xla": XlaFlexBackend(),
-    "triton": Unavailable(
-        "triton", "flex_attention has no Triton kernel yet (issue 62's GPU part): use 'xla'"
-    ),
+    "triton": TritonFlexBackend(),
     "pallas": PallasFlexBackend(),
     "cudnn": Unavailable("cudnn", "cuDNN (through jax.nn) takes no mask_mod or score_mod"),
 }

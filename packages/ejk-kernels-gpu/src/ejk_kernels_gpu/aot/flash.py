@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,7 +48,7 @@ from ..flash._select import (
     fwd_search_space,
 )
 
-__all__ = ["compile_kernel", "main"]
+__all__ = ["compile_kernel", "compile_sm90", "main", "report_build", "spill_stores"]
 
 _TRITON_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # Pointer arguments by name: which element type each one has ("data" = the input dtype).
@@ -296,6 +297,65 @@ def _run_tool(tool: str, data: bytes, name: str, *args: str) -> str | None:
             [path, *args, name], cwd=tmp, capture_output=True, text=True, check=True
         )
     return done.stdout + done.stderr
+
+
+def compile_sm90(
+    fn: Any,
+    pointer_kinds: dict[str, str],
+    kinds: dict[str, str],
+    constexprs: dict[str, Any],
+    *,
+    num_warps: int,
+    num_stages: int,
+) -> dict[str, Any]:
+    """``triton.compile`` of ``fn`` for sm_90, and its resources: shared memory (``fits``
+    Hopper's limit), ptxas' register spills and the seconds it took.
+
+    Args:
+        fn: the kernel.
+        pointer_kinds: each pointer argument's kind (a Triton element type, or a name that
+            ``kinds`` maps to one); every argument of ``fn`` not in ``constexprs`` is one.
+        kinds: Triton element types of the kind names (``{"data": "bf16"}``).
+        constexprs: every other argument.
+        num_warps, num_stages: the launch options.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    pointers = {
+        n: "*" + kinds.get(pointer_kinds[n], pointer_kinds[n])
+        for n in fn.arg_names
+        if n not in constexprs
+    }
+    signature, attrs = source_signature(fn, pointers, constexprs)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    start = time.perf_counter()
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    shared = int(compiled.metadata.shared)
+    return dict(
+        shared=shared,
+        fits=shared <= SHARED_MEMORY_LIMIT,
+        spill_stores=spill_stores(compiled.asm["ptx"]),
+        seconds=round(time.perf_counter() - start, 2),
+    )
+
+
+def report_build(row: dict[str, Any], build: Callable[[], dict[str, Any]]) -> bool:
+    """Add ``build()``'s result to ``row`` and print it as one JSON line; True if the build
+    failed, spilled registers or does not fit shared memory (every failure is reported, and
+    the run fails after the last build)."""
+    try:
+        row.update(build())
+        if row["spill_stores"]:
+            row["error"] = f"ptxas spills {row['spill_stores']} bytes"
+    except Exception as exc:  # report every failure, then fail the run
+        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    print(json.dumps(row), flush=True)
+    return "error" in row or not row.get("fits", False)
 
 
 def spill_stores(ptx: str) -> int | None:

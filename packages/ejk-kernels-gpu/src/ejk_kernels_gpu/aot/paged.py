@@ -10,19 +10,16 @@ must run where Triton's interpreter is off, so the tests start it as a subproces
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ..build._jax_triton_fix import source_signature
-from ..build._limits import SHARED_MEMORY_LIMIT
 from ..paged._config import PagedConfig, paged_heuristic, tile_shape
 from ..paged._launch import PagedCall, paged_constexprs
-from .flash import spill_stores
+from .flash import compile_sm90, report_build
 
 __all__ = ["BUILDS", "compile_paged", "main"]
 
@@ -60,9 +57,6 @@ def compile_paged(
 ) -> dict[str, Any]:
     """Compile the paged kernel for sm_90 with ``cfg`` and report its resources (fp8
     pages with ``kv_scales`` 1 or 2)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from ..kernels import _all
     from ..kernels.triton import _paged as module
 
@@ -87,28 +81,16 @@ def compile_paged(
     out = data if cfg.num_splits == 1 else "fp32"
     kinds = {"data": data, "out": out, "pages": "fp8e4nv" if kv_scales else data}
     fn = module.paged_kernel
-    pointers = {
-        n: "*" + kinds.get(_POINTERS[n], _POINTERS[n]) for n in fn.arg_names if n not in consts
-    }
-    signature, attrs = source_signature(fn, pointers, consts)
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    start = time.perf_counter()
-    compiled = triton.compile(
-        src,
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    built = compile_sm90(
+        fn, _POINTERS, kinds, consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages
     )
-    shared = int(compiled.metadata.shared)
     return dict(
         config=dict(
             block_m=cfg.block_m, block_kv=cfg.block_kv, num_splits=cfg.num_splits,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ),
         rows=call.tile.rows,
-        shared=shared,
-        fits=shared <= SHARED_MEMORY_LIMIT,
-        spill_stores=spill_stores(compiled.asm["ptx"]),
-        seconds=round(time.perf_counter() - start, 2),
+        **built,
     )  # fmt: skip
 
 
@@ -131,24 +113,19 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = dict(
                 build=name, head_dim=head_dim, dtype=args.dtype, kv_scales=kv_scales
             )
-            try:
-                row.update(
-                    compile_paged(
-                        cfg,
-                        head_dim=head_dim,
-                        q_len=q_len,
-                        page=page,
-                        features=features,
-                        dtype=args.dtype,
-                        kv_scales=kv_scales,
-                    )
-                )
-                if row["spill_stores"]:
-                    row["error"] = f"ptxas spills {row['spill_stores']} bytes"
-            except Exception as exc:  # report every failure, then fail the run
-                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-            print(json.dumps(row), flush=True)
-            failed += "error" in row or not row.get("fits", False)
+            failed += report_build(
+                row,
+                functools.partial(
+                    compile_paged,
+                    cfg,
+                    head_dim=head_dim,
+                    q_len=q_len,
+                    page=page,
+                    features=features,
+                    dtype=args.dtype,
+                    kv_scales=kv_scales,
+                ),
+            )
     return 1 if failed else 0
 
 

@@ -1,0 +1,303 @@
+"""The ``triton`` flex backend (``ejk_kernels_gpu``'s flex kernels, in Triton's interpreter
+here) against the ``xla`` backend on float32-upcast inputs (itself checked against a dense
+definition in test_flex.py): values, lse and gradients (q, k, v and a float capture), for
+the common masks and score_mods; refusals and the fall-through."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejk_attention import (
+    and_masks,
+    causal_mask,
+    create_block_mask,
+    document_mask,
+    flex_attention,
+    or_masks,
+    prefix_lm_mask,
+    sliding_window_mask,
+)
+from ejk_sequtils import attention_tolerance
+
+# Not importorskip: triton must not be imported before the kernels switch its interpreter on.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+# Pairwise-distinct sizes; T and S are not multiples of the 16-row blocks. One kv head for
+# three query heads keeps the interpreter's grids small (ejk-kernels-gpu's tests/test_flex.py
+# runs the kernels with several kv heads and per-head tables).
+B, T, S, N, K, H = 2, 37, 45, 3, 1, 16
+BLOCK = 16
+
+
+def _qkv(dtype=jnp.float32, *, t=T, s=S, kv_heads=K, head_dim=H, hv=H, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((B, t, N, head_dim), (B, s, kv_heads, head_dim), (B, s, kv_heads, hv))
+    return tuple(jnp.asarray(rng.standard_normal(x), dtype) for x in shapes)
+
+
+def _tol(dtype, quantity):
+    from ejk_kernels_gpu.build._triton import arithmetic_dtype
+
+    return attention_tolerance(dtype, quantity, computed_in=arithmetic_dtype(dtype))
+
+
+def _close(actual, expected, tol, what):
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32), np.asarray(expected, np.float32), rtol=tol, atol=tol,
+        err_msg=what,
+    )  # fmt: skip
+
+
+def _run(impl, q, k, v, make_score, block_mask, param, d_out):
+    """``(out, lse, (dq, dk, dv, d_param))`` of one call on ``impl``."""
+
+    def loss(q, k, v, param):
+        score_mod = None if make_score is None else make_score(param)
+        out, lse = flex_attention(
+            q, k, v, score_mod, block_mask, return_lse=True, implementation=impl
+        )
+        finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + 0.1 * jnp.sum(finite), (out, lse)
+
+    grads, (out, lse) = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, param)
+    return out, lse, grads
+
+
+def check(q, k, v, make_score=None, block_mask=None, param=None):
+    """The triton backend's values, lse and gradients against xla's on float32 inputs."""
+    dtype = q.dtype
+    param = jnp.zeros(()) if param is None else param
+    d_out = jnp.asarray(
+        np.random.default_rng(7).standard_normal((*q.shape[:3], v.shape[3])), jnp.float32
+    )
+    out, lse, grads = _run("triton", q, k, v, make_score, block_mask, param, d_out)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want_out, want_lse, want_grads = _run("xla", *f32, make_score, block_mask, param, d_out)
+    assert out.shape == want_out.shape and out.dtype == dtype
+    _close(out, want_out, _tol(dtype, "out"), "out")
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    _close(np.asarray(lse)[finite], np.asarray(want_lse)[finite], _tol(dtype, "lse"), "lse")
+    for name, got, want in zip(("dq", "dk", "dv", "dparam"), grads, want_grads, strict=True):
+        assert got.dtype == (param.dtype if name == "dparam" else dtype)
+        _close(got, want, _tol(dtype, "grad"), name)
+    return out, grads
+
+
+def _mask(mask_mod, b=B, n=None, t=T, s=S, block=BLOCK):
+    return create_block_mask(mask_mod, b, n, t, s, block_size=block)
+
+
+def _doc_ids(t=T, seed=3):
+    """Sorted document ids per batch row, with a padding (-1) run at the start of row 1."""
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.integers(0, 3, (B, t)), axis=1)
+    ids[1, :5] = -1
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _alibi(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+
+    return alibi
+
+
+def _soft_cap(score, b, h, q_idx, kv_idx):
+    return 2.0 * jnp.tanh(score / 2.0)
+
+
+def _rel_bias(table):
+    """A T5-style learnable bias ``table[h, clip(kv - q, -8, 8) + 8]``."""
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[h, jnp.clip(kv_idx - q_idx, -8, 8) + 8]
+
+    return rel
+
+
+# bfloat16's default case is the ALiBi one (a bf16 capture too).
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_causal(dtype):
+    check(*_qkv(dtype), block_mask=_mask(causal_mask, b=None, n=None))
+
+
+def test_documents_with_captured_ids_causal():
+    check(*_qkv(t=S), block_mask=_mask(and_masks(causal_mask, document_mask(_doc_ids(S))), t=S))
+
+
+def test_prefix_lm_with_captured_lengths():
+    lengths = jnp.asarray([9, 30], jnp.int32)
+    check(*_qkv(), block_mask=_mask(prefix_lm_mask(lengths)))
+
+
+def test_sliding_window_or_prefix():
+    mask = or_masks(sliding_window_mask((5, 3)), prefix_lm_mask(jnp.asarray(4, jnp.int32)))
+    check(*_qkv(), block_mask=_mask(mask, b=None))
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", pytest.param("float16", marks=pytest.mark.slow)]
+)
+def test_alibi_slopes_gradient(dtype):
+    """bfloat16 slopes too: a capture of the inputs' dtype (read as float32 in the kernels)."""
+    slopes = jnp.linspace(0.05, 0.4, N, dtype=jnp.float32).astype(dtype)
+    check(*_qkv(dtype), _alibi, _mask(causal_mask, b=None, n=None), slopes)
+
+
+def test_soft_cap_score_mod_without_mask():
+    check(*_qkv(), lambda _: _soft_cap)
+
+
+def test_relative_position_table_gradient_with_window():
+    table = jnp.asarray(np.random.default_rng(5).standard_normal((N, 17)), jnp.float32)
+    mask = and_masks(causal_mask, sliding_window_mask((20, 0)))
+    _, grads = check(*_qkv(hv=8), _rel_bias, _mask(mask, b=None), table)
+    assert np.abs(np.asarray(grads[3])).max() > 0  # the table does get a gradient
+
+
+def test_per_head_mask_and_fully_masked_rows():
+    """Rows 0-3 of head 1 and the padding rows of the documents see nothing: zeros, zero
+    gradients (and the other rows still right)."""
+    ids = _doc_ids(S)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        hidden = (h == 1) & (q_idx < 4)
+        return document_mask(ids)(b, h, q_idx, kv_idx) & ~hidden
+
+    q, k, v = _qkv(t=S)
+    out, grads = check(q, k, v, block_mask=_mask(mask_mod, n=N, t=S))
+    assert not np.asarray(out[:, :4, 1]).any() and not np.asarray(out[1, :5]).any()
+    assert not np.asarray(grads[0][:, :4, 1]).any() and not np.asarray(grads[0][1, :5]).any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_dims_forward(head_dim):
+    q, k, v = _qkv(head_dim=head_dim, hv=head_dim, t=20, s=33)
+    mask = _mask(causal_mask, b=None, n=None, t=20, s=33)
+    out = flex_attention(q, k, v, _soft_cap, mask, implementation="triton")
+    want = flex_attention(q, k, v, _soft_cap, mask, implementation="xla")
+    _close(out, want, _tol(jnp.float32, "out"), "out")
+
+
+def test_under_jit_with_traced_ids_and_captures():
+    q, k, v = _qkv(t=S)
+
+    @jax.jit
+    def run(ids, slopes, q, k, v):
+        mask = create_block_mask(and_masks(causal_mask, document_mask(ids)), B, None, S, S,
+                                 block_size=BLOCK)  # fmt: skip
+        return flex_attention(q, k, v, _alibi(slopes), mask, implementation="triton")
+
+    slopes = jnp.linspace(0.1, 0.3, N, dtype=jnp.float32)
+    ids = _doc_ids(S)
+    mask = _mask(and_masks(causal_mask, document_mask(ids)), t=S)
+    want = flex_attention(q, k, v, _alibi(slopes), mask, implementation="xla")
+    _close(run(ids, slopes, q, k, v), want, _tol(jnp.float32, "out"), "out")
+    other = _doc_ids(S, seed=11)  # new ids: the same compiled function
+    mask = _mask(and_masks(causal_mask, document_mask(other)), t=S)
+    want = flex_attention(q, k, v, _alibi(slopes), mask, implementation="xla")
+    _close(run(other, slopes, q, k, v), want, _tol(jnp.float32, "out"), "out")
+
+
+def _shifted(score, b, h, q_idx, kv_idx):
+    return score + jax.lax.shift_left(q_idx, 1).astype(jnp.float32)
+
+
+def test_unsupported_primitive_is_refused_and_falls_through(monkeypatch):
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match="primitive 'shift_left'"):
+        flex_attention(q, k, v, _shifted, implementation="triton")
+    want = flex_attention(q, k, v, _shifted, implementation="xla")
+    got = flex_attention(q, k, v, _shifted, implementation=("triton", "xla"))
+    np.testing.assert_array_equal(got, want)
+    # implementation=None on a GPU tries triton first: a translatable call runs there, the
+    # refused one on xla.
+    from ejk_attention.flex import _backends
+
+    monkeypatch.setattr(_backends, "platform_of", lambda request: "gpu")
+    ran = []
+    real = _backends.FLEX_BACKENDS["triton"].run
+    monkeypatch.setattr(
+        _backends.FLEX_BACKENDS["triton"], "run", lambda *a: ran.append(1) or real(*a)
+    )
+    np.testing.assert_array_equal(flex_attention(q, k, v, _shifted), want)
+    assert not ran
+    _close(flex_attention(q, k, v, _soft_cap), flex_attention(q, k, v, _soft_cap,
+           implementation="xla"), _tol(jnp.float32, "out"), "out")  # fmt: skip
+    assert ran
+
+
+def test_refusals_name_the_reason():
+    q, k, v = _qkv()
+    mask = create_block_mask(causal_mask, None, None, T, S, block_size=(8, 16))
+    with pytest.raises(NotImplementedError, match="powers of two in \\[16, 256\\], got q_block=8"):
+        flex_attention(q, k, v, block_mask=mask, implementation="triton")
+
+    table = jnp.arange(4.0)
+
+    def fill_gather(score, b, h, q_idx, kv_idx):
+        return score + table.at[h].get(mode="fill")
+
+    with pytest.raises(NotImplementedError, match="mode='fill'"):
+        flex_attention(q, k, v, fill_gather, implementation="triton")
+
+    def whole_table(score, b, h, q_idx, kv_idx):
+        return score + jnp.sum(table * q_idx)
+
+    with pytest.raises(NotImplementedError, match="captured array of shape \\(4,\\) is used whole"):
+        flex_attention(q, k, v, whole_table, implementation="triton")
+
+
+def test_bad_mods_raise_before_any_backend():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="mask_mod '<lambda>' must return bool"):
+        create_block_mask(lambda b, h, i, j: i - j, None, None, T, S)
+    with pytest.raises(ValueError, match="score_mod 'wide' must return one float score"):
+
+        def wide(score, b, h, q_idx, kv_idx):
+            return jnp.stack([score, score])
+
+        flex_attention(q, k, v, wide, implementation="triton")
+
+
+def test_capture_gradient_under_jit():
+    """``jax.jit(jax.grad(...))`` of a relative-position table: the table is a tracer the
+    score_mod closes over, becoming a kernel argument and getting its cotangent."""
+    q, k, v = _qkv(t=20, s=33)
+    mask = _mask(causal_mask, b=None, n=None, t=20, s=33)
+    table = jnp.asarray(np.random.default_rng(9).standard_normal((N, 17)), jnp.float32)
+
+    def loss(table, impl):
+        out = flex_attention(q, k, v, _rel_bias(table), mask, implementation=impl)
+        return jnp.sum(jnp.sin(out))
+
+    got = jax.jit(jax.grad(loss), static_argnums=1)(table, "triton")
+    want = jax.grad(loss)(table, "xla")
+    _close(got, want, _tol(jnp.float32, "grad"), "dtable")
+
+
+def test_rectangular_blocks_and_runs_repeat_bit_for_bit():
+    """Blocks of 32 query rows by 16 keys (the kernels' tiles divide both); two runs equal."""
+    q, k, v = _qkv()
+    mask = create_block_mask(prefix_lm_mask(jnp.asarray([9, 30], jnp.int32)), B, None, T, S,
+                             block_size=(32, 16))  # fmt: skip
+    check(q, k, v, block_mask=mask)
+    first = flex_attention(q, k, v, _soft_cap, mask, implementation="triton")
+    np.testing.assert_array_equal(first, flex_attention(q, k, v, _soft_cap, mask,
+                                                        implementation="triton"))  # fmt: skip
+
+
+@pytest.mark.parametrize(("t", "s"), [(48, 37), pytest.param(37, 48, marks=pytest.mark.slow)])
+def test_lengths_on_and_off_the_tiles(t, s):
+    """Keys (or queries) on whole tiles take no bounds masks; the other side still does."""
+    q, k, v = _qkv(t=t, s=s)
+    mask = _mask(causal_mask, b=None, n=None, t=t, s=s)
+    check(q, k, v, _alibi, mask, jnp.linspace(0.05, 0.4, N, dtype=jnp.float32))

@@ -220,14 +220,13 @@ def test_unsupported_primitive_is_refused_and_falls_through(monkeypatch):
     np.testing.assert_array_equal(got, want)
     # implementation=None on a GPU tries triton first: a translatable call runs there, the
     # refused one on xla.
-    from ejk_attention.flex import _backends
+    from ejk_attention import _backends, _flex
 
-    monkeypatch.setattr(_backends, "platform_of", lambda request: "gpu")
+    monkeypatch.setattr(_flex, "platform_of", lambda request: "gpu")
     ran = []
-    real = _backends.FLEX_BACKENDS["triton"].run
-    monkeypatch.setattr(
-        _backends.FLEX_BACKENDS["triton"], "run", lambda *a: ran.append(1) or real(*a)
-    )
+    triton = _backends.BACKENDS["triton"].flex
+    real = triton.run
+    monkeypatch.setattr(triton, "run", lambda *a: ran.append(1) or real(*a))
     np.testing.assert_array_equal(flex_attention(q, k, v, _shifted), want)
     assert not ran
     _close(flex_attention(q, k, v, _soft_cap), flex_attention(q, k, v, _soft_cap,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._backends import Backend
+from .._backend import Backend
 from ._request import FlexRequest
 
 __all__ = ["PallasFlexBackend"]

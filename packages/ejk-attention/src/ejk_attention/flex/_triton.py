@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._backends import Backend, triton_missing
+from .._backend import Backend, triton_missing
 from ._request import FlexRequest
 
 __all__ = ["TritonFlexBackend"]

@@ -549,6 +549,17 @@ def test_implementation_names_follow_the_backends():
     np.testing.assert_array_equal(flex_attention(q, k, v, implementation=("cudnn", "xla")), want)
 
 
+def test_pallas_takes_one_config():
+    """The Pallas kernels' config holds the forward and backward blocks: two different
+    ones are refused, naming both arguments."""
+    from ejk_kernels_tpu import BlockSparseConfig
+
+    q, k, v = _qkv(hv=H)
+    with pytest.raises(ValueError, match=r"pass one config, got config=.* and bwd_config="):
+        flex_attention(q, k, v, implementation="pallas", config=BlockSparseConfig(),
+                       bwd_config=BlockSparseConfig(block_q=256))  # fmt: skip
+
+
 # The Pallas backend (ejk_kernels_tpu's block-sparse kernels, in Pallas' TPU interpreter
 # here): mask_mods evaluated in the kernel, the BlockMask tables as its block tables.
 MASK_CASES = ["none", "causal", "documents", "prefix_lm", "window", "and_or", "per_head"]

@@ -39,6 +39,7 @@ __all__ = [
     "installed",
     "is_gpu",
     "kernel_executor",
+    "one_config",
     "platform_of",
     "triton_missing",
 ]
@@ -76,6 +77,21 @@ def platform_of(request: AttentionRequest | PagedAttentionRequest) -> str:
 
 def is_gpu(platform: str) -> bool:
     return platform in ("gpu", "cuda", "rocm")
+
+
+def one_config(config: Any, bwd_config: Any) -> Any:
+    """The one config of a kernel whose config holds the forward and backward block sizes
+    (the Pallas kernels): ``config`` or ``bwd_config``.
+
+    Raises:
+        ValueError: both given, and different.
+    """
+    if bwd_config is not None and config is not None and bwd_config != config:
+        raise ValueError(
+            "the Pallas kernel's config holds the forward and backward block sizes: "
+            f"pass one config, got config={config!r} and bwd_config={bwd_config!r}"
+        )
+    return config or bwd_config
 
 
 @functools.cache

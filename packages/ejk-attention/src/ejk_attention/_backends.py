@@ -38,6 +38,7 @@ from ._backend import (
     installed,
     is_gpu,
     kernel_executor,
+    one_config,
     platform_of,
     triton_missing,
 )
@@ -294,12 +295,7 @@ class PallasBackend(Backend):
     def choose_configs(
         self, request: AttentionRequest, config: Any = None, bwd_config: Any = None
     ) -> tuple[Any, Any]:
-        if bwd_config is not None and config is not None and bwd_config != config:
-            raise ValueError(
-                "the Pallas kernel's config holds the forward and backward block sizes: "
-                f"pass one config, got config={config!r} and bwd_config={bwd_config!r}"
-            )
-        chosen = super().choose_configs(request, config or bwd_config)
+        chosen = super().choose_configs(request, one_config(config, bwd_config))
         return chosen[0], chosen[0]
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:

@@ -20,7 +20,7 @@ from ejk_attention import (
     prefix_lm_mask,
     sliding_window_mask,
 )
-from ejk_attention.flex import FLEX_IMPLEMENTATIONS
+from ejk_attention._flex import FLEX_IMPLEMENTATIONS
 from ejk_attention.flex._request import validate_flex
 from ejk_attention.flex._xla import xla_flex_attention
 from ejk_sequtils import attention_tolerance, random_document_ids
@@ -497,6 +497,67 @@ def test_implementations():
         flex_attention(q, k, v, implementation="pallas")  # the kernels need Hv == H
     with pytest.raises(ValueError, match="implementation must be one of"):
         flex_attention(q, k, v, implementation="bogus")
+
+
+@pytest.mark.parametrize(
+    ("platform", "order"),
+    [("gpu", ("triton", "xla")), ("tpu", ("pallas", "xla")), ("cpu", ("xla",))],
+)
+def test_dispatch_through_the_backends_flex_parts(monkeypatch, platform, order):
+    """``implementation=None`` tries each `BACKENDS` object's flex part in the platform's
+    order (cudnn has none: ``absent`` says why), each refusal handing the call on."""
+    from ejk_attention import _backends, _flex
+
+    tried = []
+
+    class Refuses(_backends.Backend):
+        def __init__(self, name):
+            self.name = name
+
+        def supported(self, request, platform):
+            tried.append(self.name)
+            return f"{self.name} refuses in this test"
+
+    xla = _backends.BACKENDS["xla"].flex
+    real_supported = type(xla).supported
+    monkeypatch.setattr(_flex, "platform_of", lambda request: platform)
+    for name in ("triton", "pallas"):
+        monkeypatch.setattr(_backends.BACKENDS[name], "flex", Refuses(name))
+    monkeypatch.setattr(
+        xla, "supported", lambda r, p: tried.append("xla") or real_supported(xla, r, p)
+    )
+    q, k, v = _qkv()
+    np.testing.assert_array_equal(
+        flex_attention(q, k, v), flex_attention(q, k, v, implementation="xla")
+    )
+    assert tuple(tried[: len(order)]) == order
+    assert _backends.flex_order(platform) == order
+    assert _backends.BACKENDS["cudnn"].flex is None
+    with pytest.raises(NotImplementedError, match="pallas refuses in this test; xla: boom"):
+        monkeypatch.setattr(xla, "supported", lambda r, p: "boom")
+        flex_attention(q, k, v, implementation=("pallas", "xla"))
+
+
+def test_implementation_names_follow_the_backends():
+    from ejk_attention import IMPLEMENTATIONS
+
+    q, k, v = _qkv()
+    assert FLEX_IMPLEMENTATIONS == IMPLEMENTATIONS
+    with pytest.raises(NotImplementedError, match=r"cudnn.*takes no mask_mod or score_mod"):
+        flex_attention(q, k, v, implementation="cudnn")
+    want = flex_attention(q, k, v, implementation="xla")
+    np.testing.assert_array_equal(flex_attention(q, k, v, implementation=("cudnn", "xla")), want)
+
+
+def test_pallas_takes_one_config():
+    """The Pallas kernels' config holds the forward and backward blocks: two different
+    ones are refused, naming both arguments."""
+    from ejk_kernels_tpu import BlockSparseConfig
+
+    q, k, v = _qkv(hv=H)
+    with pytest.raises(ValueError, match=r"pass one config, got config=.* and bwd_config="):
+        flex_attention(q, k, v, implementation="pallas", config=BlockSparseConfig(),
+                       bwd_config=BlockSparseConfig(block_q=256))  # fmt: skip
 
 
 # The Pallas backend (ejk_kernels_tpu's block-sparse kernels, in Pallas' TPU interpreter

@@ -220,14 +220,13 @@ def test_unsupported_primitive_is_refused_and_falls_through(monkeypatch):
     np.testing.assert_array_equal(got, want)
     # implementation=None on a GPU tries triton first: a translatable call runs there, the
     # refused one on xla.
-    from ejk_attention.flex import _backends
+    from ejk_attention import _backends, _flex
 
-    monkeypatch.setattr(_backends, "platform_of", lambda request: "gpu")
+    monkeypatch.setattr(_flex, "platform_of", lambda request: "gpu")
     ran = []
-    real = _backends.FLEX_BACKENDS["triton"].run
-    monkeypatch.setattr(
-        _backends.FLEX_BACKENDS["triton"], "run", lambda *a: ran.append(1) or real(*a)
-    )
+    triton = _backends.BACKENDS["triton"].flex
+    real = triton.run
+    monkeypatch.setattr(triton, "run", lambda *a: ran.append(1) or real(*a))
     np.testing.assert_array_equal(flex_attention(q, k, v, _shifted), want)
     assert not ran
     _close(flex_attention(q, k, v, _soft_cap), flex_attention(q, k, v, _soft_cap,
@@ -301,3 +300,130 @@ def test_lengths_on_and_off_the_tiles(t, s):
     q, k, v = _qkv(t=t, s=s)
     mask = _mask(causal_mask, b=None, n=None, t=t, s=s)
     check(q, k, v, _alibi, mask, jnp.linspace(0.05, 0.4, N, dtype=jnp.float32))
+
+
+# Configs: the given ones reach the launches, else the executor's (the same chain as the dense
+# kernels': memory, the persistent cache `ejk tune` writes, then the heuristic).
+
+
+def _config_call(t):
+    """q, k, v and a causal mask of 16-blocks, of a length no other test uses (the executor's
+    memory cache is per process)."""
+    q, k, v = _qkv(t=t, s=t)
+    return q, k, v, create_block_mask(causal_mask, None, None, t, t, block_size=(16, 16))
+
+
+def _launched(monkeypatch):
+    """The ``(fwd_config, bwd_config)`` of every forward and backward launch, in order."""
+    from ejk_kernels_gpu.flex import _vjp
+
+    seen = {"forward": [], "backward": []}
+    for part in seen:
+        real = getattr(_vjp, part)
+
+        def spy(call, *args, _real=real, _part=part):
+            seen[_part].append(call.fwd_config if _part == "forward" else call.bwd_config)
+            return _real(call, *args)
+
+        monkeypatch.setattr(_vjp, part, spy)
+    return seen
+
+
+def _grad(q, k, v, mask, **kw):
+    return jax.grad(lambda q: flex_attention(q, k, v, _soft_cap, mask, **kw).sum())(q)
+
+
+def test_config_and_bwd_config_reach_the_kernels(monkeypatch):
+    from ejk_attention import _backends
+    from ejk_attention.flex._request import validate_flex
+    from ejk_kernels_gpu.flex import FlexConfig
+
+    q, k, v, mask = _config_call(33)
+    seen = _launched(monkeypatch)
+    fwd = FlexConfig(block_q=16, block_k=16, num_warps=2, num_stages=1)
+    bwd = FlexConfig(block_q=16, block_k=16, num_warps=1, num_stages=1)
+    _grad(q, k, v, mask, implementation="triton", config=fwd, bwd_config=bwd)
+    assert seen == {"forward": [fwd], "backward": [bwd]}
+    # None: the executor's choice, here each kernel's heuristic.
+    request = validate_flex(q, k, v, _soft_cap, mask, softmax_scale=None, return_lse=False)
+    backend = _backends.BACKENDS["triton"].flex
+    want = (backend.heuristic_config(request), backend.backward_config(request))
+    _grad(q, k, v, mask, implementation="triton")
+    assert (seen["forward"][1], seen["backward"][1]) == want
+
+
+def test_bad_configs_name_the_argument():
+    from ejk_kernels_gpu import FlashConfig
+    from ejk_kernels_gpu.flex import FlexConfig
+
+    q, k, v, mask = _config_call(34)
+    with pytest.raises(TypeError, match="bwd_config must be a FlexConfig or None"):
+        _grad(q, k, v, mask, implementation="triton", bwd_config=FlashConfig())
+    with pytest.raises(TypeError, match="config must be a FlexConfig or None"):
+        flex_attention(q, k, v, block_mask=mask, implementation="triton", config=FlashConfig())
+    wide = FlexConfig(block_q=32, block_k=16)
+    with pytest.raises(ValueError, match="bwd_config: the backward FlexConfig's block_q=32"):
+        _grad(q, k, v, mask, implementation="triton", bwd_config=wide)
+    with pytest.raises(ValueError, match="config: the forward FlexConfig's block_q=32"):
+        flex_attention(q, k, v, block_mask=mask, implementation="triton", config=wide)
+
+
+def test_executor_serves_cached_configs_in_the_space(monkeypatch):
+    """A config on disk in the kernel's space is used; one outside it is dropped with a
+    CacheWarning and the heuristic runs; calls with other mods on the same shapes share
+    the key (configs are performance knobs), never a compiled body."""
+    from ejk_attention import _backends
+    from ejk_attention._tuned import open_cache
+    from ejk_attention.flex._request import validate_flex
+    from ejk_executor import CacheWarning
+    from ejk_kernels_gpu.flex import FlexConfig
+
+    q, k, v, mask = _config_call(35)
+    backend = _backends.BACKENDS["triton"].flex
+    request = validate_flex(q, k, v, _soft_cap, mask, softmax_scale=None, return_lse=False)
+    invocations = backend.invocations(request)
+    other = validate_flex(q, k, v, None, mask, softmax_scale=None, return_lse=False)
+    shifted = validate_flex(q, k, v, lambda s, b, h, i, j: s + 1.0, mask, softmax_scale=None,
+                            return_lse=False)  # fmt: skip
+    assert backend.invocations(shifted)["forward"].call_key == invocations["forward"].call_key
+    assert backend.invocations(other)["forward"].call_key != invocations["forward"].call_key
+    forward, backward = invocations["forward"], invocations["backward"]
+    space = backend.config_space(request)
+    assert space[0] == backend.heuristic_config(request) and len(space) > 1
+    assert all(16 % c.block_q == 0 and 16 % c.block_k == 0 for c in space)
+    tuned = space[-1]
+    open_cache().put(forward.call_key, tuned)
+    crafted = FlexConfig(block_q=256, block_k=256, num_stages=7)
+    open_cache().put(backward.call_key, crafted)
+    seen = _launched(monkeypatch)
+    with pytest.warns(CacheWarning, match=r"not in its search space for this call \(ejk_kernels_gpu\.flex_attention_bwd\)"):  # fmt: skip
+        _grad(q, k, v, mask, implementation="triton")
+    assert seen == {"forward": [tuned], "backward": [backend.backward_config(request)]}
+    assert backward.call_key not in open_cache().keys()
+
+
+def test_flex_kernels_tune_and_keep_mods_apart():
+    """The executor's flex kernels: autotuning times the space on the call's arrays; run
+    through an `Executor`, calls differing only in their mods share the call key but not
+    the compiled body."""
+    from ejk_executor import AutotunePolicy, ConfigSelectorChain, Executor
+    from ejk_kernels_gpu import flex
+
+    q, k, v = _qkv(t=20, s=20)
+    outs = []
+    executor = Executor(ConfigSelectorChain())
+    keys = set()
+    for score_mod in (_soft_cap, lambda s, b, h, i, j: s * 0.0):
+        plan, consts = flex.plan_mods(score_mod, None)
+        kw = dict(mods=flex.PlannedMods(plan), block_size=(32, 32), softmax_scale=0.25)
+        args = (q, k, v, list(consts), [], None, None)
+        keys.add(executor.invocation(flex.FlexAttentionForward(), *args, **kw).call_key)
+        outs.append(executor(flex.FlexAttentionForward(), *args, **kw)[0])
+    assert len(keys) == 1
+    assert not np.allclose(outs[0], outs[1])
+    inv = executor.invocation(flex.FlexAttentionBackward(), q, k, v, q, list(consts), [], None,
+                              None, **kw)  # fmt: skip
+    policy = AutotunePolicy(on_miss="autotune", num_warmup=0, num_iters=1, max_candidates=2)
+    best = executor.chooser.tune(inv, policy)
+    assert best in list(inv.kernel.config_space(inv))[:2]
+    assert executor.chooser.choose(inv).cfg == best

@@ -324,3 +324,48 @@ def test_custom_backward_with_integer_positional_arg():
     ids = jnp.array([0, 1, 2, 3], jnp.int32)
     g = jax.jit(jax.grad(lambda x: Executor()(Shift(), x, ids).sum()))(x)
     np.testing.assert_allclose(g, [0.0, 1.0, 2.0, 3.0])
+
+
+class _Scale:
+    """A static argument left out of the cache key on purpose (its stable key is constant),
+    as ejk's flex kernels leave out the translated mods; equality follows the value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __ejk_stable_key__(self):
+        return ["scale"]
+
+    def __eq__(self, other):
+        return isinstance(other, _Scale) and other.value == self.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+class _Scaled(Kernel):
+    name = "test.scaled"
+
+    def run(self, x, *, scale, cfg):
+        return x * scale.value
+
+    def heuristic_cfg(self, inv):
+        return 1
+
+    def compiled_apart(self, inv):
+        return inv.kwargs["scale"]
+
+
+@pytest.mark.parametrize("inside_jit", [False, True])
+def test_compiled_apart_keeps_bodies_apart_under_one_key(inside_jit):
+    """Calls differing only in a static argument the key leaves out share the config but
+    each runs its own body."""
+    executor = Executor()
+    x = jnp.ones(3)
+    call = lambda s: executor(_Scaled(), x, scale=_Scale(s))
+    if inside_jit:
+        call = lambda s, _call=call: jax.jit(lambda: _call(s))()
+    keys = {executor.invocation(_Scaled(), x, scale=_Scale(s)).call_key for s in (2.0, 3.0)}
+    assert len(keys) == 1
+    np.testing.assert_array_equal(call(2.0), 2.0 * x)
+    np.testing.assert_array_equal(call(3.0), 3.0 * x)

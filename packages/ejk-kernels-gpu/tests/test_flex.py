@@ -221,3 +221,25 @@ def test_value_dims_and_empty_keys():
         block_size=(16, 16), softmax_scale=1.0, return_lse=True,
     )  # fmt: skip
     assert not np.asarray(empty[0]).any() and np.isneginf(np.asarray(empty[1])).all()
+
+
+@pytest.mark.parametrize("block_size", [(16, 16), (32, 16), (128, 64), (256, 256)])
+@pytest.mark.parametrize(("head_dim", "itemsize"), [(16, 4), (128, 2), (256, 4)])
+def test_search_spaces_divide_the_blocks_and_fit(block_size, head_dim, itemsize):
+    """The autotuner's candidates: the heuristic first, every tile dividing the blocks it walks
+    (the backward's both sides), the pipelined streamed tiles within shared memory."""
+    from ejk_kernels_gpu.build._limits import SHARED_MEMORY_LIMIT, head_block
+    from ejk_kernels_gpu.flex import bwd_heuristic, fwd_heuristic
+    from ejk_kernels_gpu.flex._config import bwd_search_space, check_tiles, fwd_search_space
+
+    for space, heuristic, role in (
+        (fwd_search_space, fwd_heuristic, "forward"),
+        (bwd_search_space, bwd_heuristic, "backward"),
+    ):
+        configs = space(block_size, head_dim, itemsize)
+        assert configs[0] == heuristic(block_size, head_dim, itemsize)
+        assert len(set(configs)) == len(configs) > 1
+        for cfg in configs[1:]:
+            check_tiles(cfg, block_size, role)
+            width = 2 * head_block(head_dim) * itemsize
+            assert cfg.num_stages * cfg.block_k * width <= SHARED_MEMORY_LIMIT

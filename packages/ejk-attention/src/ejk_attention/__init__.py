@@ -8,6 +8,7 @@ from ._backends import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ._blocksparse import blocksparse_attention as blocksparse_attention
 from ._dpa import dot_product_attention as dot_product_attention
 from ._flash import flash_attention as flash_attention
+from ._flex import flex_attention as flex_attention
 from ._kv_cache import PagedKVCache as PagedKVCache
 from ._paged import paged_attention as paged_attention
 from ._paged import ragged_paged_attention as ragged_paged_attention
@@ -17,7 +18,6 @@ from .flex import and_masks as and_masks
 from .flex import causal_mask as causal_mask
 from .flex import create_block_mask as create_block_mask
 from .flex import document_mask as document_mask
-from .flex import flex_attention as flex_attention
 from .flex import or_masks as or_masks
 from .flex import prefix_lm_mask as prefix_lm_mask
 from .flex import sliding_window_mask as sliding_window_mask

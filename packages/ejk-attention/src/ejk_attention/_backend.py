@@ -35,9 +35,11 @@ from ._tuned import open_cache
 __all__ = [
     "TRITON_MISSING",
     "Backend",
+    "Refusing",
     "installed",
     "is_gpu",
     "kernel_executor",
+    "one_config",
     "platform_of",
     "triton_missing",
 ]
@@ -77,6 +79,21 @@ def is_gpu(platform: str) -> bool:
     return platform in ("gpu", "cuda", "rocm")
 
 
+def one_config(config: Any, bwd_config: Any) -> Any:
+    """The one config of a kernel whose config holds the forward and backward block sizes
+    (the Pallas kernels): ``config`` or ``bwd_config``.
+
+    Raises:
+        ValueError: both given, and different.
+    """
+    if bwd_config is not None and config is not None and bwd_config != config:
+        raise ValueError(
+            "the Pallas kernel's config holds the forward and backward block sizes: "
+            f"pass one config, got config={config!r} and bwd_config={bwd_config!r}"
+        )
+    return config or bwd_config
+
+
 @functools.cache
 def kernel_executor() -> Any:
     """The executor that picks kernel configs: explicit, memory, then the persistent cache
@@ -90,7 +107,8 @@ class Backend:
     A facade backend (`_backends.BACKENDS`) is one object for every entry point: this
     object's parts serve `flash_attention` (dense), and its attributes hold the others,
     None where it has none (``absent`` says why): ``paged`` (a backend taking a
-    `PagedAttentionRequest`), ``context_steps`` (how context-parallel steps run on it:
+    `PagedAttentionRequest`), ``flex`` (a backend taking a `flex.FlexRequest`: `flex_attention`),
+    ``context_steps`` (how context-parallel steps run on it:
     ``"kernels"`` or ``"einsums"``), `block_sparse` (a backend for an `ejk_kernels_tpu`
     mask), ``dot_product`` (how `dot_product_attention` runs on it: ``"jax.nn"`` itself, or
     ``"flash"``, flash attention then jax.nn's emptied rows) and ``config_types``.
@@ -98,6 +116,7 @@ class Backend:
 
     name: str = ""
     paged: Backend | None = None
+    flex: Backend | None = None
     context_steps: str | None = None
     dot_product: str | None = None
     config_types: tuple[type, ...] = ()
@@ -177,3 +196,17 @@ class Backend:
             if not any(dropped):
                 raise
         return self.run(request, *self.choose_configs(request, config, bwd_config))
+
+
+class Refusing(Backend):
+    """A backend name an entry point knows where that backend has no part for it (``absent``
+    says why): it refuses every call with that reason, so ``implementation=`` naming it
+    says why rather than that the name is unknown."""
+
+    def __init__(self, name: str, reason: str):
+        self.name = name
+        self.reason = reason
+
+    def supported(self, request: Any, platform: str) -> str | None:
+        del request, platform
+        return self.reason

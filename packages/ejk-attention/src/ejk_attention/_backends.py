@@ -2,12 +2,13 @@
 
 `BACKENDS` holds one object per backend (``xla``, ``triton``, ``pallas``, ``cudnn``; the parts
 every backend has are in `_backend`): its dense entry point (`flash_attention`: this object's
-``supported``, ``invocations``, ``run``), its paged one (``paged``: `_paged_backends`), how
+``supported``, ``invocations``, ``run``), its paged one (``paged``: `_paged_backends`), its
+flex one (``flex``: `flex._xla`, `flex._triton`, `flex._pallas`), how
 context-parallel steps run on it (``context_steps``, `context_reason`), its block-sparse one
 (`block_sparse`), how `dot_product_attention` runs on it (``dot_product``) and its config
 types; where it has none of them, ``absent`` says why. `flash_attention`,
-`dot_product_attention`, `paged_attention`, `blocksparse_attention` and the context-parallel
-calls all look their backend up here. `run_first` tries backends in order.
+`dot_product_attention`, `paged_attention`, `flex_attention`, `blocksparse_attention` and the
+context-parallel calls all look their backend up here. `run_first` tries backends in order.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import ejk_kernels_gpu
 import ejk_kernels_tpu
 from ejk_executor import Invocation
+from ejk_kernels_gpu.flex import FlexConfig
 from ejk_sequtils import (
     AttentionRequest,
     PagedAttentionRequest,
@@ -32,20 +34,27 @@ from ejk_sequtils import (
 
 from ._backend import (
     Backend,
+    Refusing,
     installed,
     is_gpu,
     kernel_executor,
+    one_config,
     platform_of,
     triton_missing,
 )
 from ._paged_backends import PagedPallasBackend, PagedTritonBackend, PagedXlaBackend
 from ._xla import xla_attention
+from .flex._pallas import PallasFlexBackend
+from .flex._triton import TritonFlexBackend
+from .flex._xla import XlaFlexBackend
 
 __all__ = [
     "BACKENDS",
     "IMPLEMENTATIONS",
     "Backend",
     "default_order",
+    "flex_backends",
+    "flex_order",
     "installed",
     "kernel_executor",
     "paged_backends",
@@ -63,6 +72,7 @@ class XlaBackend(Backend):
 
     name = "xla"
     paged = PagedXlaBackend()
+    flex = XlaFlexBackend()
     context_steps = "einsums"
     dot_product = "jax.nn"
 
@@ -112,6 +122,7 @@ class CudnnBackend(Backend):
     dot_product = "jax.nn"
     absent = MappingProxyType({
         "paged": "cuDNN serves no paged KV cache here",
+        "flex": "cuDNN (through jax.nn) takes no mask_mod or score_mod",
         "context_steps": "context parallelism runs its steps on triton or xla",
         "block_sparse": "cuDNN takes no block-sparse mask",
     })  # fmt: skip
@@ -159,14 +170,16 @@ class CudnnBackend(Backend):
 
 class TritonBackend(Backend):
     """``ejk_kernels_gpu`` (on CPU its kernels run in Triton's interpreter): the flash
-    kernels, the split-KV paged kernel, the context-parallel block kernels
-    (`ejk_kernels_gpu.context`); `dot_product_attention` through flash attention."""
+    kernels, the split-KV paged kernel, the flex kernels with the mods translated in
+    (`flex._triton`), the context-parallel block kernels (`ejk_kernels_gpu.context`);
+    `dot_product_attention` through flash attention."""
 
     name = "triton"
     paged = PagedTritonBackend()
+    flex = TritonFlexBackend()
     context_steps = "kernels"
     dot_product = "flash"
-    config_types = (ejk_kernels_gpu.FlashConfig, ejk_kernels_gpu.PagedConfig)
+    config_types = (ejk_kernels_gpu.FlashConfig, ejk_kernels_gpu.PagedConfig, FlexConfig)
     absent = MappingProxyType({"block_sparse": "the Triton kernels take no block-sparse mask"})
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
@@ -216,6 +229,7 @@ class PallasBackend(Backend):
 
     name = "pallas"
     paged = PagedPallasBackend()
+    flex = PallasFlexBackend()
     dot_product = "flash"
     config_types = (ejk_kernels_tpu.BlockSparseConfig, ejk_kernels_tpu.RaggedPagedConfig)
     absent = MappingProxyType(
@@ -281,12 +295,7 @@ class PallasBackend(Backend):
     def choose_configs(
         self, request: AttentionRequest, config: Any = None, bwd_config: Any = None
     ) -> tuple[Any, Any]:
-        if bwd_config is not None and config is not None and bwd_config != config:
-            raise ValueError(
-                "the Pallas kernel's config holds the forward and backward block sizes: "
-                f"pass one config, got config={config!r} and bwd_config={bwd_config!r}"
-            )
-        chosen = super().choose_configs(request, config or bwd_config)
+        chosen = super().choose_configs(request, one_config(config, bwd_config))
         return chosen[0], chosen[0]
 
     def run(self, request: AttentionRequest, config: Any, bwd_config: Any) -> Any:
@@ -309,6 +318,21 @@ def paged_backends() -> dict[str, Backend]:
     """The paged parts of the backends that have one, by name (read when called: a test or
     a user replacing one is seen)."""
     return {name: b.paged for name, b in BACKENDS.items() if b.paged is not None}
+
+
+def flex_backends() -> dict[str, Backend]:
+    """The flex part of every backend, by name; a backend without one refuses each call with
+    its ``absent`` reason (read when called: a test or a user replacing one is seen)."""
+    return {
+        name: b.flex if b.flex is not None else Refusing(name, b.absent["flex"])
+        for name, b in BACKENDS.items()
+    }
+
+
+def flex_order(platform: str) -> tuple[str, ...]:
+    """What `flex_attention`'s ``implementation=None`` tries on ``platform``: `default_order`'s
+    backends that have a flex part."""
+    return tuple(n for n in default_order(platform) if BACKENDS[n].flex is not None)
 
 
 def default_order(platform: str) -> tuple[str, ...]:

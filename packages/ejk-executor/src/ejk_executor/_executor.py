@@ -107,7 +107,7 @@ class Executor:
     def _body(self, inv: Invocation[Any, Any], cfg: Any) -> Any:
         kernel = inv.kernel
         token = config_label(kernel.name, kernel.version, cfg)
-        memo_key = (inv.call_key, token)
+        memo_key = (inv.call_key, token, kernel.compiled_apart(inv))
         fn = self._bodies.get(memo_key)
         if fn is not None:
             return fn

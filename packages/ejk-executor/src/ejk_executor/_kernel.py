@@ -104,6 +104,17 @@ class Kernel(Generic[Cfg, Out]):
             return None
         return f"{cfg!r} is not in its search space for this call ({self.name})"
 
+    def compiled_apart(self, inv: Invocation[Cfg, Out]) -> Any:
+        """What, beside the call key and the config, keeps the executor's compiled bodies of
+        two calls apart (hashable; default None).
+
+        A kernel may leave a static argument out of its cache key (its stable key omits it)
+        because configs tuned for one value serve another; the body still computes with it,
+        so two calls differing there must not share a body: return it here.
+        """
+        del inv
+        return None
+
     # The methods below are used by the executor; subclasses rarely override them.
 
     def method(self, base: str, platform: str) -> Callable[..., Any] | None:

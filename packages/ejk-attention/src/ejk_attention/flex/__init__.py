@@ -1,12 +1,12 @@
 """FlexAttention for JAX: attention with a user's ``score_mod`` and a block-sparse ``mask_mod``.
 
-``flex_attention(q, k, v, score_mod, block_mask)`` has PyTorch FlexAttention's meaning in
-ejk's ``[B, T, N, H]`` layout; `create_block_mask` summarises a mask_mod per block (empty,
-partial, full) for the kernels; the common mask_mods and `and_masks`/`or_masks` build masks.
+``ejk_attention.flex_attention(q, k, v, score_mod, block_mask)`` (in `_flex`, beside the
+other entry points: it dispatches through `_backends`, which holds this package's backends
+as the ``flex`` parts) has PyTorch FlexAttention's meaning in ejk's ``[B, T, N, H]`` layout;
+`create_block_mask` summarises a mask_mod per block (empty, partial, full) for the kernels;
+the common mask_mods and `and_masks`/`or_masks` build masks.
 """
 
-from ._api import flex_attention as flex_attention
-from ._backends import FLEX_IMPLEMENTATIONS as FLEX_IMPLEMENTATIONS
 from ._block_mask import BlockIndices as BlockIndices
 from ._block_mask import BlockMask as BlockMask
 from ._block_mask import create_block_mask as create_block_mask
@@ -18,14 +18,12 @@ from ._mods import prefix_lm_mask as prefix_lm_mask
 from ._mods import sliding_window_mask as sliding_window_mask
 
 __all__ = [
-    "FLEX_IMPLEMENTATIONS",
     "BlockIndices",
     "BlockMask",
     "and_masks",
     "causal_mask",
     "create_block_mask",
     "document_mask",
-    "flex_attention",
     "or_masks",
     "prefix_lm_mask",
     "sliding_window_mask",

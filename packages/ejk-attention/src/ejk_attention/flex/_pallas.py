@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._backends import Backend
+from .._backend import Backend, one_config
 from ._request import FlexRequest
 
 __all__ = ["PallasFlexBackend"]
@@ -41,7 +41,7 @@ class PallasFlexBackend(Backend):
         return ejk_kernels_tpu.unsupported_mask_mod_reason(request, request.mask_mod)
 
     def run(self, request: FlexRequest, config: Any, bwd_config: Any) -> Any:
-        del bwd_config  # the kernel's config holds the forward and backward blocks
+        config = one_config(config, bwd_config)  # it holds the forward and backward blocks
         from ejk_kernels_tpu import mask_mod_attention
 
         block_mask = request.block_mask

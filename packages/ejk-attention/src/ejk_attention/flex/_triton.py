@@ -4,7 +4,9 @@ The score_mod and the `BlockMask`'s mask_mod are translated into Triton function
 captured arrays become kernel arguments), and the mask's block lists (`BlockMask.kv_blocks`
 for the forward and dq, `BlockMask.q_blocks` for dk/dv) tell the kernels which blocks to
 visit: empty ones never, full ones without the mask_mod. On a GPU they compile; elsewhere
-they run in Triton's interpreter.
+they run in Triton's interpreter. The forward and backward `FlexConfig`s are the given ones,
+else the executor's (`invocations`: the same chain as the dense kernels', so ``ejk tune``'s
+persistent cache and autotuning serve them).
 
 Refused, with the reason (the facade then moves on): Triton not installed; a mod using a
 primitive, or a captured array's dtype, the translation lacks (named in the reason); block
@@ -16,7 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._backends import Backend, triton_missing
+import jax
+import jax.numpy as jnp
+
+from ejk_executor import Invocation
+
+from .._backend import Backend, triton_missing
 from ._request import FlexRequest
 
 __all__ = ["TritonFlexBackend"]
@@ -50,14 +57,35 @@ class TritonFlexBackend(Backend):
         block = _block_size(request)
         return unsupported_flex_reason(q, k, v, request.score_mod, request.mask_mod, block)
 
+    def invocations(self, request: FlexRequest) -> dict[str, Any]:
+        """The executor's flex kernels (`ejk_kernels_gpu.flex.FlexAttentionForward`,
+        ``...Backward``) on this call: q, k, v, the mods' captures and the block lists as
+        arrays, the translated mods static and out of the cache key (a config tuned on
+        these shapes serves any mods); the backward's ``d_out`` is the output's shape."""
+        from ejk_kernels_gpu import flex
+
+        plan, consts = flex.plan_mods(request.score_mod, request.mask_mod)
+        n_score = plan.score_captures
+        kv_blocks, q_blocks = _block_lists(request)
+        arrays = (list(consts[:n_score]), list(consts[n_score:]), kv_blocks, q_blocks)
+        kw = dict(
+            mods=flex.PlannedMods(plan),
+            block_size=_block_size(request),
+            softmax_scale=float(request.softmax_scale),
+        )
+        q, k, v = request.q, request.k, request.v
+        d_out = jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), jnp.dtype(q.dtype))
+        return {
+            "forward": Invocation.make(flex.FlexAttentionForward(), (q, k, v, *arrays), kw),
+            "backward": Invocation.make(
+                flex.FlexAttentionBackward(), (q, k, v, d_out, *arrays), kw
+            ),
+        }
+
     def run(self, request: FlexRequest, config: Any, bwd_config: Any) -> Any:
-        del bwd_config  # one config serves the forward and backward launches
         from ejk_kernels_gpu.flex import flex_attention
 
-        block_mask = request.block_mask
-        kv_blocks = q_blocks = None
-        if block_mask is not None:
-            kv_blocks, q_blocks = tuple(block_mask.kv_blocks()), tuple(block_mask.q_blocks())
+        kv_blocks, q_blocks = _block_lists(request)
         return flex_attention(
             request.q,
             request.k,
@@ -70,4 +98,15 @@ class TritonFlexBackend(Backend):
             softmax_scale=request.softmax_scale,
             return_lse=request.return_lse,
             config=config,
+            bwd_config=bwd_config,
         )
+
+
+def _block_lists(request: FlexRequest) -> tuple[Any, Any]:
+    """``(kv_blocks, q_blocks)``: the block mask's lists as int32 jax arrays (a NumPy array
+    would get random stand-ins when tuning), or None without a mask (every block full)."""
+    if request.block_mask is None:
+        return None, None
+    kv_blocks, q_blocks = request.block_mask.kv_blocks(), request.block_mask.q_blocks()
+    as_arrays = lambda lists: tuple(jnp.asarray(x, jnp.int32) for x in lists)
+    return as_arrays(kv_blocks), as_arrays(q_blocks)

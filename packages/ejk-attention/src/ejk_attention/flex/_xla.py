@@ -22,16 +22,27 @@ import jax.numpy as jnp
 from jax import Array
 from jaxtyping import Float, Int
 
+from .._backend import Backend
 from ._evaluate import mask_grid, score_grid
 from ._request import FlexRequest
 
-__all__ = ["xla_flex_attention"]
+__all__ = ["XlaFlexBackend", "xla_flex_attention"]
 
 _F32 = jnp.float32
 # The reference's matmul precision (float32 on GPUs and TPUs too, not TF32 / bf16 passes).
 _PRECISION = jax.lax.Precision.HIGHEST
 # Scores per query chunk (64 MiB of float32): bounds the memory of one step.
 MAX_SCORES = 1 << 24
+
+
+class XlaFlexBackend(Backend):
+    """The definition in chunked jnp (`xla_flex_attention`): every mod, every platform."""
+
+    name = "xla"
+
+    def run(self, request: FlexRequest, config: Any, bwd_config: Any) -> Any:
+        del config, bwd_config  # no performance knobs
+        return xla_flex_attention(request)
 
 
 def xla_flex_attention(request: FlexRequest, *, max_scores: int = MAX_SCORES) -> Any:

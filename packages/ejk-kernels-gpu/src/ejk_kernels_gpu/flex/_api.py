@@ -18,10 +18,16 @@ from jaxtyping import Float
 from ..build._triton import gpu_available
 from ._config import FlexConfig, bwd_heuristic, check_tiles, fwd_heuristic
 from ._launch import FlexCall, Tables
-from ._plan import Unsupported, plan_mods
+from ._plan import ModPlan, Unsupported, plan_mods
 from ._vjp import flex_vjp
 
-__all__ = ["default_block_size", "flex_attention", "full_tables", "unsupported_flex_reason"]
+__all__ = [
+    "default_block_size",
+    "flex_attention",
+    "full_tables",
+    "planned_flex_attention",
+    "unsupported_flex_reason",
+]
 
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _MAX_HEAD_DIM = 256
@@ -136,23 +142,63 @@ def flex_attention(
 
     Raises:
         NotImplementedError: `unsupported_flex_reason` (a mod's primitive named).
-        TypeError: a config that is not a `FlexConfig`.
-        ValueError: a config whose tiles do not divide the blocks (`check_tiles`).
+        TypeError: a config that is not a `FlexConfig` (``config``/``bwd_config`` named).
+        ValueError: a config whose tiles do not divide the blocks (`check_tiles`, naming it).
     """
     reason = unsupported_flex_reason(q, k, v, score_mod, mask_mod, block_size)
     if reason is not None:
         raise NotImplementedError(reason)
+    plan, consts = plan_mods(score_mod, mask_mod)
+    n_score = plan.score_captures
+    return planned_flex_attention(
+        q, k, v, list(consts[:n_score]), list(consts[n_score:]), kv_blocks, q_blocks,
+        plan=plan, block_size=block_size, softmax_scale=softmax_scale,
+        return_lse=return_lse, config=config, bwd_config=bwd_config,
+    )  # fmt: skip
+
+
+def planned_flex_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K Hv"],
+    score_caps: list[Any],
+    mask_caps: list[Any],
+    kv_blocks: Tables | None,
+    q_blocks: Tables | None,
+    *,
+    plan: ModPlan,
+    config: FlexConfig | None,
+    bwd_config: FlexConfig | None,
+    block_size: tuple[int, int],
+    softmax_scale: float,
+    return_lse: bool,
+) -> Any:
+    """`flex_attention` with the mods translated already: ``plan`` and the arrays they capture
+    (``score_caps``, then ``mask_caps``, as `plan_mods` returns them), so the executor's
+    kernels (`flex._executor`) take the captures as arrays (stand-ins when tuning inside
+    ``jit``) and the plan as a static argument. The call is supported (checked by the
+    caller); the configs are checked here.
+
+    Raises:
+        TypeError: a config that is not a `FlexConfig`.
+        ValueError: a config whose tiles do not divide the blocks (`check_tiles`).
+    """
     for name, cfg in (("config", config), ("bwd_config", bwd_config)):
         if cfg is not None and not isinstance(cfg, FlexConfig):
             raise TypeError(f"{name} must be a FlexConfig or None, got {cfg!r}")
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     batch, q_len, heads, _ = q.shape
     kv_len = k.shape[1]
+    head_dim = max(q.shape[3], v.shape[3])
+    itemsize = q.dtype.itemsize
+    fwd = config or fwd_heuristic(block_size, head_dim, itemsize)
+    bwd = bwd_config or bwd_heuristic(block_size, head_dim, itemsize)
+    check_tiles(fwd, block_size, "forward")
+    check_tiles(bwd, block_size, "backward")
     if batch * q_len * kv_len == 0:
         out = jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype)
         lse = jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
         return (out, lse) if return_lse else out
-    plan, consts = plan_mods(score_mod, mask_mod)
     q_block, kv_block = block_size
     rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
     if kv_blocks is None or q_blocks is None:
@@ -165,14 +211,6 @@ def flex_attention(
             f"kv_blocks and q_blocks must list {rows} query blocks and {cols} key blocks of "
             f"{block_size}, got {kv_blocks[0].shape} and {q_blocks[0].shape}"
         )
-    head_dim = max(q.shape[3], v.shape[3])
-    itemsize = q.dtype.itemsize
-    fwd = config or fwd_heuristic(block_size, head_dim, itemsize)
-    bwd = bwd_config or bwd_heuristic(block_size, head_dim, itemsize)
-    check_tiles(fwd, block_size, "forward")
-    check_tiles(bwd, block_size, "backward")
     call = FlexCall(plan, float(softmax_scale), (q_block, kv_block), mask_heads, fwd, bwd)
-    n_score = plan.score_captures
-    score_caps, mask_caps = list(consts[:n_score]), list(consts[n_score:])
     out, lse = flex_vjp(call, q, k, v, score_caps, mask_caps, kv_blocks, q_blocks)
     return (out, lse) if return_lse else out

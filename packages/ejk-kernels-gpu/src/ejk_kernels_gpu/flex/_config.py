@@ -7,9 +7,20 @@ backward kernels whose registers hold 64-row tiles.
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 
-__all__ = ["FlexConfig", "bwd_heuristic", "check_tiles", "fwd_heuristic"]
+from ..build._limits import SHARED_MEMORY_LIMIT, head_block
+
+__all__ = [
+    "FlexConfig",
+    "bwd_heuristic",
+    "bwd_search_space",
+    "check_tiles",
+    "fwd_heuristic",
+    "fwd_search_space",
+]
 
 
 def _power_of_two(value: object, low: int, high: int) -> bool:
@@ -96,9 +107,53 @@ def check_tiles(config: FlexConfig, block_size: tuple[int, int], role: str) -> N
     pairs = [("block_q", config.block_q, q_block), ("block_k", config.block_k, kv_block)]
     if role == "backward":  # the dk/dv kernel: resident keys, streamed queries
         pairs += [("block_q", config.block_q, kv_block), ("block_k", config.block_k, q_block)]
+    argument = "config" if role == "forward" else "bwd_config"
     for name, tile, block in pairs:
         if block % tile:
             raise ValueError(
-                f"the {role} FlexConfig's {name}={tile} must divide the block mask's blocks "
-                f"{block_size} (the kernels walk each listed block a tile at a time)"
+                f"{argument}: the {role} FlexConfig's {name}={tile} must divide the block "
+                f"mask's blocks {block_size} (the kernels walk each listed block a tile at a "
+                f"time), got {argument}={config!r}"
             )
+
+
+# The tiles, warps and stages the autotuner times (``ejk tune``), where they divide the blocks
+# and their pipelined tiles fit shared memory.
+_SPACE_TILES = (16, 32, 64, 128)
+_SPACE_WARPS = (4, 8)
+_SPACE_STAGES = (1, 2, 3)
+
+
+def _space(heuristic: FlexConfig, sides: tuple[int, int], head_dim: int,
+           itemsize: int) -> list[FlexConfig]:  # fmt: skip
+    """The heuristic's config first, then every `_SPACE_TILES` pair whose tiles divide
+    ``sides`` (the blocks they walk) and whose streamed tiles, ``num_stages`` deep and
+    ``head_dim`` wide for both operands (k and v; q and dO in the dk/dv kernel), fit
+    `SHARED_MEMORY_LIMIT` (an estimate that keeps the candidates that can build; one that
+    does not is skipped by the autotuner)."""
+    width = 2 * head_block(head_dim) * itemsize
+    out = [heuristic]
+    grid = itertools.product(_SPACE_TILES, _SPACE_TILES, _SPACE_WARPS, _SPACE_STAGES)
+    for block_q, block_k, warps, stages in grid:
+        if (
+            sides[0] % block_q
+            or sides[1] % block_k
+            or stages * block_k * width > SHARED_MEMORY_LIMIT
+        ):
+            continue
+        cfg = FlexConfig(block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+        if cfg != heuristic:
+            out.append(cfg)
+    return out
+
+
+def fwd_search_space(block_size: tuple[int, int], head_dim: int, itemsize: int = 2) -> list[FlexConfig]:  # fmt: skip
+    """The forward's candidates: `fwd_heuristic`, then tiles dividing the blocks (`_space`)."""
+    return _space(fwd_heuristic(block_size, head_dim, itemsize), block_size, head_dim, itemsize)
+
+
+def bwd_search_space(block_size: tuple[int, int], head_dim: int, itemsize: int = 2) -> list[FlexConfig]:  # fmt: skip
+    """The backward's candidates: `bwd_heuristic`, then tiles dividing both block sides (the
+    dq and dk/dv kernels swap them; `_space`)."""
+    side = min(block_size)
+    return _space(bwd_heuristic(block_size, head_dim, itemsize), (side, side), head_dim, itemsize)

@@ -1,4 +1,7 @@
-"""`flex_attention`: attention with a user's score_mod and a `BlockMask`, PyTorch FlexAttention's meaning."""
+"""`flex_attention`: attention with a user's score_mod and a `BlockMask`, PyTorch FlexAttention's
+meaning, validated once (`flex._request`) and run on the flex part of the first backend
+(`_backends.BACKENDS[name].flex`) that serves it. Here, not in `flex`, because `_backends`
+imports the flex backends."""
 
 from __future__ import annotations
 
@@ -9,11 +12,22 @@ import numpy as np
 from jax import Array
 from jaxtyping import Float
 
-from ._backends import run_flex
-from ._block_mask import BlockMask
-from ._request import validate_flex
+from ._backends import (
+    IMPLEMENTATIONS,
+    flex_backends,
+    flex_order,
+    platform_of,
+    resolve_implementation,
+    run_first,
+)
+from .flex._block_mask import BlockMask
+from .flex._request import FlexRequest, validate_flex
 
-__all__ = ["flex_attention"]
+__all__ = ["FLEX_IMPLEMENTATIONS", "flex_attention", "run_flex"]
+
+# The names ``implementation=`` takes: every backend's (one without a flex part refuses
+# with its ``absent`` reason).
+FLEX_IMPLEMENTATIONS: tuple[str, ...] = IMPLEMENTATIONS
 
 AnyArray = Array | np.ndarray
 
@@ -29,6 +43,7 @@ def flex_attention(
     return_lse: bool = False,
     implementation: str | Sequence[str] | None = None,
     config: Any = None,
+    bwd_config: Any = None,
 ) -> Float[Array, "B T N Hv"] | tuple[Float[Array, "B T N Hv"], Float[Array, "B N T"]]:
     """Multi-head attention with a user's score modification and mask (FlexAttention).
 
@@ -59,16 +74,36 @@ def flex_attention(
             mask_mods only, ``Hv == H``), or a sequence of names tried in order.
         config: a kernel config for backends that take one (``triton``: an
             ``ejk_kernels_gpu.flex.FlexConfig``, the forward's tiles and warps; ``pallas``: an
-            ``ejk_kernels_tpu.BlockSparseConfig``; ``xla`` has none).
+            ``ejk_kernels_tpu.BlockSparseConfig``, forward and backward blocks in one; ``xla``
+            has none); default: the executor's choice (a config ``ejk tune`` or autotuning
+            stored for these shapes, else the kernel's heuristic).
+        bwd_config: the backward kernels' config, chosen the same way (``triton``: a
+            ``FlexConfig`` whose tiles divide both block sides; ``pallas``: pass ``config``
+            alone).
 
     Returns:
         ``out [B, T, N, Hv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
-        ValueError, TypeError: a bad argument or mod (the message names it).
+        ValueError, TypeError: a bad argument or mod (the message names it), or a config
+            the kernel cannot take (``config``/``bwd_config`` named).
         NotImplementedError: no requested implementation can serve the call (each reason given).
     """
     request = validate_flex(
         q, k, v, score_mod, block_mask, softmax_scale=softmax_scale, return_lse=return_lse
     )
-    return run_flex(request, implementation, config)
+    return run_flex(request, implementation, config, bwd_config)
+
+
+def run_flex(request: FlexRequest, implementation: Any, config: Any, bwd_config: Any) -> Any:
+    """``request`` on the flex part (`_backends.flex_backends`) of the first backend of
+    ``implementation`` (None: `_backends.flex_order`) that serves it.
+
+    Raises:
+        ValueError, TypeError: an unknown or malformed ``implementation``.
+        NotImplementedError: none of the named backends can serve the call (each reason given).
+    """
+    names = resolve_implementation(implementation, FLEX_IMPLEMENTATIONS)
+    if names is None:
+        names = flex_order(platform_of(request))
+    return run_first(request, names, config, bwd_config, backends=flex_backends())[1]

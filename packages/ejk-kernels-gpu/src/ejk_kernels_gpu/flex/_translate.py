@@ -308,6 +308,17 @@ def _primitive(w: _Writer, eqn: Any, ins: list[Any]) -> list[Any]:
         return [w.new(f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({_tl(dtype)})", dtype)]
     if name == "square":
         return [w.new(f"({args[0]} * {args[0]})", dtype)]
+    if name == "one_minus_square":  # tanh's slope in jax >= 0.12
+        return [w.new(f"(1.0 - {args[0]} * {args[0]})", dtype)]
+    if name == "polynomial":  # coefficients in ascending powers (jax >= 0.12's erf slope)
+        value = args[-1]
+        for coefficient in reversed(args[1:-1]):
+            value = f"({value} * {args[0]} + {coefficient})"
+        return [w.new(value, dtype)]
+    if name == "bitcast_convert_type":
+        if {_dtype(eqn.invars[0].aval).itemsize, dtype.itemsize} != {4}:
+            raise w.refuse("primitive 'bitcast_convert_type' between types of other sizes")
+        return [w.new(f"{args[0]}.to({_tl(dtype)}, bitcast=True)", dtype)]
     if name == "integer_pow":
         return [w.new(_integer_pow(args[0], int(params["y"])), dtype)]
     if name == "select_n":

@@ -157,8 +157,8 @@ def paged_heuristic(
     tile = tile_shape(cfg, group, max_q_len)
     if kv_itemsize == 1 and tile.rows <= 16 and head_block(head_dim) == 128:
         # Decoding from FP8 pages: twice the keys a step keep a 16-bit block's bytes in
-        # flight (bandwidth-bound). Prefill tiles, and head_dim 64, stay: 128 keys spill
-        # there (`aot.paged`); head_dim 256 holds 64 keys in 32-key blocks' registers.
+        # flight (bandwidth-bound). Prefill tiles and head_dim 64 stay: 128 keys spill
+        # there (`aot.paged`); head_dim 256 keeps its 32-key blocks (longer ones not built).
         cfg = msgspec.structs.replace(cfg, block_kv=2 * cfg.block_kv)
     tiles = -(-q_len // tile.tokens) + batch if ragged else batch * -(-q_len // tile.tokens)
     splits = _splits(tiles * kv_heads, capacity, cfg.block_kv)

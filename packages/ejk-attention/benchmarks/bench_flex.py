@@ -5,7 +5,8 @@ mask lets through, 4·H FLOPs a pair and head forward, 3.5x that forward+backwar
 
 - ``documents``: B1 T16384 N16 H128, 16 causal documents: ``flex_attention`` with
   ``and_masks(causal_mask, document_mask(ids))`` against ``flash_attention(causal=True,
-  segment_ids=ids)``;
+  segment_ids=ids)`` and fa4-jax's ``document_mask`` mask_mod (where fa4-jax imports;
+  ../shared/gpu/README.md);
 - ``window``: B4 T4096 N32 K8 H128, ``sliding_window_mask((1024, 0))`` and causal as a
   mask_mod against ``flash_attention(causal=True, sliding_window=(1024, 0))``;
 - ``alibi`` / ``relative``: B4 T4096 N32 K8 H128 causal, ALiBi over captured slopes and a
@@ -45,6 +46,7 @@ import numpy as np
 _KERNEL_BENCHMARKS = Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"
 sys.path.insert(0, str(_KERNEL_BENCHMARKS))
 
+import _fa4  # noqa: E402
 from _inputs import attention_inputs  # noqa: E402
 from _timing import contender, time_rounds  # noqa: E402
 
@@ -62,10 +64,13 @@ BF16_TOL = 2e-2  # as gpu_conformance.py: bf16 operands against a float32 refere
 # (name, contender, reference, timing, bound): issue 62's targets, each row named by (row,
 # label); met where the reference's time over the contender's is at least the bound.
 _DOCS = (("documents", "flex"), ("documents", "segment_ids"))
+_DOCS_FA4 = (("documents", "flex"), ("documents", "fa4-jax mask_mod"))
 _WINDOW = (("window", "flex"), ("window", "sliding_window"))
 TARGETS = [
     ("documents as a mask_mod vs segment ids", *_DOCS, "fwd", 0.9),
     ("documents as a mask_mod vs segment ids", *_DOCS, "fwdbwd", 0.9),
+    ("documents as a mask_mod vs fa4-jax's mask_mod", *_DOCS_FA4, "fwd", 1.0),
+    ("documents as a mask_mod vs fa4-jax's mask_mod", *_DOCS_FA4, "fwdbwd", 1.0),
     ("window as a mask_mod vs the built-in", *_WINDOW, "fwd", 0.9),
     ("window as a mask_mod vs the built-in", *_WINDOW, "fwdbwd", 0.9),
     ("ALiBi score_mod vs none", ("alibi", "score_mod"), ("alibi", "none"), "fwdbwd", 0.85),
@@ -119,7 +124,19 @@ def documents(docs=16, t=16384, n=16, h=128, block=128):
     return flops, [
         ({**row, "as": "flex"}, _flex(), (q, k, v, d_out), (mask,)),
         ({**row, "as": "segment_ids"}, builtin, (q, k, v, d_out), (ids,)),
+        _fa4_documents({**row, "as": "fa4-jax mask_mod"}, (q, k, v, d_out), ids),
     ]
+
+
+def _fa4_documents(row: dict, args: tuple, ids) -> tuple:
+    """fa4-jax on the documents row: causal and its own ``document_mask(ids)`` mask_mod,
+    evaluated on every visited tile (it skips no block the mask empties)."""
+    fa4, why = _fa4.load()
+    row = {**row, "impl": "fa4-jax"}
+    if fa4 is None:
+        return {**row, "skipped": why}, None, args
+    fn = lambda q, k, v, ids: fa4.flash_attn(q, k, v, causal=True, mask_mod=fa4.document_mask(ids))
+    return row, fn, args, (ids,)
 
 
 def window(shape=(4, 4096, 32, 8, 128), left=1024, block=128):

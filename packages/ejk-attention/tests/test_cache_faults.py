@@ -354,3 +354,23 @@ def test_bench_never_leaves_a_partial_plot_or_one_of_another_run(
     )
     assert json.loads((out / "bench.json").read_text())["results"]
     assert sorted(p.name for p in out.iterdir()) == ["bench.json"]  # no partial or stale plot
+
+
+def test_every_backend_config_is_read_back_from_disk(tmp_path):
+    """What autotuning stores, a later process reads: every backend's config types are in
+    `cache_types` (a FlexConfig or RaggedPagedConfig missing there was written to disk by
+    autotuning and read back as no entry), and each round-trips through the file."""
+    from ejk_attention._tuned import cache_types
+    from ejk_kernels_gpu.flex import FlexConfig
+    from ejk_kernels_tpu import RaggedPagedConfig
+
+    declared = {t for backend in BACKENDS.values() for t in backend.config_types}
+    assert declared <= set(cache_types()), declared - set(cache_types())
+    stored = {f"k{i}": t() for i, t in enumerate(declared)}
+    stored["flex"] = FlexConfig(block_q=32, block_k=64, num_warps=8, num_stages=3)
+    writer = PersistentCache(tmp_path, types=cache_types())
+    for key, cfg in stored.items():
+        writer.put(key, cfg)
+    reader = PersistentCache(tmp_path, types=cache_types())  # as a fresh process opens it
+    assert {key: reader.get(key) for key in stored} == stored
+    assert any(isinstance(cfg, RaggedPagedConfig) for cfg in stored.values())

@@ -28,7 +28,8 @@ import numpy as np
 from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache, default_cache_dir
 from ejk_kernels_gpu import FlashConfig, PagedConfig
-from ejk_kernels_tpu import BlockSparseConfig
+from ejk_kernels_gpu.flex import FlexConfig
+from ejk_kernels_tpu import BlockSparseConfig, RaggedPagedConfig
 from ejk_sequtils import AttentionRequest, PagedAttentionRequest, validate_paged_attention
 
 __all__ = [
@@ -71,8 +72,17 @@ def backend_key(request: AttentionRequest, fingerprint: str) -> str:
 
 
 def cache_types() -> tuple[type, ...]:
-    """Config classes of the ejk kernel packages, so the cache can decode them."""
-    return (BackendChoice, FlashConfig, PagedConfig, BlockSparseConfig)
+    """Config classes of the ejk kernel packages, so the cache can decode them: the backend
+    choice and every backend's ``config_types`` (a test holds the two lists together; a
+    type missing here is stored by autotuning but never read back)."""
+    return (
+        BackendChoice,
+        FlashConfig,
+        PagedConfig,
+        FlexConfig,
+        BlockSparseConfig,
+        RaggedPagedConfig,
+    )
 
 
 @functools.cache

@@ -427,3 +427,22 @@ def test_flex_kernels_tune_and_keep_mods_apart():
     best = executor.chooser.tune(inv, policy)
     assert best in list(inv.kernel.config_space(inv))[:2]
     assert executor.chooser.choose(inv).cfg == best
+
+
+def test_autotuned_configs_reach_a_later_process():
+    """A call run under ``policy_override(on_miss="autotune")`` stores its forward and
+    backward FlexConfigs in the persistent cache, and a cache opened afresh (as a later
+    process opens it) reads them back as FlexConfigs."""
+    from ejk_attention import _backends
+    from ejk_attention._tuned import open_cache
+    from ejk_attention.flex._request import validate_flex
+    from ejk_executor import policy_override
+    from ejk_kernels_gpu.flex import FlexConfig
+
+    q, k, v, mask = _config_call(37)
+    request = validate_flex(q, k, v, _soft_cap, mask, softmax_scale=None, return_lse=False)
+    keys = [inv.call_key for inv in _backends.BACKENDS["triton"].flex.invocations(request).values()]
+    with policy_override(on_miss="autotune", max_candidates=2, num_warmup=0, num_iters=1):
+        _grad(q, k, v, mask, implementation="triton")
+    later = open_cache(fresh=True)
+    assert all(isinstance(later.get(key), FlexConfig) for key in keys), keys

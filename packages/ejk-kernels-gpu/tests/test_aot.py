@@ -217,6 +217,17 @@ def test_the_gluon_forward_builds_every_mask_for_hopper_within_its_spill_allowan
     ]
 
 
+def test_one_block_calls_build_for_hopper():
+    """64 queries (half a Gluon forward tile) against 128 keys (one resident block of the
+    dk/dv kernel, its grouped causal programs in a launch order), head_dim 64 and 128: the
+    Gluon forward and dk/dv kernels build. With the block index a constant 0 both folded
+    whole-tile masks and Triton 3.6's LLVM lowering aborted (an `idx < size()` assertion,
+    first seen on an H100 in test_gpu_kernels' "causal T>S gqa", 128 keys)."""
+    rows = _compile("--head-dims", "64,128", "--variants", "one_block", "--space", "heuristic")
+    built = {(r["kernel"], r["head_dim"]) for r in rows}
+    assert {(k, h) for k in ("gluon_fwd_kernel", "gluon_dkdv_kernel") for h in (64, 128)} <= built
+
+
 def test_the_gluon_backward_kernels_build_for_hopper():
     """The Gluon dk/dv kernel (both ring depths, two with a soft cap; at head_dim 128 also
     computing dq) and the dq kernel beside it, unmasked, causal and with a soft cap, head_dim

@@ -75,6 +75,7 @@ CASES = [
     ("unmasked gqa", 2, 256, 256, 4, 2, 128, {}, {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
     ("causal sinks T<S", 2, 192, 256, 4, 4, 128, dict(causal=True, sinks=True), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
     ("causal T>S gqa", 1, 384, 128, 4, 1, 128, dict(causal=True), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
+    ("64 rows whole key tiles", 2, 64, 256, 4, 1, 128, dict(causal=True), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
     ("window", 2, 384, 384, 4, 2, 128, dict(causal=True, sliding_window=(100, 0)), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
     ("window two-sided h64", 2, 192, 320, 4, 2, 64, dict(sliding_window=(60, 30), config=GLUON), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),
     ("soft cap sinks", 2, 256, 320, 4, 2, 128, dict(causal=True, logits_soft_cap=5.0, sinks=True), {"gluon_fwd_kernel", "gluon_dkdv_kernel"}),

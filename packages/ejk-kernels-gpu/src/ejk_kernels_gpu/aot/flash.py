@@ -85,6 +85,9 @@ VARIANTS = {
     # all-gather's backward: dk and dv side by side in one output (``JOINT``)
     "joint": dict(causal=True, has_seg=True, varlen=True, seq_ids=False, joint=True),
     "tail": dict(causal=False, kv_len=4000),
+    # one block of 64 queries (half a Gluon forward tile) and one of 128 keys (the dk/dv
+    # kernel's resident block, its grouped causal programs in a given order)
+    "one_block": dict(causal=True, q_len=64, kv_len=128),
     "all": dict(
         causal=True, window=(64, 0), soft_cap=30.0, dropout_rate=0.1, has_seg=True, varlen=True,
         bias=True, sinks=True,
@@ -97,6 +100,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     bias = feats.pop("bias", False)
     sinks = feats.pop("sinks", False)
     kv_len = feats.pop("kv_len", 4096)
+    seq = feats.pop("q_len", 4096)
     joint = feats.pop("joint", False)
     resume = feats.pop("resume", False)
     pair = feats.pop("kv_pair", False)
@@ -112,7 +116,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
         fwd_cfg=cfg,
         bwd_cfg=cfg,
     )
-    batch, seq, heads, kv_heads = 2, 4096, 16, 8
+    batch, heads, kv_heads = 2, 16, 8
     q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype))
     k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.dtype(dtype))
     b = jax.ShapeDtypeStruct((batch, heads, seq, kv_len), jnp.dtype(dtype)) if bias else None

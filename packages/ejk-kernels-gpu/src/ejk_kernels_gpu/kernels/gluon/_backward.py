@@ -86,12 +86,18 @@ class DkdvOptions(NamedTuple):
 
 
 @gluon.jit
-def program_tile(order_ptr, blocks: gl.constexpr, ORDERED: gl.constexpr):
+def program_tile(order_ptr, blocks: gl.constexpr, ORDERED: gl.constexpr,
+                 GRID_BLOCK: gl.constexpr = False):  # fmt: skip
     """(block, group) of this program of a (blocks, groups) grid: the tile ``order_ptr``
     gives its linear index (`flash._schedule.tile_order`: heaviest first within blocks of
     groups, a group being one (batch, head) or (batch, kv head)); without ``ORDERED`` the
-    grid's own."""
-    if ORDERED:
+    grid's own. ``GRID_BLOCK``: with one block, the grid's block index (0) rather than a
+    constant the compiler folds (the dk/dv kernel's masks then fold and fail to lower,
+    `_forward._tile` says why)."""
+    if ORDERED and GRID_BLOCK and blocks == 1:
+        block = gl.program_id(0)
+        group = gl.load(order_ptr + gl.program_id(1))
+    elif ORDERED:
         tile = gl.load(order_ptr + gl.program_id(1) * blocks + gl.program_id(0))
         block = tile % blocks
         group = tile // blocks
@@ -373,7 +379,7 @@ def gluon_dkdv_kernel(
     )
     HALF: gl.constexpr = BN // 2
     K: gl.constexpr = N // G
-    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED)
+    pid_n, group = program_tile(order_ptr, (S + BN - 1) // BN, ORDERED, GRID_BLOCK=True)
     b = group // K
     kh = group % K
     if F.TABLE or CAUSAL:  # (without either every program sees every query block)

@@ -134,9 +134,15 @@ def _tile(tile, n_m, F: gl.constexpr):
     """(b, n, b·N + n, query block) of a tile: tile ``(b·N + n)·n_m + query block`` taken
     from the launch's order (``ORDERED``), else ``(b·N + n)·n_m + m`` of the grid's, where
     the query blocks of one (batch, head) are consecutive tiles (programs at work together
-    share k and v in L2), causal ones heaviest first (block ``n_m - 1 - m``)."""
+    share k and v in L2), causal ones heaviest first (block ``n_m - 1 - m``).
+    With one query block the block is 0, read from the grid's (absent) third axis so the
+    compiler cannot fold it: a constant 0 folds whole-tile row masks to constants, which
+    Triton 3.6's LLVM lowering fails on (an `idx < size()` assertion; 64 queries over whole
+    key tiles, tests/test_aot.py's ``one_block``)."""
     bn = tile // n_m
-    if F.ORDERED:
+    if n_m == 1:
+        pid_m = gl.program_id(2)
+    elif F.ORDERED:
         pid_m = tile - bn * n_m
     else:
         m = tile % n_m

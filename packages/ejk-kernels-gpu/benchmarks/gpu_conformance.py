@@ -447,16 +447,21 @@ def main() -> int:
     parser.add_argument("--json", default="", help="write the result as JSON here")
     parser.add_argument("--commit", default="", help="the commit under test (for the JSON)")
     parser.add_argument("--repeat", type=int, default=1, help="run each picked case this often")
+    parser.add_argument(
+        "--shards", type=int, default=1,
+        help="run the picked cases in this many processes at once, merged into one --json",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.shards > 1:
+        return _run_shards(args)
     from ejk_kernels_gpu.build._triton import hopper_gpu
 
     hopper = hopper_gpu()
     device = jax.devices()[0]
     print(device, versions(), "hopper (Gluon and warp-specialised builds):", hopper)
     rng = np.random.default_rng(0)
-    cases = CASES[:3] if args.quick else CASES
-    if args.cases:
-        cases = [CASES[int(i)] for i in args.cases.split(",")] * args.repeat
+    picked = _picked(args)
+    cases = [CASES[i] for i in picked]
     rows: list[dict] = []
 
     def record(row: dict) -> None:
@@ -477,15 +482,67 @@ def main() -> int:
     if not args.cases or CASES[0] in cases:  # the forward-only checks go with case 0
         record(_forward_only("plain h128", 2, 1024, 1024, 16, 16, 128, GW, hopper))
         record(_forward_only("gqa sinks h128 odd T", 2, 1000, 1024, 16, 4, 128, GW, hopper, sinks=True))  # fmt: skip
-    for name, B, T, S, N, K, H, expect, kw in cases:
+    for index, (name, B, T, S, N, K, H, expect, kw) in zip(picked, cases, strict=True):
         try:
-            record(_case(rng, name, B, T, S, N, K, H, expect, hopper, **kw))
+            record({"index": index, **_case(rng, name, B, T, S, N, K, H, expect, hopper, **kw)})
         except Exception as exc:  # report every case
-            record({"name": name, "passed": False, "error": f"{type(exc).__name__}: {exc}"[:1500]})
+            error = f"{type(exc).__name__}: {exc}"[:1500]
+            record({"index": index, "name": name, "passed": False, "error": error})
             print(f"ERROR {name}: {rows[-1]['error']}")
     ok = all(row["passed"] for row in rows)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
+
+
+def _picked(args: argparse.Namespace) -> list[int]:
+    """Indices into `CASES` of the cases ``--quick``/``--cases``/``--repeat`` pick."""
+    if args.cases:
+        return [int(i) for i in args.cases.split(",")] * args.repeat
+    return list(range(3 if args.quick else len(CASES)))
+
+
+def _run_shards(args: argparse.Namespace) -> int:
+    """The picked cases in ``--shards`` processes at once (case i in shard i mod shards),
+    each writing its own JSON as it goes; merged into ``--json`` (cases in index order,
+    each shard's command and exit status), so a call cut short still leaves every case
+    that finished, in one file."""
+    import subprocess
+    import tempfile
+
+    picked = _picked(args)
+    with tempfile.TemporaryDirectory() as where:
+        procs = []
+        for k in range(args.shards):
+            part = picked[k :: args.shards]
+            if not part:
+                continue
+            out = f"{where}/shard{k}.json"
+            command = [sys.executable, __file__, "--cases", ",".join(map(str, part)),
+                       "--json", out, "--commit", args.commit]  # fmt: skip
+            procs.append((out, command, subprocess.Popen(command)))
+        header: dict = {}
+        rows: list[dict] = []
+        shards = []
+        for out, command, proc in procs:
+            code = proc.wait()
+            try:
+                with open(out) as f:
+                    part = json.load(f)
+            except (OSError, ValueError):  # the shard wrote nothing (killed before a case)
+                part = {"cases": []}
+            header = header or {k: v for k, v in part.items() if k not in ("cases", "argv")}
+            rows += part["cases"]
+            shards.append({"argv": command[2:], "exit": code, "cases": len(part["cases"])})
+    rows.sort(key=lambda r: -1 if r.get("index") is None else r["index"])
+    missing = sorted(set(picked) - {r.get("index") for r in rows})
+    passed = bool(rows) and all(r["passed"] for r in rows)
+    result = {**header, "argv": sys.argv[1:], "shards": shards, "cases": rows,
+              "passed": passed, "missing": missing}  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print("ALL PASS" if passed and not missing else f"SOME FAILED OR MISSING {missing}")
+    return 0 if passed and not missing else 1
 
 
 if __name__ == "__main__":

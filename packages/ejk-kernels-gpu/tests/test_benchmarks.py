@@ -384,3 +384,38 @@ def test_targets_read_each_ratio_its_way_and_say_what_is_missing(bench_path):
     assert got["softcap", "speed / tokamax's", "fwd"]["missing"] == "theirs"
     printed = targets.table(targets.evaluate(rows))
     assert "missed" in printed and "not read (theirs missing)" in printed
+
+
+def test_conformance_shards_merge_into_one_json(bench_path, monkeypatch, tmp_path):
+    """``--shards``: case i runs in shard i mod n; the shards' JSONs merge into one, cases in
+    index order, and a shard that wrote nothing shows as its cases missing and a failure."""
+    import argparse
+    import json
+    import subprocess
+
+    conf = importlib.import_module("gpu_conformance")
+    launched = []
+
+    class FakeShard:
+        def __init__(self, command):
+            cases = [int(i) for i in command[command.index("--cases") + 1].split(",")]
+            launched.append(cases)
+            if 4 not in cases:  # the shard holding case 4 is killed before writing
+                rows = [{"index": i, "name": f"c{i}", "passed": True} for i in cases]
+                out = command[command.index("--json") + 1]
+                with open(out, "w") as f:
+                    json.dump({"device": "fake", "cases": rows, "argv": command[2:]}, f)
+
+        def wait(self):
+            return 0 if len(launched[-1]) else 1
+
+    monkeypatch.setattr(subprocess, "Popen", FakeShard)
+    out = tmp_path / "merged.json"
+    args = argparse.Namespace(cases="0,1,2,3,4,5", repeat=1, quick=False, shards=3,
+                              json=str(out), commit="abc")  # fmt: skip
+    assert conf._run_shards(args) == 1
+    assert launched == [[0, 3], [1, 4], [2, 5]]
+    merged = json.loads(out.read_text())
+    assert [r["index"] for r in merged["cases"]] == [0, 2, 3, 5]
+    assert merged["missing"] == [1, 4] and merged["device"] == "fake"
+    assert [s["cases"] for s in merged["shards"]] == [2, 0, 2]

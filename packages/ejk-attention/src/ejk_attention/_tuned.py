@@ -27,7 +27,7 @@ import numpy as np
 
 from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache, default_cache_dir
-from ejk_kernels_gpu import FlashConfig, PagedConfig
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, PagedConfig
 from ejk_kernels_tpu import BlockSparseConfig
 from ejk_sequtils import AttentionRequest, PagedAttentionRequest, validate_paged_attention
 
@@ -72,7 +72,7 @@ def backend_key(request: AttentionRequest, fingerprint: str) -> str:
 
 def cache_types() -> tuple[type, ...]:
     """Config classes of the ejk kernel packages, so the cache can decode them."""
-    return (BackendChoice, FlashConfig, PagedConfig, BlockSparseConfig)
+    return (BackendChoice, FlashConfig, FlashBackwardConfig, PagedConfig, BlockSparseConfig)
 
 
 @functools.cache

@@ -186,3 +186,33 @@ def test_bwd_config_of_another_type_is_refused():
     q = jnp.zeros((1, 16, 1, 16), jnp.float32)
     with pytest.raises(TypeError, match="bwd_config"):  # (here the tests' type checks say so)
         flash_attention(q, q, q, bwd_config={"block_keys": 64})
+
+
+def test_a_backward_entry_written_by_the_old_code_is_a_miss_left_on_disk(
+    tmp_path, rng, make_inputs
+):
+    """Before `FlashBackwardConfig` the backward kernel (version 2) stored `FlashConfig`s in
+    the persistent cache. Its keys are not the new kernel's (version 3): such an entry is
+    a miss (the heuristic's config, no warning), and the user's file is left as it was."""
+    from ejk_executor import ConfigCache, ConfigSelectorChain, Invocation, PersistentCache
+    from ejk_kernels_gpu import FlashAttentionBackward
+
+    q, k, v = make_inputs(rng, 1, 20, 24, 2, 1, 16, "float32")
+    old = Invocation.make(FlashAttentionBackward(version="2"), (q, k, v, q), {"causal": True})
+    new = Invocation.make(FlashAttentionBackward(), (q, k, v, q), {"causal": True})
+    assert old.call_key != new.call_key
+    # As the old code wrote it: {"type": "...:FlashConfig", "cfg": {"block_q": ..., ...}}
+    stored = FlashConfig(block_q=16, block_k=16, atomic_dq=True)
+    types = (FlashConfig, FlashBackwardConfig)  # both decodable, as in the facade's cache
+    PersistentCache(tmp_path, types=types).put(old.call_key, stored)
+    path = tmp_path / "configs-v1.json"
+    before = path.read_bytes()
+    assert b"ejk_kernels_gpu.flash._config:FlashConfig" in before and b'"block_q":16' in before
+    chain = ConfigSelectorChain(
+        cache=ConfigCache(), persistent=PersistentCache(tmp_path, types=types)
+    )
+    chosen = chain.choose(new)
+    assert chosen.source == "heuristic"
+    assert isinstance(chosen.cfg, FlashBackwardConfig)
+    assert path.read_bytes() == before
+    assert PersistentCache(tmp_path, types=types).get(old.call_key) == stored

@@ -98,6 +98,35 @@ def _crafted_paged_config(implementation):
     return RaggedPagedConfig(block_q=2**40, pages_per_block=2**20)
 
 
+def test_a_backward_config_stored_by_the_old_code_stays_on_disk_and_is_a_miss():
+    """A cache written before `ejk_kernels_gpu.FlashBackwardConfig`: its backward entries
+    hold `FlashConfig`s under the keys of the backward kernel's version 2. The call runs
+    with the heuristic's backward config, warns of nothing, and the entry stays."""
+    import jax
+
+    from ejk_executor import Invocation
+    from ejk_kernels_gpu import FlashAttentionBackward
+
+    q, k, v = _qkv(24)
+    request = validate_attention(q, k, v, causal=True)
+    new = BACKENDS["triton"].invocations(request)["backward"]
+    old = Invocation.make(FlashAttentionBackward(version="2"), new.args, new.kwargs)
+    assert old.call_key != new.call_key
+    stored = FlashConfig(block_q=16, block_k=16, num_stages=1, atomic_dq=True)
+    open_cache().put(old.call_key, stored)
+    before = open_cache().path.read_bytes()
+
+    def loss(implementation, q, k, v):
+        return flash_attention(q, k, v, causal=True, implementation=implementation).sum()
+
+    got = jax.grad(lambda *a: loss("triton", *a), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=5e-5)
+    assert open_cache().path.read_bytes() == before
+    assert open_cache(fresh=True).get(old.call_key) == stored
+
+
 @pytest.mark.parametrize(
     ("implementation", "kernel"),
     [("triton", "ejk_kernels_gpu.paged_attention"), ("pallas", "ejk_kernels_tpu.paged_attention")],

@@ -442,18 +442,20 @@ def test_tune_kernel_configs_through_the_executor(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "triton forward config FlashConfig(" in out
-    assert "triton backward config FlashConfig(" in out
+    assert "triton backward config FlashBackwardConfig(" in out
     assert main(["cache", "list"]) == 0
     listing = capsys.readouterr().out
     assert "FlashConfig" in listing and "BackendChoice" in listing
+    assert "FlashBackwardConfig" in listing
     # The facade's executor finds the tuned config under the key it builds itself.
     case = parse_case("1,16,16,2,1,16")
     request = validate_attention(*inputs_for(case), causal=case.causal)
     # Both the forward and the backward config: the facade's triton backend runs with them.
-    for inv in BACKENDS["triton"].invocations(request).values():
+    types = {"forward": "FlashConfig", "backward": "FlashBackwardConfig"}
+    for part, inv in BACKENDS["triton"].invocations(request).items():
         chosen = kernel_executor().chooser.lookup(inv)
         assert chosen is not None and chosen.source == "persistent", inv.kernel.name
-        assert type(chosen.cfg).__name__ == "FlashConfig"
+        assert type(chosen.cfg).__name__ == types[part]
 
 
 PAGED = ["tune", "--op", "paged", "--iters", "1", "--warmup", "0", "--quiet"]

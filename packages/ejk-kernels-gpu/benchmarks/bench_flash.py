@@ -29,7 +29,7 @@ import jax
 from _inputs import attention_inputs
 from _timing import contender, time_rounds
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 
 SHAPES = [  # (B, T, N, K, H, causal)
     (4, 4096, 32, 32, 128, False),
@@ -144,18 +144,21 @@ def main() -> int:
     parser.add_argument(
         "--bwd-cfg",
         default="",
-        help="ejk backward config bq,bk,warps,stages; several separated by ';' "
+        help="ejk backward config keys,queries,warps,stages[,flag...] (block_keys resident in "
+        "dk/dv, block_queries a step); several separated by ';' "
         "(an empty one: the heuristic)",
     )
     _tokamax.add_arguments(parser)
     args = parser.parse_args()
 
-    def cfg(text):
+    def cfg(text, backward=False):
         if not text:
             return None
-        bq, bk, w, st, *flags = text.split(",")
-        return FlashConfig(block_q=int(bq), block_k=int(bk), num_warps=int(w),
-                           num_stages=int(st), **{f: True for f in flags})  # fmt: skip
+        rows, step, w, st, *flags = text.split(",")
+        tiles = ("block_keys", "block_queries") if backward else ("block_q", "block_k")
+        kind = FlashBackwardConfig if backward else FlashConfig
+        return kind(**dict(zip(tiles, (int(rows), int(step)), strict=True)), num_warps=int(w),
+                    num_stages=int(st), **{f: True for f in flags})  # fmt: skip
 
     print("#", jax.devices(), jax.__version__)
     only = set(filter(None, args.only.split(",")))
@@ -169,9 +172,9 @@ def main() -> int:
                 (64, 64, 4, 3), (64, 128, 4, 3),
             ]
         ]  # fmt: skip
-        bwd_cands = [  # block_q: resident rows (q in dq, k in dk/dv); block_k: streamed rows
-            FlashConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
-            for bq, bk, w, s in [
+        bwd_cands = [  # keys resident in dk/dv (query rows in the dq kernel), rows streamed
+            FlashBackwardConfig(block_keys=bk, block_queries=bq, num_warps=w, num_stages=s)
+            for bk, bq, w, s in [
                 (64, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 4, 3),
                 (64, 32, 4, 3), (128, 64, 8, 3),
             ]
@@ -183,7 +186,7 @@ def main() -> int:
         _table(rows)
         return 0
     fwd_cfgs = [cfg(text) for text in args.fwd_cfg.split(";")]
-    bwd_cfgs = [cfg(text) for text in args.bwd_cfg.split(";")]
+    bwd_cfgs = [cfg(text, backward=True) for text in args.bwd_cfg.split(";")]
     names = [
         n for n in ("ejk", "fa4", "cudnn", "xla", "pallas", "tokamax") if not only or n in only
     ]

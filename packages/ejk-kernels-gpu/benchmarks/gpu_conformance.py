@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.flash import _backward_launch, _forward_launch
 from ejk_sequtils import random_document_ids, reference_attention
 
@@ -40,7 +40,9 @@ BF16_TOL = 2e-2  # bf16 operands: errors land between 1e-3 and 1e-2 (METHOD.md)
 # ws_bwd=True; on Hopper the heuristics pick them for unmasked and causal calls at H=128),
 # and the ordinary kernels with the tiles they stand in for (ordinary=True).
 WS = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, warp_specialize=True)
-WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
+WS_BWD = FlashBackwardConfig(
+    block_keys=128, block_queries=64, num_warps=4, num_stages=2, warp_specialize=True
+)
 # The Gluon forward (on Hopper the heuristic's pick at H=128, 16-bit, unmasked or causal),
 # with the ring depth the heuristic does not take.
 GLUON2 = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=2, gluon=True)
@@ -49,7 +51,9 @@ ORDINARY = FlashConfig(block_q=128, block_k=128, num_warps=8, num_stages=3)
 # The Gluon forward's three consumers (192-row tiles): the heuristic's for soft cap calls at
 # head_dim 64 and 128 without a block table, asked for elsewhere.
 THREE = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
-ORDINARY_BWD = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
+ORDINARY_BWD = FlashBackwardConfig(
+    block_keys=128, block_queries=64, num_warps=8, num_stages=3, atomic_dq=True
+)
 
 
 LAUNCHES: list[dict] = []
@@ -195,8 +199,8 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     dq_inside = kw.pop("dq_inside", False)
     if slots:  # the Gluon dk/dv kernel asked for (this many ring slots; dq in it or not;
         # 64 resident keys at head_dim 256)
-        kw["bwd_config"] = FlashConfig(
-            block_q=64 if H == 256 else 128, block_k=64, num_warps=4, num_stages=slots,
+        kw["bwd_config"] = FlashBackwardConfig(
+            block_keys=64 if H == 256 else 128, block_queries=64, num_warps=4, num_stages=slots,
             gluon=True, atomic_dq=dq_inside,
         )  # fmt: skip
     if kw.pop("ordinary", False):
@@ -231,7 +235,7 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
         errs[n] = _rel(g, r)
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, *got_g))
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
-    # dq from atomic adds or TMA reduces (FlashConfig.atomic_dq) may differ in its last
+    # dq from atomic adds or TMA reduces (FlashBackwardConfig.atomic_dq) may differ in its last
     # bits between runs.
     same["out"] = bool(jnp.all(got_o == again_o))
     same["lse"] = bool(jnp.all(got_l == again_l))

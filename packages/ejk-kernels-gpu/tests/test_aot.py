@@ -66,7 +66,8 @@ from ejk_kernels_gpu.aot import flash as aot
 from ejk_kernels_gpu.flash import _select as c
 
 h, failed = 128, 0
-size = lambda x: (x.block_q * x.block_k * (x.num_stages or 1), x.num_warps or 0)
+tiles = lambda x: (x.block_keys, x.block_queries) if hasattr(x, "block_keys") else (x.block_q, x.block_k)
+size = lambda x: (tiles(x)[0] * tiles(x)[1] * (x.num_stages or 1), x.num_warps or 0)
 for name, space, heuristic in (
     ("fwd_kernel", c.fwd_search_space(h, 2, True, gluon=False), c.fwd_heuristic(h, 2, True, gluon=False)),
     ("dkdv_kernel", c.bwd_search_space(h, 2, True), c.bwd_heuristic(h, 2, True)),

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_sequtils import reference_attention
 
 CFG = FlashConfig(block_q=32, block_k=16)
+BWD = FlashBackwardConfig(block_keys=32, block_queries=16)
 # dq from the dk/dv kernel's atomic adds instead of the dq kernel.
-ATOMIC = FlashConfig(block_q=32, block_k=16, atomic_dq=True)
+ATOMIC = FlashBackwardConfig(block_keys=32, block_queries=16, atomic_dq=True)
 B, T, S, N, K, H = 2, 33, 47, 4, 2, 24
 
 
@@ -34,7 +35,7 @@ def _grads(fn, q, k, v, d_out, bias, sinks, kw):
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, bias, sinks)
 
 
-def _flash(*args, bwd=CFG, **kw):
+def _flash(*args, bwd=BWD, **kw):
     return flash_attention(*args, config=CFG, bwd_config=bwd, **kw)
 
 
@@ -45,7 +46,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
+@pytest.mark.parametrize("bwd", [BWD, ATOMIC], ids=["dq_kernel", "atomic_dq"])
 # float16 takes bfloat16's path with another element type: the slow run keeps it.
 @pytest.mark.parametrize(
     "dtype", ["float32", pytest.param("float16", marks=pytest.mark.slow), "bfloat16"]
@@ -68,14 +69,14 @@ def test_gradients_match_reference(rng, make_inputs, close, case, dtype, bwd):
         close(g, w, dtype, "grad", name)
 
 
-@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
+@pytest.mark.parametrize("bwd", [BWD, ATOMIC], ids=["dq_kernel", "atomic_dq"])
 def test_gradients_match_reference_in_float16(rng, make_inputs, close, bwd):
     """float16's representative in the default run: causal, window and soft cap, both ways
     of computing dq (the slow run has float16's whole matrix)."""
     test_gradients_match_reference(rng, make_inputs, close, "causal_window_cap", "float16", bwd)
 
 
-@pytest.mark.parametrize("bwd", [CFG, ATOMIC], ids=["dq_kernel", "atomic_dq"])
+@pytest.mark.parametrize("bwd", [BWD, ATOMIC], ids=["dq_kernel", "atomic_dq"])
 def test_varlen_gradients_with_empty_sequences_and_gqa(rng, make_inputs, close, bwd):
     cu_q = jnp.asarray([0, 11, 11, 29, 36], jnp.int32)  # empty sequence; 3 padding rows at the end
     cu_k = jnp.asarray([0, 7, 13, 13, 30], jnp.int32)  # a sequence whose queries see no key
@@ -100,11 +101,12 @@ def test_dq_by_tma_is_beyond_the_interpreter(rng, make_inputs, close, monkeypatc
 
     monkeypatch.setattr(_backward_launch, "hopper_gpu", lambda: True)
     q, k, v = make_inputs(rng, 1, 40, 48, 2, 1, 32, "float32")  # shapes no other test traces
-    cfg = FlashConfig(block_q=32, block_k=16, atomic_dq=True)
+    cfg = FlashConfig(block_q=32, block_k=16)
+    bwd = FlashBackwardConfig(block_keys=32, block_queries=16, atomic_dq=True)
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     kw = dict(causal=True)
     try:
-        flash = functools.partial(flash_attention, config=cfg, bwd_config=cfg)
+        flash = functools.partial(flash_attention, config=cfg, bwd_config=bwd)
         got = _grads(flash, q, k, v, d_out, None, None, kw)[:3]
     except Exception as err:  # the interpreter's error arrives through the host callback
         if "create_descriptor_reduce" not in str(err):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_sequtils import reference_attention
 
 CFG = FlashConfig(block_q=16, block_k=16)
@@ -85,7 +85,7 @@ def test_extreme_biases_gradients_match_reference(
     sinks = _sinks(rng, softmax_sinks)
     d_out = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
     d_lse = jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
-    bwd = FlashConfig(block_q=16, block_k=16, atomic_dq=atomic_dq)
+    bwd = FlashBackwardConfig(block_keys=16, block_queries=16, atomic_dq=atomic_dq)
 
     def loss(fn, q, k, v, bias, sinks, **kw):
         out, lse = fn(q, k, v, bias, softmax_sinks=sinks, return_lse=True, **kw)

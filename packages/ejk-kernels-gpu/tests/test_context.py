@@ -312,13 +312,18 @@ def test_keys_and_values_as_one_array_give_the_same_results(rng, make_inputs):
 @pytest.mark.parametrize(
     "bwd, match",
     [
-        (dict(block_q=128, block_k=128, gluon=True), r"bwd_config\.gluon"),
-        (dict(block_q=192, block_k=64, gluon=True), r"bwd_config\.block_q=192"),
+        (
+            dict(block_q=128, block_k=128, gluon=True),
+            r"FlashBackwardConfig\.gluon .*block_queries=64",
+        ),
+        (dict(block_q=192, block_k=64, gluon=True), r"FlashBackwardConfig\.gluon .*block_keys 64"),
     ],
 )
 def test_block_calls_refuse_backward_configs_no_kernel_runs(rng, make_inputs, bwd, match):
-    """Context parallelism's block calls check a backward config as `flash_attention` does
-    (`flash._select.check_bwd_config`), not only its own entry point."""
+    """Context parallelism's block calls convert a deprecated `FlashConfig` backward config
+    as `flash_attention` does (`flash._config.as_backward_config`), not only its own entry
+    point: one no backward kernel runs (the Gluon dk/dv kernel steps over 64 query rows;
+    192 rows are the Gluon forward's three-consumer tile) is no `FlashBackwardConfig`."""
     from ejk_kernels_gpu import FlashConfig
     from ejk_kernels_gpu.context._blocks import block_options
 

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.build import _jax_triton_fix
 from ejk_kernels_gpu.build._triton import multiprocessors
 from ejk_kernels_gpu.flash._config import gluon_fits, ordinary_config
@@ -62,14 +62,17 @@ def test_config_rejects_what_the_gluon_build_cannot_run(kwargs, error, match):
 
 
 def test_the_gluon_build_is_no_backward_config():
+    """The Gluon forward's config, passed as a (deprecated) backward one, is no
+    `FlashBackwardConfig`: the Gluon dk/dv kernel steps over 64 query rows."""
     q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"bwd_config\.gluon"):
+    with pytest.raises(ValueError, match=r"FlashBackwardConfig\.gluon .*block_queries=64"):
         flash_attention(q, q, q, bwd_config=GLUON)
 
 
 def test_the_three_consumer_tile_is_no_backward_config():
+    """Nor is its three-consumer tile: the backward kernels own 64 or 128 keys."""
     q = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"bwd_config\.block_q=192"):
+    with pytest.raises(ValueError, match=r"FlashBackwardConfig\.gluon .*block_keys 64 or 128"):
         flash_attention(q, q, q, bwd_config=THREE_CONSUMERS)
 
 
@@ -791,7 +794,7 @@ def test_the_persistent_grid_is_taken_on_whole_tiles(shape, causal, window, seg,
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
-        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashBackwardConfig(),
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=64 if shape[3] == 256 else 128, num_stages=2, gluon=True)
     assert gluon_persistent(opts, shape, shape[1], cfg) == persistent
@@ -823,7 +826,7 @@ def test_short_causal_calls_take_their_last_tiles_rows_major(shape, causal, seg,
 
     opts = CallOptions(
         scale=0.1, causal=causal, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=seg,
-        varlen=varlen, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+        varlen=varlen, fwd_cfg=FlashConfig(), bwd_cfg=FlashBackwardConfig(),
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=128, num_stages=2, gluon=True)
     persistent = gluon_persistent(opts, shape, shape[1], cfg)
@@ -986,7 +989,9 @@ def test_soft_caps_up_to_55_in_bf16_fix_each_rows_shift(
     assert gluon_constexprs(opts, q, q, False, opts.fwd_cfg)["FIXED_SHIFT"] == fixed
 
 
-GLUON_DKDV = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+GLUON_DKDV = FlashBackwardConfig(
+    block_keys=128, block_queries=64, num_warps=4, num_stages=2, gluon=True
+)
 
 
 def test_the_backward_heuristic_and_space_offer_the_gluon_dkdv_kernel_only_when_allowed():
@@ -1299,7 +1304,9 @@ def test_context_blocks_with_offsets_take_the_gluon_backward(
         close(got, ref, q.dtype, "grad", name)
 
 
-GLUON_DKDV_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
+GLUON_DKDV_256 = FlashBackwardConfig(
+    block_keys=64, block_queries=64, num_warps=4, num_stages=2, gluon=True
+)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_sequtils import random_document_ids, reference_attention
 
 
@@ -45,10 +45,10 @@ GLUON = FlashConfig(block_q=128, block_k=128, num_warps=4, num_stages=3, gluon=T
 THREE = FlashConfig(block_q=192, block_k=64, num_warps=4, num_stages=2, gluon=True)
 
 
-def _bwd(slots: int, dq_inside: bool, head_dim: int = 128) -> FlashConfig:
-    return FlashConfig(
-        block_q=64 if head_dim == 256 else 128, block_k=64, num_warps=4, num_stages=slots,
-        gluon=True, atomic_dq=dq_inside,
+def _bwd(slots: int, dq_inside: bool, head_dim: int = 128) -> FlashBackwardConfig:
+    return FlashBackwardConfig(
+        block_keys=64 if head_dim == 256 else 128, block_queries=64, num_warps=4,
+        num_stages=slots, gluon=True, atomic_dq=dq_inside,
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from ejk_executor import ConfigCache, ConfigSelectorChain, Executor
 from ejk_kernels_gpu import (
     FlashAttentionBackward,
     FlashAttentionForward,
+    FlashBackwardConfig,
     FlashConfig,
     bwd_search_space,
     fits_shared_memory,
@@ -30,7 +32,8 @@ def test_executor_runs_the_forward_and_backward_kernels(rng, make_inputs):
     tol = attention_tolerance(q.dtype)
     np.testing.assert_allclose(out, reference_attention(q, k, v, causal=True), rtol=tol, atol=tol)
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-    dq, dk, dv = executor(FlashAttentionBackward(), q, k, v, d_out, causal=True, cfg=cfg)
+    bwd = FlashBackwardConfig(block_keys=16, block_queries=16)
+    dq, dk, dv = executor(FlashAttentionBackward(), q, k, v, d_out, causal=True, cfg=bwd)
     _, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, causal=True), q, k, v)
     tol = attention_tolerance(q.dtype, "grad")
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), vjp(d_out), strict=True):
@@ -58,24 +61,28 @@ def test_backward_space_offers_both_ways_of_computing_dq():
     bwd = bwd_search_space(128, 2, side_inputs=False)
     assert {c.atomic_dq for c in bwd} == {False, True}
     # The atomic build stages dS and the float32 dq tile in shared memory: it costs more.
-    plain = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    atomic = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
+    plain = FlashBackwardConfig(block_keys=128, block_queries=64, num_warps=8, num_stages=3)
+    atomic = msgspec.structs.replace(plain, atomic_dq=True)
     assert fits_shared_memory("dkdv", atomic, 128, 2, side_inputs=True)
     assert _shared_bytes("dkdv", atomic, 128, 2, False) > _shared_bytes(
         "dkdv", plain, 128, 2, False
     )
-    with pytest.raises(TypeError, match="atomic_dq must be a bool"):
-        FlashConfig(atomic_dq="yes")
+    with pytest.raises(TypeError, match=r"FlashBackwardConfig\.atomic_dq must be a bool"):
+        FlashBackwardConfig(atomic_dq="yes")
+    with pytest.raises(TypeError, match=r"FlashConfig\.atomic_dq must be a bool"):
+        FlashConfig(atomic_dq="yes")  # (deprecated: read only as a backward config)
 
 
 def test_dq_goes_by_tma_only_for_atomic_dq_on_hopper_with_whole_tile_rows():
     from ejk_kernels_gpu.flash._constexprs import dq_by_tma
 
-    atomic = FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True)
+    atomic = FlashBackwardConfig(
+        block_keys=128, block_queries=64, num_warps=8, num_stages=3, atomic_dq=True
+    )
     assert dq_by_tma(atomic, 128, hopper=True)
     assert not dq_by_tma(atomic, 128, hopper=False)  # elsewhere: pointer atomics
     assert not dq_by_tma(atomic, 80, hopper=True)  # a 128-wide tile would reach the next head
-    assert not dq_by_tma(FlashConfig(block_q=128, block_k=64), 128, hopper=True)
+    assert not dq_by_tma(FlashBackwardConfig(block_keys=128, block_queries=64), 128, hopper=True)
 
 
 def test_no_heuristic_or_tuning_space_offers_the_racy_warp_specialised_backward():
@@ -95,12 +102,15 @@ def test_a_config_from_disk_must_be_in_the_kernels_search_space(rng, make_inputs
     from ejk_executor import Invocation
 
     q, k, v = make_inputs(rng, 1, 20, 24, 2, 1, 16, "float32")
-    for kernel, args in (
-        (FlashAttentionForward(), (q, k, v)),
-        (FlashAttentionBackward(), (q, k, v, q)),
+    for kernel, args, huge in (
+        (FlashAttentionForward(), (q, k, v), FlashConfig(block_q=2**40, block_k=64)),
+        (
+            FlashAttentionBackward(),
+            (q, k, v, q),
+            FlashBackwardConfig(block_keys=2**40, block_queries=64),
+        ),
     ):
         inv = Invocation.make(kernel, args, {"causal": True})
         for cfg in kernel.config_space(inv):
             assert kernel.cached_cfg_problem(inv, cfg) is None
-        huge = FlashConfig(block_q=2**40, block_k=64)
         assert "not in its search space" in kernel.cached_cfg_problem(inv, huge)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig
 from ejk_kernels_gpu.flash import _tables
 from ejk_kernels_gpu.flash._select import CallOptions
 from ejk_sequtils import visibility_mask
@@ -89,13 +89,13 @@ def _documents(rng, length, repeat):
 def _tables_with_ids(q_ids, kv_ids, packing=None, *, causal=False, sliding_window=None):
     """The (fwd, dq, dk/dv) tables of segment ids ``q_ids``, ``kv_ids`` ([B, T], [B, S])
     (and ``packing``) under causal / ``sliding_window``: forward tiles of 32 rows by 16
-    keys, backward 16 by 32."""
+    keys, backward 16 resident keys by 32 query rows (the dq kernel 16 query rows by 32 keys)."""
     q_len, kv_len = q_ids.shape[1], kv_ids.shape[1]
     window = sliding_window
     opts = CallOptions(
         scale=1.0, causal=causal, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
         varlen=packing is not None, fwd_cfg=FlashConfig(block_q=32, block_k=16),
-        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+        bwd_cfg=FlashBackwardConfig(block_keys=16, block_queries=32),
     )  # fmt: skip
     rows = _tables.ranges(q_len, kv_len, causal, window, packing, of_queries=True)
     cols = _tables.ranges(q_len, kv_len, causal, window, packing, of_queries=False)
@@ -341,7 +341,7 @@ def test_range_tables_fused_or_not_agree(window):
     opts = CallOptions(
         scale=1.0, causal=True, window=window, soft_cap=0.0, dropout_rate=0.0, has_seg=True,
         varlen=False, fwd_cfg=FlashConfig(block_q=32, block_k=16),
-        bwd_cfg=FlashConfig(block_q=16, block_k=32),
+        bwd_cfg=FlashBackwardConfig(block_keys=16, block_queries=32),
     )  # fmt: skip
     rows = _tables.ranges(128, 128, True, window, None, of_queries=True)
     cols = _tables.ranges(128, 128, True, window, None, of_queries=False)

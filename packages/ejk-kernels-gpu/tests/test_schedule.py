@@ -161,14 +161,14 @@ def test_grouped_causal_dkdv_programs_end_with_light_ones():
 def test_short_causal_forwards_end_with_light_tiles(shape):
     # Causal calls without a table: in the grid's order the last groups' heaviest tiles
     # start late; `flash._constexprs.rows_major` takes the last groups one query block at a time.
-    from ejk_kernels_gpu import FlashConfig
+    from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig
     from ejk_kernels_gpu.flash._constexprs import rows_major
     from ejk_kernels_gpu.flash._select import CallOptions
 
     batch, q_len, heads = shape
     opts = CallOptions(
         scale=0.1, causal=True, window=None, soft_cap=0.0, dropout_rate=0.0, has_seg=False,
-        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashConfig(),
+        varlen=False, fwd_cfg=FlashConfig(), bwd_cfg=FlashBackwardConfig(),
     )  # fmt: skip
     cfg = FlashConfig(block_q=128, block_k=128, num_stages=2, gluon=True)
     last = rows_major(opts, (batch, q_len, heads, 128), cfg, persistent=True)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejk_kernels_gpu import FlashConfig, flash_attention
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.build._jax_triton_fix import redirect_scratch, threads_required
 from ejk_kernels_gpu.flash import _backward_launch, _select
 from ejk_kernels_gpu.flash._config import ordinary_config
@@ -95,12 +95,14 @@ def test_other_masks_never_take_the_warp_specialised_build(launches, rng):
     assert launches[-1] == (False, False)
 
 
-WS_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True)
+WS_BWD = FlashBackwardConfig(
+    block_keys=128, block_queries=64, num_warps=4, num_stages=2, warp_specialize=True
+)
 
 
 def test_warp_specialised_backward_runs_no_atomic_dq():
     with pytest.raises(ValueError, match="warp_specialize and atomic_dq"):
-        FlashConfig(warp_specialize=True, atomic_dq=True)
+        FlashBackwardConfig(warp_specialize=True, atomic_dq=True)
 
 
 @pytest.fixture(name="bwd_launches")

@@ -179,7 +179,12 @@ class TritonBackend(Backend):
     flex = TritonFlexBackend()
     context_steps = "kernels"
     dot_product = "flash"
-    config_types = (ejk_kernels_gpu.FlashConfig, ejk_kernels_gpu.PagedConfig, FlexConfig)
+    config_types = (
+        ejk_kernels_gpu.FlashConfig,
+        ejk_kernels_gpu.FlashBackwardConfig,
+        ejk_kernels_gpu.PagedConfig,
+        FlexConfig,
+    )
     absent = MappingProxyType({"block_sparse": "the Triton kernels take no block-sparse mask"})
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:

@@ -118,8 +118,10 @@ def flash_attention(
         config: the forward kernel config (block sizes etc.) for triton/pallas; default: the
             executor's choice (a config ``ejk tune`` stored, else the kernel's heuristic).
             xla and cuDNN have none.
-        bwd_config: the backward kernel config, chosen the same way (pallas: one config
-            holds both, so pass ``config`` alone).
+        bwd_config: the backward kernel config, chosen the same way (triton: an
+            ``ejk_kernels_gpu.FlashBackwardConfig``; a ``FlashConfig`` there is deprecated,
+            converted with a DeprecationWarning; pallas: one config holds both, so pass
+            ``config`` alone).
         mesh: run sharded over this mesh (the facade writes the shard_map).
             Without it, a q that already carries a batch/head NamedSharding (concrete, or
             under jit on an Explicit mesh) is run per shard the same way.

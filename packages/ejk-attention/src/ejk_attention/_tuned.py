@@ -27,7 +27,7 @@ import numpy as np
 
 from ejk_config import device_fingerprint
 from ejk_executor import CacheWarning, PersistentCache, default_cache_dir
-from ejk_kernels_gpu import FlashConfig, PagedConfig
+from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, PagedConfig
 from ejk_kernels_gpu.flex import FlexConfig
 from ejk_kernels_tpu import BlockSparseConfig, RaggedPagedConfig
 from ejk_sequtils import AttentionRequest, PagedAttentionRequest, validate_paged_attention
@@ -78,6 +78,7 @@ def cache_types() -> tuple[type, ...]:
     return (
         BackendChoice,
         FlashConfig,
+        FlashBackwardConfig,
         PagedConfig,
         FlexConfig,
         BlockSparseConfig,

@@ -10,6 +10,7 @@ blocks context parallelism runs), `kernels` (every Triton and Gluon kernel), `bu
 
 from .flash import FlashAttentionBackward as FlashAttentionBackward
 from .flash import FlashAttentionForward as FlashAttentionForward
+from .flash import FlashBackwardConfig as FlashBackwardConfig
 from .flash import FlashConfig as FlashConfig
 from .flash import attention as attention
 from .flash import bwd_heuristic as bwd_heuristic
@@ -31,6 +32,7 @@ from .paged import unsupported_paged_reason as unsupported_paged_reason
 __all__ = [
     "FlashAttentionBackward",
     "FlashAttentionForward",
+    "FlashBackwardConfig",
     "FlashConfig",
     "PagedAttention",
     "PagedConfig",

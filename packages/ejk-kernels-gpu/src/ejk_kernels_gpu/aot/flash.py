@@ -29,7 +29,14 @@ from ..build._jax_triton_fix import (
     source_signature,
     threads_required,
 )
-from ..flash._config import SHARED_MEMORY_LIMIT, FlashConfig, fits_shared_memory, ordinary_config
+from ..flash._config import (
+    SHARED_MEMORY_LIMIT,
+    FlashBackwardConfig,
+    FlashConfig,
+    fits_shared_memory,
+    ordinary_config,
+    ordinary_dq_config,
+)
 from ..flash._constexprs import (
     dq_by_tma,
     gluon_constexprs,
@@ -95,7 +102,12 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str):
+# A build's config: the forward's and the dq kernel's a `FlashConfig`, the dk/dv kernel's a
+# `FlashBackwardConfig`.
+Config = FlashConfig | FlashBackwardConfig
+
+
+def _constexprs(kernel: str, cfg: Config, head_dim: int, dtype: str, variant: str):
     feats = dict(VARIANTS[variant])
     bias = feats.pop("bias", False)
     sinks = feats.pop("sinks", False)
@@ -113,8 +125,8 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
         has_seg=feats.get("has_seg", False),
         varlen=feats.get("varlen", False),
         seq_ids=feats.get("seq_ids", True),
-        fwd_cfg=cfg,
-        bwd_cfg=cfg,
+        fwd_cfg=cfg if isinstance(cfg, FlashConfig) else FlashConfig(),
+        bwd_cfg=cfg if isinstance(cfg, FlashBackwardConfig) else FlashBackwardConfig(),
     )
     batch, heads, kv_heads = 2, 16, 8
     q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.dtype(dtype))
@@ -132,9 +144,9 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
     consts = kernel_constexprs(opts, q, k, b, sinks, kv_pair=pair)
     # The warp-specialised build reads lse rows padded to a multiple of 128 (see backward).
     consts.update(INTERPRET=False, WS=cfg.warp_specialize, LSE_T=-(-seq // 128) * 128)
-    if kernel == "dkdv_kernel":  # keys resident (block_q rows), queries streamed (see FlashConfig)
+    if isinstance(cfg, FlashBackwardConfig):  # dk/dv: keys resident, queries streamed
         consts.update(
-            BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q, DQ_ATOMIC=cfg.atomic_dq,
+            BLOCK_M=cfg.block_queries, BLOCK_N=cfg.block_keys, DQ_ATOMIC=cfg.atomic_dq,
             DQ_TMA=dq_by_tma(cfg, head_dim, hopper=True),  # the build sm_90 runs
         )  # fmt: skip
     else:
@@ -144,7 +156,7 @@ def _constexprs(kernel: str, cfg: FlashConfig, head_dim: int, dtype: str, varian
 
 def compile_kernel(
     kernel: str,
-    cfg: FlashConfig,
+    cfg: Config,
     head_dim: int,
     dtype: str = "bfloat16",
     variant: str = "plain",
@@ -156,8 +168,12 @@ def compile_kernel(
     in the SASS the swaps of 16-bit halves (`half_swaps`) and the 64-bit shifts that
     unpack a packed mask (`mask_unpacks`).
 
+    ``cfg``: a `FlashConfig` for ``fwd_kernel`` and ``dq_kernel``, a `FlashBackwardConfig`
+    for ``dkdv_kernel``.
+
     Returns:
-        dict with the kernel, config, shared memory bytes, scratch, threads, spills, seconds.
+        dict with the kernel, config (`config_row`), shared memory bytes, scratch, threads,
+        spills, seconds.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -166,6 +182,9 @@ def compile_kernel(
 
     if module.INTERPRET:
         raise RuntimeError("compile_kernel needs TRITON_INTERPRET unset (run it in a subprocess)")
+    if isinstance(cfg, FlashBackwardConfig) != (kernel == "dkdv_kernel"):
+        wanted = "FlashBackwardConfig" if kernel == "dkdv_kernel" else "FlashConfig"
+        raise TypeError(f"{kernel} takes a {wanted}, got {cfg!r}")
     consts = _constexprs(kernel, cfg, head_dim, dtype, variant)
     if kernel == "fwd_kernel" and cfg.gluon:
         kernel = "gluon_fwd_kernel"
@@ -205,15 +224,7 @@ def compile_kernel(
         variant=variant,
         head_dim=head_dim,
         dtype=dtype,
-        config=dict(
-            block_q=cfg.block_q,
-            block_k=cfg.block_k,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            warp_specialize=cfg.warp_specialize,
-            atomic_dq=cfg.atomic_dq,
-            gluon=cfg.gluon,
-        ),
+        config=config_row(cfg),
         shared=int(meta.shared),
         # Global scratch (TMA descriptors) comes from a buffer of SCRATCH_PER_PROGRAM per program.
         scratch=scratch,
@@ -231,6 +242,24 @@ def compile_kernel(
             re.findall(r"\bdiv\.(?:full|rn|approx)(?:\.ftz)?\.f32\b", compiled.asm["ptx"])
         ),
         seconds=round(time.perf_counter() - start, 2),
+    )
+
+
+def config_row(cfg: Config) -> dict[str, Any]:
+    """A build's config as its JSON line gives it, the same for every kernel: ``block_q`` the
+    resident rows (query rows; keys of the dk/dv kernel, a `FlashBackwardConfig`'s
+    ``block_keys``), ``block_k`` the streamed rows a step (keys; query rows of the dk/dv
+    kernel, ``block_queries``), its warps, stages and flags (``atomic_dq``: the dk/dv
+    kernel's; False for every other)."""
+    backward = isinstance(cfg, FlashBackwardConfig)
+    return dict(
+        block_q=cfg.block_keys if backward else cfg.block_q,
+        block_k=cfg.block_queries if backward else cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        warp_specialize=cfg.warp_specialize,
+        atomic_dq=backward and cfg.atomic_dq,
+        gluon=cfg.gluon,
     )
 
 
@@ -412,12 +441,12 @@ GLUON_SPILL_BYTES = {
 }
 
 
-def _report(name: str, cfg: FlashConfig, head_dim: int, dtype: str, variant: str) -> bool:
+def _report(name: str, cfg: Config, head_dim: int, dtype: str, variant: str) -> bool:
     """Compile one kernel, print its JSON line; True if it failed or does not fit (or, for
     a Gluon kernel, spills more registers than it may: `GLUON_SPILL_BYTES`)."""
     try:
         row = compile_kernel(name, cfg, head_dim, dtype, variant, spills=cfg.gluon)
-        allowed = GLUON_SPILL_BYTES.get((row["kernel"], cfg.atomic_dq), 0)
+        allowed = GLUON_SPILL_BYTES.get((row["kernel"], row["config"]["atomic_dq"]), 0)
         if (row["spill_stores"] or 0) > allowed:
             row["error"] = f"ptxas spills {row['spill_stores']} bytes"
     except Exception as exc:  # report every failure, then fail the run
@@ -494,9 +523,14 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "dq_kernel":  # with atomic dq the dk/dv kernel computes dq;
                         # beside a Gluon dk/dv config runs the Gluon dq kernel or the
                         # ordinary one with other tiles (`dq_beside`), or with its tiles
-                        ordinary = tuple(c for c in space if not c.atomic_dq and not c.gluon)
+                        # (`ordinary_dq_config`)
+                        ordinary = tuple(
+                            ordinary_dq_config(c) for c in space if not c.atomic_dq and not c.gluon
+                        )
                         beside = tuple(
-                            ordinary_config(c, head_dim, itemsize, side, ("dq",))
+                            ordinary_dq_config(
+                                ordinary_config(c, head_dim, itemsize, side, ("dq",))
+                            )
                             for c in space
                             if c.gluon and not c.atomic_dq
                         )

@@ -40,7 +40,7 @@ from jaxtyping import Float, Int, UInt32
 from ejk_sequtils import validate_attention
 
 from ..flash._backward_launch import backward
-from ..flash._config import FlashConfig
+from ..flash._config import FlashBackwardConfig, FlashConfig, as_backward_config
 from ..flash._forward_launch import forward
 from ..flash._select import (
     CallOptions,
@@ -84,9 +84,11 @@ def block_options(
     v: Float[Array, "B S K H"],
     has_segments: bool,
     config: FlashConfig | None = None,
-    bwd_config: FlashConfig | None = None,
+    bwd_config: FlashBackwardConfig | FlashConfig | None = None,
 ) -> CallOptions:
-    """The kernels' `CallOptions` of one block call (heuristic configs where None)."""
+    """The kernels' `CallOptions` of one block call (heuristic configs where None; a
+    `FlashConfig` as ``bwd_config``: deprecated, converted, `flash._config.as_backward_config`)."""
+    bwd_config = as_backward_config(bwd_config, stacklevel=4)
     request = validate_attention(
         q,
         k,
@@ -295,7 +297,7 @@ def block_backward(
     k_offset: Offset = 0,
     segment_ids: tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     dropout_key: UInt32[Array, 5] | None = None,
-    bwd_config: FlashConfig | None = None,
+    bwd_config: FlashBackwardConfig | FlashConfig | None = None,
     joint_dkdv: bool = False,
     kv: Float[Array, "B S K 2H"] | None = None,
 ) -> (
@@ -311,7 +313,7 @@ def block_backward(
         lse: the rows' global float32 lse ``[B, N, T]``.
         d_out: cotangent of the global output.
         d_lse: cotangent of the global lse, or None.
-        bwd_config: the backward tile config; default the heuristic's.
+        bwd_config: the backward tile config (`FlashBackwardConfig`); default the heuristic's.
         joint_dkdv: return dk and dv side by side, ``(dq, dkv)`` with ``dkv [B, S, K, 2H]``
             (dk in the first H columns of each head): the Gluon dk/dv kernel writes them
             so, and one reduce-scatter then takes both with no copy (all-gather's backward).

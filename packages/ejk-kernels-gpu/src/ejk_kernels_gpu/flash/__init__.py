@@ -1,5 +1,6 @@
 """Flash attention: the public entry (`flash_attention`, `attention`; `flash._api`), which build and
-config a call gets (`flash._select`, with the config type in `flash._config`), its block tables
+config a call gets (`flash._select`, with the config types in `flash._config`: `FlashConfig` for
+the forward, `FlashBackwardConfig` for the backward), its block tables
 (`_tables`), the kernels' compile-time arguments (`flash._constexprs`), the launches
 (`flash._forward_launch`, `flash._backward_launch`, their order `flash._schedule`), the custom VJP (`flash._vjp`),
 decoding on the split-KV kernel (`_decode`) and the executor kernels (`_executor`)."""
@@ -7,6 +8,7 @@ decoding on the split-KV kernel (`_decode`) and the executor kernels (`_executor
 from ._api import attention as attention
 from ._api import flash_attention as flash_attention
 from ._api import unsupported_reason as unsupported_reason
+from ._config import FlashBackwardConfig as FlashBackwardConfig
 from ._config import FlashConfig as FlashConfig
 from ._config import fits_shared_memory as fits_shared_memory
 from ._executor import FlashAttentionBackward as FlashAttentionBackward
@@ -20,6 +22,7 @@ from ._select import routes_to_decode as routes_to_decode
 __all__ = [
     "FlashAttentionBackward",
     "FlashAttentionForward",
+    "FlashBackwardConfig",
     "FlashConfig",
     "attention",
     "bwd_heuristic",

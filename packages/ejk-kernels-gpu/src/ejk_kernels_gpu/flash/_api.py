@@ -11,9 +11,9 @@ from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from ejk_sequtils import AttentionRequest, validate_attention
 
-from ._config import FlashConfig
+from ._config import FlashBackwardConfig, FlashConfig, as_backward_config
 from ._decode import decode_route
-from ._select import call_options, check_bwd_config
+from ._select import call_options
 from ._tables import kernel_tables
 from ._vjp import flash_vjp
 
@@ -47,14 +47,17 @@ def attention(
     request: AttentionRequest,
     *,
     config: FlashConfig | None = None,
-    bwd_config: FlashConfig | None = None,
+    bwd_config: FlashBackwardConfig | FlashConfig | None = None,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Flash attention of an already validated request (not checked again).
 
     Args:
         request: from `ejk_sequtils.validate_attention`.
         config: forward tile config; default `fwd_heuristic`.
-        bwd_config: backward tile config (dq and dk/dv kernels); default `bwd_heuristic`.
+        bwd_config: backward tile config (`FlashBackwardConfig`: the dk/dv kernel's, and
+            the dq kernel's tiles); default `bwd_heuristic`. A `FlashConfig` is converted
+            field by field with a DeprecationWarning (the spelling before
+            `FlashBackwardConfig`; for one release).
 
     Returns:
         ``out [B, T, N, H]`` in ``q.dtype``; with ``request.return_lse`` the pair
@@ -63,17 +66,15 @@ def attention(
     Raises:
         NotImplementedError: the request is valid but these kernels cannot serve it
             (`unsupported_reason`).
-        TypeError, ValueError: a config of the wrong type, or a Gluon backward config with
-            other query steps than 64 rows.
+        TypeError, ValueError: a config of the wrong type, or a deprecated `FlashConfig`
+            ``bwd_config`` that is no valid `FlashBackwardConfig`.
     """
     reason = unsupported_reason(request)
     if reason is not None:
         raise NotImplementedError(reason)
     if config is not None and not isinstance(config, FlashConfig):
         raise TypeError(f"config must be a FlashConfig or None, got {config!r}")
-    if bwd_config is not None and not isinstance(bwd_config, FlashConfig):
-        raise TypeError(f"bwd_config must be a FlashConfig or None, got {bwd_config!r}")
-    check_bwd_config(bwd_config)
+    bwd_config = as_backward_config(bwd_config)
     routed = decode_route(request, config, bwd_config)  # decoding: the split-KV kernel
     if routed is not None:
         return routed
@@ -105,7 +106,7 @@ def flash_attention(
     dropout_seed: int | Integer[ArrayLike, ""] | None = None,
     return_lse: bool = False,
     config: FlashConfig | None = None,
-    bwd_config: FlashConfig | None = None,
+    bwd_config: FlashBackwardConfig | FlashConfig | None = None,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Flash attention in Triton (FlashAttention-2), forward and backward kernels.
 
@@ -131,7 +132,8 @@ def flash_attention(
         dropout_seed: int or uint32/int32 scalar seed of the counter-hash keep mask.
         return_lse: also return the float32 log-sum-exp ``[B, N, T]``.
         config: forward tile config; default `fwd_heuristic`.
-        bwd_config: backward tile config (dq and dk/dv kernels); default `bwd_heuristic`.
+        bwd_config: backward tile config (`FlashBackwardConfig`); default `bwd_heuristic`
+            (a `FlashConfig`: deprecated, see `attention`).
 
     Returns:
         ``out [B, T, N, H]`` in ``q.dtype``; with ``return_lse`` the pair ``(out, lse)``.

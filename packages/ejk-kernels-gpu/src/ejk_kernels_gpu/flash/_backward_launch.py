@@ -9,7 +9,7 @@ from jax import Array
 
 from ..build._jax_triton_fix import scratch_bytes
 from ..build._triton import by_name, hopper_gpu, kernels, launch
-from ._config import FlashConfig, ordinary_config
+from ._config import FlashBackwardConfig, FlashConfig, ordinary_config, ordinary_dq_config
 from ._constexprs import dq_by_tma, gluon_dkdv_constexprs, gluon_dq_constexprs, kernel_constexprs
 from ._forward_launch import check_kv_pair
 from ._schedule import Walk, launch_order
@@ -37,15 +37,15 @@ def _ordinary_inputs(q, k, v, bias, d_out, stats, tables: Tables, ranges) -> dic
     return dict(shared, bias_ptr=bias_in, seed_ptr=tables.seed)
 
 
-def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables, cfg: FlashConfig,
-          consts: dict, ws: bool) -> tuple[Array, Array, Array, Array | None]:  # fmt: skip
+def _dkdv(opts: CallOptions, q, k, v, bias, d_out, stats, tables: Tables,
+          cfg: FlashBackwardConfig, consts: dict, ws: bool) -> tuple[Array, Array, Array, Array | None]:  # fmt: skip
     """(dk, dv, the logits' gradient (with a bias), dq sum or None (atomic dq)) from the
     ordinary (or warp-specialised) dk/dv kernel."""
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     kv_shape = (*k.shape[:3], head_dim)  # (k may be k and v as one array, ``KV_PAIR``)
     dbias_shape = (batch, heads, q_len, kv_len) if bias is not None else (1,)
-    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    grid = (-(-kv_len // cfg.block_keys), batch * kv_heads)
     tma = dq_by_tma(cfg, q.shape[3], hopper_gpu())
     scratch = jax.ShapeDtypeStruct((scratch_bytes(grid) if tma or ws else 1,), jnp.uint8)
     kernel = kernels().dkdv_kernel
@@ -79,7 +79,7 @@ def _gluon_dkdv(
     d_out,
     stats,
     tables: Tables,
-    cfg: FlashConfig,
+    cfg: FlashBackwardConfig,
     joint: bool,
     kv_pair: bool,
 ) -> tuple[Array, Array | None, Array | None]:
@@ -87,7 +87,7 @@ def _gluon_dkdv(
     with ``cfg.atomic_dq`` it adds the unscaled dq into a float32 buffer by TMA reduces.
     ``joint``: (dk and dv side by side ``[B, S, K, 2H]``, None, dq sum or None)."""
     batch, kv_len, kv_heads = k.shape[0], k.shape[1], k.shape[2]
-    grid = (-(-kv_len // cfg.block_q), batch * kv_heads)
+    grid = (-(-kv_len // cfg.block_keys), batch * kv_heads)
     wide = gluon_dkdv_wide(q.shape[3])
     consts = gluon_dkdv_constexprs(opts, q, k, cfg, joint=joint, kv_pair=kv_pair)
     kv_shape = (*k.shape[:3], q.shape[3])  # (k may be k and v as one array, ``KV_PAIR``)
@@ -117,7 +117,8 @@ def _gluon_dkdv(
 def _gluon_dq(
     opts: CallOptions, q, k, v, d_out, stats, tables: Tables, cfg: FlashConfig, kv_pair: bool
 ) -> Array:
-    """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program; with a window,
+    """dq from the Gluon dq kernel (``cfg.block_q`` query rows a program, ``cfg.block_k`` keys
+    a step; with a window,
     packing or segment ids it walks the dq block table, built for the same tiles)."""
     batch, q_len, heads = q.shape[:3]
     grid = (-(-q_len // cfg.block_q), batch * heads)
@@ -183,7 +184,7 @@ def backward(
         side = opts.side_inputs(bias)
         kinds = ("dq",) if gluon else ("dq", "dkdv")
         bwd = ordinary_config(bwd, head_dim, q.dtype.itemsize, side, kinds)
-    cfg, ws = runnable_config(opts, bwd, bias, q, kv_len, bwd.block_q, ("dq", "dkdv"))
+    cfg, ws = runnable_config(opts, bwd, bias, q, kv_len, bwd.block_keys, ("dq", "dkdv"))
     d_out = d_out.astype(q.dtype)
     # lse = shift + log_l: the row max and log row sum with a bias, else the lse and 0.
     shift, log_l = (rows[:, :, 0], rows[:, :, 1]) if bias is not None else (rows, 0.0)
@@ -203,9 +204,9 @@ def backward(
     consts.update(WS=ws, LSE_T=lse_t)
     pad = ((0, 0), (0, 0), (0, lse_t - q_len))
     stats = (jnp.pad(rows, pad), jnp.pad(delta, pad)) if ws else (rows, delta)
-    # A config names the resident tile (block_q) and the streamed one (block_k): queries
-    # resident in dq, keys resident in dk/dv (FlashAttention-2's two backward loops).
-    dkdv_consts = dict(consts, BLOCK_M=cfg.block_k, BLOCK_N=cfg.block_q)
+    # The Triton kernels name their tiles BLOCK_M (query rows) and BLOCK_N (keys): keys
+    # resident in dk/dv, queries resident in dq (FlashAttention-2's two backward loops).
+    dkdv_consts = dict(consts, BLOCK_M=cfg.block_queries, BLOCK_N=cfg.block_keys)
     if gluon:
         dk, dv, dq_sum = _gluon_dkdv(
             opts, q, k, v, d_out, stats, tables, opts.bwd_cfg, joint_dkdv, kv_pair
@@ -222,7 +223,7 @@ def backward(
     elif beside is not None and beside.gluon:
         dq = _gluon_dq(opts, q, k, v, d_out, stats, tables, beside, kv_pair)
     else:  # the ordinary dq kernel: with the backward config's tiles, or those beside it
-        dq_cfg = beside or cfg
+        dq_cfg = beside or ordinary_dq_config(cfg)
         dq_consts = dict(consts, BLOCK_M=dq_cfg.block_q, BLOCK_N=dq_cfg.block_k)
         dq_grid = (-(-q_len // dq_cfg.block_q), batch * heads)
         kernel = kernels().dq_kernel

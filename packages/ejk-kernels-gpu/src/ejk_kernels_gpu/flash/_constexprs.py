@@ -16,7 +16,13 @@ from ejk_sequtils import dropout_threshold
 
 from ..build._limits import LOG2E
 from ..build._triton import multiprocessors
-from ._config import SHARED_MEMORY_LIMIT, FlashConfig, gluon_forward_shared, head_block
+from ._config import (
+    SHARED_MEMORY_LIMIT,
+    FlashBackwardConfig,
+    FlashConfig,
+    gluon_forward_shared,
+    head_block,
+)
 from ._select import CallOptions, gluon_dkdv_wide
 
 __all__ = [
@@ -51,16 +57,16 @@ def gluon_dkdv_constexprs(
     opts: CallOptions,
     q: Any,
     k: Any,
-    cfg: FlashConfig,
+    cfg: FlashBackwardConfig,
     *,
     joint: bool = False,
     kv_pair: bool = False,
 ) -> dict:
-    """The constexpr arguments of `kernels.gluon._backward.gluon_dkdv_kernel`: ``block_q``
-    resident keys (BN), ``block_k`` query rows a step (BM), dq too with ``atomic_dq``;
+    """The constexpr arguments of `kernels.gluon._backward.gluon_dkdv_kernel`: ``block_keys``
+    resident keys (BN), ``block_queries`` query rows a step (BM), dq too with ``atomic_dq``;
     ``joint``: dk and dv side by side in one output (``JOINT``); ``kv_pair``: k and v read
     from one array (``KV_PAIR``)."""
-    tiles = dict(BM=cfg.block_k, BN=cfg.block_q, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
+    tiles = dict(BM=cfg.block_queries, BN=cfg.block_keys, STAGES=cfg.num_stages, DQ=cfg.atomic_dq)
     # The wide kernel counts as one head a program: its causal calls were not measured
     # with an order (segment ids or positions take one there too).
     grouped = q.shape[2] > k.shape[2] and not gluon_dkdv_wide(q.shape[3])
@@ -78,7 +84,7 @@ def gluon_dq_constexprs(
     return dict(_gluon_bwd_constexprs(opts, q, k, kv_pair), **tiles, ORDERED=ordered)
 
 
-def dq_by_tma(cfg: FlashConfig, head_dim: int, hopper: bool) -> bool:
+def dq_by_tma(cfg: FlashBackwardConfig, head_dim: int, hopper: bool) -> bool:
     """Whether the dk/dv kernel adds its dq tiles as TMA reduces (``DQ_TMA``).
 
     Atomic dq on Hopper, with whole-tile rows: a power-of-two head_dim, so a tile of the

@@ -22,7 +22,7 @@ from ejk_sequtils import AttentionRequest
 
 from ..paged._config import paged_heuristic, tile_shape
 from ..paged._launch import PagedCall, paged_forward, uniform_tiles
-from ._config import FlashConfig
+from ._config import FlashBackwardConfig, FlashConfig
 from ._select import CallOptions, call_options, routes_to_decode
 from ._tables import Tables, kernel_tables
 from ._vjp import flash_vjp_bwd, flash_vjp_fwd
@@ -66,7 +66,7 @@ _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
 def decode_route(
-    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
+    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashBackwardConfig | None
 ):
     """``out`` of a request `routes_to_decode` serves (the split-KV forward, the flash
     kernels' gradients), or None for every other request."""

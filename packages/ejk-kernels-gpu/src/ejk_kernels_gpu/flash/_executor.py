@@ -19,7 +19,7 @@ from ejk_executor import Invocation, Kernel
 from ejk_sequtils import AttentionRequest, validate_attention
 
 from ._api import flash_attention
-from ._config import FlashConfig
+from ._config import FlashBackwardConfig, FlashConfig
 from ._select import (
     bwd_search_space,
     call_options,
@@ -92,28 +92,31 @@ class FlashAttentionForward(Kernel[FlashConfig, Any]):
         )  # fmt: skip
 
 
-class FlashAttentionBackward(Kernel[FlashConfig, Any]):
+class FlashAttentionBackward(Kernel[FlashBackwardConfig, Any]):
     """Gradients of ``sum(flash_attention(...) * d_out)`` w.r.t. q, k, v, timed per backward config.
 
     ``run(q, k, v, d_out, bias=None, **kwargs)`` returns ``(dq, dk, dv)``.
     """
 
     name = "ejk_kernels_gpu.flash_attention_bwd"
-    version = "2"  # 2: the Gluon dk/dv kernel joined the space
-    config_type = FlashConfig
+    version = "3"  # 2: the Gluon dk/dv kernel joined the space; 3: its configs became
+    # FlashBackwardConfigs (entries of 2, FlashConfigs, stay on disk under their own keys)
+    config_type = FlashBackwardConfig
     cached_cfg_in_space = True  # from disk only what the autotuner can have stored
 
-    def run(self, q, k, v, d_out, bias=None, *, cfg: FlashConfig, **kwargs: Any) -> Any:
+    def run(self, q, k, v, d_out, bias=None, *, cfg: FlashBackwardConfig, **kwargs: Any) -> Any:
         def fwd(q, k, v):
             return flash_attention(q, k, v, bias, bwd_config=cfg, **kwargs)
 
         _, vjp = jax.vjp(fwd, q, k, v)
         return vjp(d_out.astype(q.dtype))
 
-    def heuristic_cfg(self, inv: Invocation[FlashConfig, Any]) -> FlashConfig:
+    def heuristic_cfg(self, inv: Invocation[FlashBackwardConfig, Any]) -> FlashBackwardConfig:
         return call_options(_bwd_request(inv), None, None).bwd_cfg  # the call's own default
 
-    def config_space(self, inv: Invocation[FlashConfig, Any]) -> Iterable[FlashConfig]:
+    def config_space(
+        self, inv: Invocation[FlashBackwardConfig, Any]
+    ) -> Iterable[FlashBackwardConfig]:
         request = _bwd_request(inv)
         opts = call_options(request, None, None)
         kv_len = request.k.shape[1]
@@ -124,13 +127,13 @@ class FlashAttentionBackward(Kernel[FlashConfig, Any]):
         )
 
 
-def _bwd_request(inv: Invocation[FlashConfig, Any]) -> AttentionRequest:
+def _bwd_request(inv: Invocation[FlashBackwardConfig, Any]) -> AttentionRequest:
     """The validated request of a `FlashAttentionBackward` invocation
     (``(q, k, v, d_out, bias=None, **flash_attention's keywords)``)."""
     return _request(inv, ("q", "k", "v", "d_out", "bias"))
 
 
-def _request(inv: Invocation[FlashConfig, Any], names: tuple[str, ...]) -> AttentionRequest:
+def _request(inv: Invocation[Any, Any], names: tuple[str, ...]) -> AttentionRequest:
     """The validated request of an invocation whose positional arguments are ``names``
     (`flash_attention`'s keywords besides; ``d_out`` and configs dropped)."""
     given = dict(zip(names, inv.args, strict=False)) | inv.kwargs

@@ -57,9 +57,9 @@ class Walk(NamedTuple):
 
     @classmethod
     def of_keys(cls, keys: int, rows: int, cfg: Any) -> Walk:
-        """dk/dv programs: ``cfg.block_q`` resident keys each, ``cfg.block_k`` query rows a
-        step."""
-        return cls(-(-keys // cfg.block_q), cfg.block_q, rows, cfg.block_k, False)
+        """dk/dv programs (``cfg`` a `flash._config.FlashBackwardConfig`): ``cfg.block_keys``
+        resident keys each, ``cfg.block_queries`` query rows a step."""
+        return cls(-(-keys // cfg.block_keys), cfg.block_keys, rows, cfg.block_queries, False)
 
 
 def _xp(x: Any):

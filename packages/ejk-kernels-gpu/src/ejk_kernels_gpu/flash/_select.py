@@ -12,18 +12,20 @@ A call is decided in this order (`flash._api.attention`, `call_options`):
    (`can_warp_specialize`, `can_run_gluon`, `can_run_gluon_dkdv`), else its ordinary
    twin with the same tiles (`flash._config.ordinary_config`).
 
-The builds a config names:
+The builds a config names (the forward's and the dq kernel's: `FlashConfig`, ``block_q``
+query rows resident, ``block_k`` keys a step; the backward's: `FlashBackwardConfig`,
+``block_keys`` resident in the dk/dv kernel, ``block_queries`` query rows a step):
 
 =================================  =====================================  ================================
 build                              kernel                                 config
 =================================  =====================================  ================================
-ordinary Triton (FlashAttention-2)  `kernels.triton._forward`, `_backward`  any ``FlashConfig`` (no flag)
+ordinary Triton (FlashAttention-2)  `kernels.triton._forward`, `_backward`  any config (no flag)
 warp-specialised Triton            the same, ``WS``                       ``warp_specialize=True``
 Gluon forward, 2 consumers         `kernels.gluon._forward`                ``gluon``, ``block_q`` 128
 Gluon forward, 3 consumers         `kernels.gluon._forward`                ``gluon``, ``block_q`` 192
 Gluon dk/dv, dq inside             `kernels.gluon._backward`               ``gluon``, 128, ``atomic_dq``
 Gluon dk/dv, dq beside             `kernels.gluon._backward` + dq kernel   ``gluon``, 128 (`DQ_RULES`)
-head_dim 256, columns split        `kernels.gluon._backward_wide`          ``gluon``, ``block_q`` 64
+head_dim 256, columns split        `kernels.gluon._backward_wide`          ``gluon``, ``block_keys`` 64
 decode split-KV                    `kernels.triton._paged`                 `paged.PagedConfig`
 =================================  =====================================  ================================
 
@@ -45,11 +47,14 @@ from ejk_sequtils import AttentionRequest
 
 from ..build._triton import hopper_gpu
 from ._config import (
+    Cfg,
+    FlashBackwardConfig,
     FlashConfig,
     candidates,
     gluon_fits,
     head_block,
     ordinary_config,
+    ordinary_dq_config,
 )
 
 __all__ = [
@@ -73,7 +78,6 @@ __all__ = [
     "can_run_gluon",
     "can_run_gluon_dkdv",
     "can_warp_specialize",
-    "check_bwd_config",
     "dq_beside",
     "fwd_heuristic",
     "fwd_search_space",
@@ -110,7 +114,7 @@ class CallOptions:
     has_seg: bool
     varlen: bool  # masks on per-token positions (`flash._tables.Tables`' q_pos, k_pos)
     fwd_cfg: FlashConfig
-    bwd_cfg: FlashConfig
+    bwd_cfg: FlashBackwardConfig
     # With varlen: compare sequence ids too (packed sequences); False: positions alone
     # (context-parallel blocks, `context._blocks`: every token is in one sequence).
     seq_ids: bool = True
@@ -141,6 +145,12 @@ class CallOptions:
         one answer for the launch and for the dq block table built for its tiles
         (`flash._tables.range_tables`)."""
         return dq_beside(self.bwd_cfg, head_dim, self.soft_cap > 0.0, tabled=self.tabled())
+
+    def dq_config(self, head_dim: int) -> FlashConfig:
+        """The config of this call's dq kernel where one runs: the one beside a Gluon dk/dv
+        config (`dq_beside`), else the ordinary dq kernel's with the backward config's
+        tiles (`flash._config.ordinary_dq_config`)."""
+        return self.dq_beside(head_dim) or ordinary_dq_config(self.bwd_cfg)
 
     def ordered_tiles(
         self, kernel: str, *, grouped: bool = False, persistent: bool = False
@@ -210,6 +220,8 @@ def routes_to_decode(request: AttentionRequest, config: FlashConfig | None = Non
 # ---- The rules -----------------------------------------------------------------------------
 
 Call = TypeVar("Call")
+# What a rule picks: a forward or dq kernel config, or a backward one.
+Config = FlashConfig | FlashBackwardConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +239,11 @@ class Rule(Generic[Call]):
 
     name: str
     when: Callable[[Call], bool]
-    pick: FlashConfig | Callable[[Call], FlashConfig | None] | None
+    pick: Config | Callable[[Call], Config | None] | None
     reason: str
     figure: str
 
-    def config(self, call: Call) -> FlashConfig | None:
+    def config(self, call: Call) -> Any:
         return self.pick(call) if callable(self.pick) else self.pick
 
 
@@ -378,15 +390,20 @@ def fwd_heuristic(
 
 # The Gluon dk/dv kernel: 128 resident keys, 64 query rows a step, two q/dO slots (three:
 # _3); dq beside it, or inside it (``atomic_dq``, TMA reduces of dq).
-GLUON_BWD = FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, gluon=True)
+GLUON_BWD = FlashBackwardConfig(
+    block_keys=128, block_queries=64, num_warps=4, num_stages=2, gluon=True
+)
 GLUON_BWD_3 = msgspec.structs.replace(GLUON_BWD, num_stages=3)
 GLUON_BWD_DQ = msgspec.structs.replace(GLUON_BWD, num_stages=3, atomic_dq=True)
 # head_dim 256 (`kernels.gluon._backward_wide`): 64 resident keys, the consumers splitting dK's
 # and dV's columns; two slots (three do not fit shared memory), the Gluon dq kernel beside.
-GLUON_BWD_256 = FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2, gluon=True)
-# The ordinary backward at head_dim 64 (also the dq kernel beside the Gluon dk/dv kernel
-# there without a soft cap, `DQ_RULES`).
-ORDINARY_BWD_64 = FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)
+GLUON_BWD_256 = FlashBackwardConfig(
+    block_keys=64, block_queries=64, num_warps=4, num_stages=2, gluon=True
+)
+# The ordinary backward at head_dim 64; its dq kernel's tiles (64 query rows, 32 keys a
+# step) are also the dq kernel beside the Gluon dk/dv kernel there without a soft cap
+# (`ORDINARY_DQ_64`, `DQ_RULES`).
+ORDINARY_BWD_64 = FlashBackwardConfig(block_keys=64, block_queries=32, num_warps=4, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,21 +476,25 @@ BACKWARD_RULES: tuple[Rule[BackwardCall], ...] = (
     Rule(
         "ordinary, atomic dq, soft cap",
         lambda c: c.head_dim <= 128 and c.itemsize <= 2 and c.soft_cap,
-        FlashConfig(block_q=128, block_k=32, num_warps=8, num_stages=3, atomic_dq=True),
+        FlashBackwardConfig(
+            block_keys=128, block_queries=32, num_warps=8, num_stages=3, atomic_dq=True
+        ),
         "each kernel that recomputes p pays a tanh per score: computing p once wins, groups too",
         BWD_SWEEP,
     ),
     Rule(
         "ordinary, atomic dq, MHA",
         lambda c: c.head_dim <= 128 and c.itemsize <= 2 and c.group == 1,
-        FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=3, atomic_dq=True),
+        FlashBackwardConfig(
+            block_keys=128, block_queries=64, num_warps=8, num_stages=3, atomic_dq=True
+        ),
         "MHA 16-bit: dq by atomic adds saves the dq kernel's two recomputed matmuls",
         CONFIG_RUNS,
     ),
     Rule(
         "ordinary, dq kernel, head_dim <= 128",
         lambda c: c.head_dim <= 128,
-        FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=2),
+        FlashBackwardConfig(block_keys=64, block_queries=64, num_warps=4, num_stages=2),
         "with groups atomic dq is level and 8-warp 128-row tiles slower; a dq kernel keeps dq "
         "reproducible bit for bit",
         CONFIG_RUNS,
@@ -481,14 +502,14 @@ BACKWARD_RULES: tuple[Rule[BackwardCall], ...] = (
     Rule(
         "ordinary, head_dim > 128, 16-bit",
         lambda c: c.itemsize <= 2,
-        FlashConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
+        FlashBackwardConfig(block_keys=64, block_queries=64, num_warps=8, num_stages=2),
         "faster than 32x32 tiles with 4 warps at head_dim 256",
         BWD_SWEEP,
     ),
     Rule(
         "ordinary, head_dim > 128, float32",
         lambda c: True,
-        FlashConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),
+        FlashBackwardConfig(block_keys=32, block_queries=32, num_warps=4, num_stages=2),
         "float32 tiles of wide head_dims fit only small",
         CONFIG_RUNS,
     ),
@@ -503,9 +524,8 @@ def bwd_heuristic(
     soft_cap: bool = False,
     gluon: bool = False,
     tables: bool = False,
-) -> FlashConfig:
-    """A good backward config without timing: the first of `BACKWARD_RULES` that holds
-    (block_q resident, block_k streamed).
+) -> FlashBackwardConfig:
+    """A good backward config without timing: the first of `BACKWARD_RULES` that holds.
 
     Never the warp-specialised backward: its dk/dv kernel is not deterministic on an H100
     (dk and dv differ between runs, sometimes NaN), so no call gets it unless its config
@@ -533,6 +553,8 @@ GLUON_DQ_CONFIG: FlashConfig | None = FlashConfig(
 )
 # At head_dim 64 (soft cap calls) two slots, unpipelined.
 GLUON_DQ_64: FlashConfig | None = msgspec.structs.replace(GLUON_DQ_CONFIG, num_stages=2)
+# The ordinary dq kernel at head_dim 64: `ORDINARY_BWD_64`'s tiles.
+ORDINARY_DQ_64 = ordinary_dq_config(ORDINARY_BWD_64)
 # At head_dim 256 its rows (128 of q and of dO, 256 columns: 128 KiB) leave room for a ring
 # of 32-key k/v blocks only, two slots; its float32 dq is 128 registers a consumer.
 GLUON_DQ_256: FlashConfig | None = FlashConfig(
@@ -553,7 +575,7 @@ GLUON_DQ_THREE: dict[tuple[int, bool], FlashConfig] = {
 class DqCall:
     """What the dq rules read: the backward config and the call."""
 
-    bwd: FlashConfig
+    bwd: FlashBackwardConfig
     head_dim: int
     soft_cap: bool
     tabled: bool  # masks beyond causal: a window, packing, segment ids
@@ -569,7 +591,7 @@ DQ_RULES: tuple[Rule[DqCall], ...] = (
     ),
     Rule(
         "Gluon dq, 32 keys a step (beside the head_dim 256 kernel)",
-        lambda c: c.bwd.block_q == 64,
+        lambda c: c.bwd.block_keys == 64,
         lambda c: GLUON_DQ_256,
         "128 rows of q and dO at 256 columns leave room for 32-key k/v slots only",
         FEATURES,
@@ -591,7 +613,7 @@ DQ_RULES: tuple[Rule[DqCall], ...] = (
     Rule(
         "ordinary dq kernel, head_dim 64",
         lambda c: c.head_dim == 64,
-        ORDINARY_BWD_64,
+        ORDINARY_DQ_64,
         "without a soft cap faster than the Gluon dq kernel at head_dim 64",
         CONFIG_RUNS,
     ),
@@ -606,11 +628,12 @@ DQ_RULES: tuple[Rule[DqCall], ...] = (
 
 
 def dq_beside(
-    bwd: FlashConfig, head_dim: int, soft_cap: bool, *, tabled: bool = False
+    bwd: FlashBackwardConfig, head_dim: int, soft_cap: bool, *, tabled: bool = False
 ) -> FlashConfig | None:
-    """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd``: the
-    first of `DQ_RULES` that holds; None where dq comes from elsewhere (the dk/dv kernel's
-    ``atomic_dq``, or the ordinary dq kernel with ``bwd``'s tiles: not a Gluon config, or
+    """The config of the dq kernel that runs beside the Gluon dk/dv config ``bwd`` (a
+    `FlashConfig`: queries resident, keys a step): the first of `DQ_RULES` that holds; None
+    where dq comes from elsewhere (the dk/dv kernel's ``atomic_dq``, or the ordinary dq
+    kernel with ``bwd``'s tiles, `ordinary_dq_config`: not a Gluon config, or
     `GLUON_DQ_CONFIG` set to None). ``tabled``: a window, packing or segment ids. The dq
     block table is built for the tiles of the kernel that runs (`flash._tables.range_tables`)."""
     call = DqCall(bwd=bwd, head_dim=head_dim, soft_cap=soft_cap, tabled=tabled)
@@ -627,12 +650,16 @@ GLUON_BWD_CONFIGS = {
     128: (GLUON_BWD, GLUON_BWD_3, msgspec.structs.replace(GLUON_BWD, atomic_dq=True), GLUON_BWD_DQ),
     256: (GLUON_BWD_256,),
 }
-# The warp-specialised backward, for explicit configs only (128 resident rows: keys in
-# dk/dv, queries in dq, 64 per consumer warpgroup; 64 streamed): its dk/dv kernel has a
-# race (see `bwd_heuristic`), so neither the rules nor the tuning space offer it. The AOT
-# build still compiles it.
+# The warp-specialised backward, for explicit configs only (128 resident keys in dk/dv,
+# and 128 query rows in the dq kernel with its tiles, 64 per consumer warpgroup; 64
+# streamed): its dk/dv kernel has a race (see `bwd_heuristic`), so neither the rules nor
+# the tuning space offer it. The AOT build still compiles it.
 WS_BWD_CONFIGS = {
-    128: (FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=2, warp_specialize=True),),
+    128: (
+        FlashBackwardConfig(
+            block_keys=128, block_queries=64, num_warps=4, num_stages=2, warp_specialize=True
+        ),
+    ),
 }
 
 
@@ -670,8 +697,9 @@ def bwd_search_space(
     gluon: bool = False,
     soft_cap: bool = False,
     tables: bool = False,
-) -> tuple[FlashConfig, ...]:
-    """Every backward config (shared by the dq and dk/dv kernels) that fits both, and
+) -> tuple[FlashBackwardConfig, ...]:
+    """Every backward config (the dk/dv kernel's, and the ordinary dq kernel's with its
+    tiles, `ordinary_dq_config`) that fits both, and
     with ``gluon`` (the call can take the Gluon dk/dv kernel, `can_run_gluon_dkdv`) its
     configs (`GLUON_BWD_CONFIGS`; with a ``soft_cap`` the two-slot one only: with three
     its sm_90 build spills registers inside its loop; with ``tables``, masks beyond causal,
@@ -745,13 +773,15 @@ def gluon_dkdv_wide(head_dim: int) -> bool:
     return head_dim == 256
 
 
-def gluon_dkdv_tiles(head_dim: int) -> FlashConfig:
+def gluon_dkdv_tiles(head_dim: int) -> FlashBackwardConfig:
     """The Gluon dk/dv tiles a call of ``head_dim`` would take (`can_run_gluon_dkdv` asks
     nothing else of a config)."""
     return GLUON_BWD_256 if gluon_dkdv_wide(head_dim) else GLUON_BWD
 
 
-def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashConfig) -> bool:
+def can_run_gluon_dkdv(
+    opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: FlashBackwardConfig
+) -> bool:
     """Whether a backward may run the Gluon dk/dv kernel (`kernels.gluon._backward`) with
     ``cfg`` (a Gluon config: 128 resident keys, 64-row query steps; or 64 resident keys at
     head_dim 256): what `offer_gluon` asks, head_dim 64 or 128 (128 with dq in it,
@@ -760,37 +790,38 @@ def can_run_gluon_dkdv(opts: CallOptions, bias: Any, q: Any, kv_len: int, cfg: F
     it (beyond causal through the dk/dv block table, built for these tiles), a soft cap
     and sinks (they live in the lse)."""
     head_dim = q.shape[3]
-    if cfg.block_q == 64:  # the head_dim 256 kernel (`kernels.gluon._backward_wide`), dq beside
+    if cfg.block_keys == 64:  # the head_dim 256 kernel (`kernels.gluon._backward_wide`), dq beside
         tiles = gluon_dkdv_wide(head_dim) and not cfg.atomic_dq
     else:
-        tiles = cfg.block_q == 128 and head_dim in ((128,) if cfg.atomic_dq else (64, 128))
+        tiles = cfg.block_keys == 128 and head_dim in ((128,) if cfg.atomic_dq else (64, 128))
     return (
         cfg.gluon
         and tiles
-        and cfg.block_k == 64
+        and cfg.block_queries == 64
         and offer_gluon(
             itemsize=q.dtype.itemsize, bias=bias, dropout_rate=opts.dropout_rate, scale=opts.scale
         )
         and q.shape[1] > 0
-        and q.shape[1] % cfg.block_k == 0
+        and q.shape[1] % cfg.block_queries == 0
         and kv_len > 0
     )
 
 
 def runnable_config(
     opts: CallOptions,
-    cfg: FlashConfig,
+    cfg: Cfg,
     bias: Any,
     q: Any,
     kv_len: int,
     block: int,
     kinds: tuple[str, ...],
-) -> tuple[FlashConfig, bool]:
+) -> tuple[Cfg, bool]:
     """(config, special) a launch runs: ``cfg`` where the call can take its warp-specialised
     or Gluon build (``special``), else its ordinary twin (`ordinary_config`) for ``kinds``.
-    ``block``: the streamed key tile (forward) or the resident one (backward)."""
+    ``block``: the streamed key tile (forward, ``block_k``) or the resident one (backward,
+    ``block_keys``)."""
     head_dim = q.shape[3]
-    if cfg.gluon:
+    if isinstance(cfg, FlashConfig) and cfg.gluon:
         special = can_run_gluon(opts, bias, q, kv_len, cfg)
     else:
         masks = opts.ws_masks()
@@ -814,28 +845,10 @@ def short_causal(opts: CallOptions, kv_len: int) -> bool:
     return opts.causal and kv_len <= SHORT_CAUSAL_KEYS
 
 
-def check_bwd_config(bwd_config: FlashConfig | None) -> None:
-    """Refuse a backward config no backward kernel runs (ValueError naming it): Gluon
-    configs other than 64 query rows a step, and the forward's three-consumer tile."""
-    if bwd_config is None:
-        return
-    if bwd_config.gluon and bwd_config.block_k != 64:
-        raise ValueError(
-            "bwd_config.gluon: the Gluon dk/dv kernel steps over 64 query rows "
-            f"(block_k=64), got {bwd_config!r}"
-        )
-    if bwd_config.block_q == 192:
-        raise ValueError(
-            "bwd_config.block_q=192 is the Gluon forward's three-consumer tile; the backward "
-            f"kernels own 64 or 128 rows (block_q a power of two), got {bwd_config!r}"
-        )
-
-
 def call_options(
-    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashConfig | None
+    request: AttentionRequest, config: FlashConfig | None, bwd_config: FlashBackwardConfig | None
 ) -> CallOptions:
     """The `CallOptions` of a validated request; a config left None is the rules'."""
-    check_bwd_config(bwd_config)
     _, _, kv_len, heads, kv_heads, head_dim = request.shape
     itemsize = request.q.dtype.itemsize
     opts = CallOptions(
@@ -847,7 +860,7 @@ def call_options(
         has_seg=request.segment_ids is not None,
         varlen=request.cu_seqlens_q is not None,
         fwd_cfg=config or FlashConfig(),  # both replaced below when None
-        bwd_cfg=bwd_config or FlashConfig(),
+        bwd_cfg=bwd_config or FlashBackwardConfig(),
     )
     ws = offer_warp_specialize(opts.ws_masks(), request.bias, kv_len, head_dim)
     gluon = offer_gluon(

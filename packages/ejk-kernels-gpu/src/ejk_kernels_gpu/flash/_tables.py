@@ -442,11 +442,16 @@ def range_tables(
         the forward's counter (`Tables.fwd_counter`), else None.
     """
     fwd_cfg, bwd_cfg = opts.fwd_cfg, opts.bwd_cfg
-    # dk/dv programs own key blocks of block_q rows (the resident tile) and stream block_k
-    # queries; the dq kernel's tiles are the backward config's, or the Gluon dq kernel's
-    # beside a Gluon dk/dv config (`CallOptions.dq_beside`: other tiles at head_dim 64 and 256).
-    dq_cfg = opts.dq_beside(head_dim) or bwd_cfg
-    shapes = tuple((c.block_q, c.block_k) for c in (fwd_cfg, dq_cfg, bwd_cfg))
+    # dk/dv programs own key blocks of block_keys rows (the resident tile) and stream
+    # block_queries queries; the dq kernel's tiles are the backward config's
+    # (`ordinary_dq_config`), or the Gluon dq kernel's beside a Gluon dk/dv config
+    # (`CallOptions.dq_beside`: other tiles at head_dim 64 and 256).
+    dq_cfg = opts.dq_config(head_dim)
+    shapes = (
+        (fwd_cfg.block_q, fwd_cfg.block_k),
+        (dq_cfg.block_q, dq_cfg.block_k),
+        (bwd_cfg.block_keys, bwd_cfg.block_queries),
+    )
     ranges_of = (rows, rows, cols)
     if fused is None:
         fused = not _triton.interpreting()

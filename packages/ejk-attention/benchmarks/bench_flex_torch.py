@@ -35,10 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+# The PyTorch timing shared with the kernel package's FA4 benchmark.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"))
+from _torch_timing import time_interleaved
 
 BLOCK = 128
 REPS = 10
@@ -153,24 +157,6 @@ def _dense(q, k, v, mask_mod, score_mod, batch: int = 0, heads: int = 2) -> torc
     return torch.stack(outs)
 
 
-def _time(fns: dict, rounds: int) -> dict:
-    """``{name: (median ms, best ms)}`` per call, timed in interleaved rounds."""
-    times: dict = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(REPS):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / REPS)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
-
-
 def bench_row(name: str, rounds: int, check: bool, compiled) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -204,7 +190,7 @@ def bench_row(name: str, rounds: int, check: bool, compiled) -> list[dict]:
         except Exception as exc:  # report the row, go on with the others
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         rows.append(row)
-    timed = _time(fns, rounds)
+    timed = time_interleaved(fns, rounds, REPS)
     for row in rows:
         for key in ("fwd", "fwdbwd"):
             if (row["as"], key) in timed:

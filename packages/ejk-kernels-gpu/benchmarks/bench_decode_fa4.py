@@ -17,33 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from _torch_timing import time_interleaved
 
 # (B, S, N, K, H): bench_decode.DECODE_SHAPES (repeated: this process does not import JAX).
 DECODE_SHAPES = [(32, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
 PAGE = 64
 CALLS = 20
-
-
-def _time(fns: dict, rounds: int) -> dict:
-    """``{name: (median ms, best ms)}`` per call, the contenders timed in interleaved rounds."""
-    times: dict = {name: [] for name in fns}
-    for fn in fns.values():  # compile and warm up
-        fn()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(CALLS):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / CALLS)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def bench_shape(shape, rounds: int) -> list[dict]:
@@ -84,7 +66,7 @@ def bench_shape(shape, rounds: int) -> list[dict]:
             rows.append(dict(impl=name, rel_err_vs_sdpa=err))
         except Exception as exc:  # report each contender
             rows.append(dict(impl=name, error=f"{type(exc).__name__}: {str(exc)[:400]}"))
-    timed = _time(working, rounds)
+    timed = time_interleaved(working, rounds, CALLS)
     nbytes = 2 * B * S * K * H * 2
     for row in rows:
         if row["impl"] in timed:

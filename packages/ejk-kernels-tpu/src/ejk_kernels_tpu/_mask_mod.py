@@ -1,41 +1,47 @@
-"""A mask function with inputs: a scalar ``mask_mod(b, h, q_idx, kv_idx) -> bool`` split for the kernels.
+"""A user's flex mod split for the kernels: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (`ModMask`)
+and ``score_mod(score, b, h, q_idx, kv_idx)`` (`ModScore`).
 
 The splash mask function (`Mask.mask_function`) is ``f(q_ids, kv_ids)`` of positions only.
-A user's mask_mod also reads the batch row and head and the arrays it captures (document
-ids, prefix lengths), usually as ``ids[b, q_idx]``: a gather, which Mosaic cannot lower
-on a tile. `ModMask` traces the mod once on int32 scalars and splits its jaxpr by what
-each value depends on:
+A user's mod also reads the batch row and head and the arrays it captures (document ids,
+prefix lengths, ALiBi slopes), usually as ``ids[b, q_idx]`` or ``slopes[h]``: a gather,
+which Mosaic cannot lower on a tile. The mod is traced once on scalars and its jaxpr split
+by what each value depends on:
 
 - *features*: scalar values that depend on the query but not the key (``ids[b, q_idx]``),
-  on the key but not the query, or on neither (``lengths[b]``, a captured scalar), and
-  that the rest of the mod combines. They are computed outside the kernel, once per
-  position (``[B', N', T]``, ``[B', N', S]``) or per ``(b, h)``, by running the mod's own
-  equations vmapped; the kernels read them as ``[rows, 1]`` / ``[1, cols]`` blocks (as
-  splash reads segment ids) or SMEM scalars.
-- the *tile part*: the equations that depend on both ``q_idx`` and ``kv_idx`` (comparisons,
-  ``&``, ``|``), evaluated in the kernel on a partial block's iota grids, each equation
-  vmapped over the tile.
+  on the key but not the query, or on neither (``lengths[b]``, ``slopes[h]``, a captured
+  scalar), and that the rest of the mod combines. They are computed outside the kernel,
+  once per position (``[B', N', T]``, ``[B', N', S]``) or per ``(b, h)``, by running the
+  mod's own equations vmapped; the kernels read them as ``[rows, 1]`` / ``[1, cols]``
+  blocks (as splash reads segment ids) or SMEM scalars.
+- the *tile part*: the equations that depend on both ``q_idx`` and ``kv_idx``, or on the
+  score (which has a value per element): comparisons, ``&``, arithmetic, ``tanh``,
+  evaluated in the kernel on a tile's iota grids (and score tile), each equation vmapped
+  over the tile.
 
 A non-scalar value read at an element that depends on both positions (a captured table
-indexed by ``q_idx - kv_idx``) has no such split: `ModMask.trace` refuses it.
+indexed by ``q_idx - kv_idx``) has no such split: `ModMask.trace` / `ModScore.trace`
+refuse it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-__all__ = ["Feature", "ModMask"]
+__all__ = ["Feature", "ModMask", "ModScore"]
 
-# The mod's arguments, in order, and the dependency each one introduces.
+# The index arguments of a mod, in order, and the dependency each one introduces.
 _ARGS = ("b", "h", "q", "kv")
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
+_SCORE = jax.ShapeDtypeStruct((), jnp.float32)
+# The score has a value per element: what depends on it is evaluated on the tile.
+_ELEMENT = frozenset({"q", "kv"})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,12 +85,12 @@ def _read(env: dict[Any, Any], atom: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModMask:
-    """A traced mask_mod, split into features (outside) and a tile part (in the kernel).
+class _SplitMod:
+    """A traced mod, split into features (outside) and a tile part (in the kernel).
 
-    Hashable by identity (a static option of the kernels). Build with `ModMask.trace`;
-    its captured arrays (the jaxpr's constants, concrete or traced) are returned beside
-    it and passed back to `feature_arrays`.
+    Hashable by identity (a static option of the kernels). Build with ``trace``; its
+    captured arrays (the jaxpr's constants, concrete or traced) are returned beside it and
+    passed back to `feature_arrays`.
 
     Attributes:
         jaxpr: the mod's scalar jaxpr (constants are its captured arrays).
@@ -100,19 +106,24 @@ class ModMask:
     features: tuple[Feature, ...]
     name: str
 
+    # The mod's role (for messages), its scalar arguments and the dependency of each.
+    _ROLE: ClassVar[str]
+    _AVALS: ClassVar[tuple[jax.ShapeDtypeStruct, ...]]
+    _DEPS: ClassVar[tuple[frozenset[str], ...]]
+
     @classmethod
-    def trace(cls, mask_mod: Callable[..., Any]) -> tuple[ModMask, list[Any]]:
-        """``(ModMask, captured arrays)`` of ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+    def trace(cls, mod: Callable[..., Any]) -> tuple[Any, list[Any]]:
+        """``(split mod, captured arrays)`` of ``mod`` on scalars.
 
         Raises:
             NotImplementedError: the mod reads a captured array (or a slice of one) at a
                 position that depends on both ``q_idx`` and ``kv_idx``, so it has no
                 per-query / per-key split (the message names the mod and the operation).
         """
-        closed = jax.make_jaxpr(mask_mod)(*(_INDEX,) * 4)
-        jaxpr, name = closed.jaxpr, _name(mask_mod)
+        closed = jax.make_jaxpr(mod)(*cls._AVALS)
+        jaxpr, name = closed.jaxpr, _name(mod)
         deps: dict[Any, frozenset[str]] = {v: frozenset() for v in jaxpr.constvars}
-        deps.update({v: frozenset({a}) for v, a in zip(jaxpr.invars, _ARGS, strict=True)})
+        deps.update(zip(jaxpr.invars, cls._DEPS, strict=True))
         outer, tile, frontier = [], [], {}
 
         def dep(atom: Any) -> frozenset[str]:
@@ -131,7 +142,7 @@ class ModMask:
                     continue
                 if not {"q", "kv"} <= deps[atom]:
                     frontier[atom] = eqn
-        for atom in jaxpr.outvars:  # a mask that ignores q_idx or kv_idx is itself a feature
+        for atom in jaxpr.outvars:  # a mod that ignores q_idx or kv_idx is itself a feature
             if not isinstance(atom, jcore.Literal) and atom not in jaxpr.invars:
                 if not {"q", "kv"} <= deps[atom]:
                     frontier[atom] = None
@@ -139,7 +150,7 @@ class ModMask:
         for var, eqn in frontier.items():
             if var.aval.shape != ():
                 raise NotImplementedError(
-                    f"the Pallas flex kernel cannot evaluate mask_mod {name!r}: its "
+                    f"the Pallas flex kernel cannot evaluate {cls._ROLE} {name!r}: its "
                     f"{eqn.primitive if eqn is not None else 'result'} reads an array of shape "
                     f"{var.aval.shape} (a captured array) at a position that depends on both "
                     "q_idx and kv_idx; the kernel takes captured values per query, per key or "
@@ -154,7 +165,9 @@ class ModMask:
     def _outer_values(self, consts: Sequence[Any], b: Any, h: Any, q: Any, kv: Any) -> list[Any]:
         """The features at one scalar ``(b, h, q, kv)``, each in its carrier dtype."""
         env = dict(zip(self.jaxpr.constvars, consts, strict=True))
-        env.update(zip(self.jaxpr.invars, (b, h, q, kv), strict=True))
+        # A score_mod's score is only read by the tile part: a zero stands in for it.
+        score = (jnp.float32(0),) * (len(self.jaxpr.invars) - 4)
+        env.update(zip(self.jaxpr.invars, (*score, b, h, q, kv), strict=True))
         for eqn in self.outer:
             env.update(
                 zip(eqn.outvars, _bind(eqn, [_read(env, a) for a in eqn.invars]), strict=True)
@@ -202,19 +215,17 @@ class ModMask:
                 out.append(grid.reshape(-1))
         return out
 
-    def evaluate(
-        self, b: Any, h: Any, q_ids: jax.Array, kv_ids: jax.Array, values: Sequence[Any]
-    ) -> jax.Array:
-        """The mask on one tile: bool of ``q_ids``' shape.
+    def _on_tile(self, args: Sequence[Any], shape: tuple[int, ...], values: Sequence[Any]) -> Any:
+        """The mod's result on one tile (a scalar, or an array of ``shape``).
 
         Args:
-            b, h: the tile's batch row and query head (int32 scalars).
-            q_ids, kv_ids: int32 positions of every element of the tile (same shape).
+            args: the mod's arguments on the tile (the score tile, ``b``, ``h``, the
+                int32 positions of every element).
+            shape: the tile's shape.
             values: per feature, its value broadcast to the tile (per-position features)
                 or a scalar, in its carrier dtype.
         """
-        shape = q_ids.shape
-        env: dict[Any, Any] = dict(zip(self.jaxpr.invars, (b, h, q_ids, kv_ids), strict=True))
+        env: dict[Any, Any] = dict(zip(self.jaxpr.invars, args, strict=True))
         for f, value in zip(self.features, values, strict=True):
             if f.dtype == np.bool_:
                 value = value != 0
@@ -227,5 +238,52 @@ class ModMask:
             fn = lambda *xs, eqn=eqn: tuple(_bind(eqn, xs))
             outs = jax.vmap(jax.vmap(fn, in_axes=axes), in_axes=axes)(*args)
             env.update(zip(eqn.outvars, outs, strict=True))
-        result = _read(env, self.jaxpr.outvars[0])
-        return jnp.broadcast_to(jnp.asarray(result, jnp.bool_), shape)
+        return _read(env, self.jaxpr.outvars[0])
+
+
+class ModMask(_SplitMod):
+    """A traced ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (`trace`), split for the kernels."""
+
+    _ROLE = "mask_mod"
+    _AVALS = (_INDEX,) * 4
+    _DEPS = tuple(frozenset({a}) for a in _ARGS)
+
+    def evaluate(
+        self, b: Any, h: Any, q_ids: jax.Array, kv_ids: jax.Array, values: Sequence[Any]
+    ) -> jax.Array:
+        """The mask on one tile: bool of ``q_ids``' shape.
+
+        Args:
+            b, h: the tile's batch row and query head (int32 scalars).
+            q_ids, kv_ids: int32 positions of every element of the tile (same shape).
+            values: per feature, its value broadcast to the tile (per-position features)
+                or a scalar, in its carrier dtype.
+        """
+        result = self._on_tile((b, h, q_ids, kv_ids), q_ids.shape, values)
+        return jnp.broadcast_to(jnp.asarray(result, jnp.bool_), q_ids.shape)
+
+
+class ModScore(_SplitMod):
+    """A traced ``score_mod(score, b, h, q_idx, kv_idx)`` (`trace`), split for the kernels."""
+
+    _ROLE = "score_mod"
+    _AVALS = (_SCORE, *(_INDEX,) * 4)
+    _DEPS = (_ELEMENT, *(frozenset({a}) for a in _ARGS))
+
+    def evaluate(
+        self,
+        scores: jax.Array,
+        b: Any,
+        h: Any,
+        q_ids: jax.Array,
+        kv_ids: jax.Array,
+        values: Sequence[Any],
+    ) -> jax.Array:
+        """The modified scores of one tile, float32 of ``scores``' shape.
+
+        Args:
+            scores: the tile's float32 scores (``softmax_scale * q·k``).
+            b, h, q_ids, kv_ids, values: as in `ModMask.evaluate`.
+        """
+        result = self._on_tile((scores, b, h, q_ids, kv_ids), scores.shape, values)
+        return jnp.broadcast_to(jnp.asarray(result, jnp.float32), scores.shape)

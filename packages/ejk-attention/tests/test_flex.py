@@ -669,7 +669,7 @@ def test_pallas_under_jit_with_traced_ids():
 
 # Score_mods on the Pallas backend: applied in the forward, dq and dk/dv kernels; the float
 # captures' gradients from the XLA pass every flex backend shares.
-SCORE_CASES = ["alibi", "soft_cap"]
+SCORE_CASES = ["alibi", "soft_cap", "relative_table"]
 
 
 def _pallas_mods_vs_dense(params, mods, sizes, dtype=jnp.float32, *, t=T, s=S, seed=0):
@@ -717,8 +717,10 @@ def _pallas_mods_vs_dense(params, mods, sizes, dtype=jnp.float32, *, t=T, s=S, s
 
 @pytest.mark.parametrize("case", SCORE_CASES)
 def test_pallas_score_mods_match_dense_reference(case):
-    """ALiBi (captured per-head slopes, causal) and a tanh soft cap (causal documents, block
-    tables per batch row): GQA 6 on 2, T = 19 and S = 23 padded to the kernels' blocks."""
+    """ALiBi (captured per-head slopes, causal), a tanh soft cap (causal documents, block
+    tables per batch row) and a learned relative-position table (``table[h, kv_idx - q_idx +
+    T - 1]``, looked up on the tile; sliding window): GQA 6 on 2, T = 19 and S = 23 padded
+    to the kernels' blocks."""
     params, mods, sizes = _case(case)
     _pallas_mods_vs_dense(params, mods, sizes)
 
@@ -807,18 +809,25 @@ def test_pallas_score_mod_fully_masked_rows_give_zeros_and_zero_gradients():
 
 
 def test_pallas_refusals_fall_through_to_xla():
-    """A score_mod reading a captured table at q_idx - kv_idx (no gather on a TPU tile) is
-    refused naming the mod and the read; ("pallas", "xla") then serves it, gradients too."""
+    """A score_mod reading a captured [T, S] bias at (q_idx, kv_idx) (a table read along two
+    tile axes) is refused naming the mod and the read; ("pallas", "xla") then serves it,
+    gradients too."""
     q, k, v = _qkv(hv=H)
-    params, mods, sizes = _case("relative_table")
-    block_mask = _block_mask(mods(params)[1], sizes)
-    score_mod = mods(params)[0]
+    params = {"bias": jnp.asarray(np.random.default_rng(7).standard_normal((T, S)), jnp.float32)}
+
+    def mods(p):
+        def dense_bias(s, b, h, q_idx, kv_idx):
+            return s + p["bias"][q_idx, kv_idx]
+
+        return dense_bias, causal_mask
+
+    block_mask = _block_mask(causal_mask, (None, None))
     with pytest.raises(
         NotImplementedError,
-        match=r"score_mod 'score_mod'.*dynamic_slice reads an array of shape \(6, 41\).*"
-        r"depends on both q_idx and kv_idx",
+        match=r"score_mod 'dense_bias'.*dynamic_slice reads an array of shape \(19, 23\).*"
+        r"depends on both q_idx and kv_idx along two axes",
     ):
-        flex_attention(q, k, v, score_mod, block_mask, implementation="pallas")
+        flex_attention(q, k, v, mods(params)[0], block_mask, implementation="pallas")
 
     def flex(implementation, q, params):
         return flex_attention(
@@ -828,14 +837,16 @@ def test_pallas_refusals_fall_through_to_xla():
     want = jax.grad(functools.partial(flex, "xla"), (0, 1))(q, params)
     got = jax.grad(functools.partial(flex, ("pallas", "xla")), (0, 1))(q, params)
     np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1]["table"], want[1]["table"])
-    table = jnp.arange(T + S, dtype=jnp.int32)
+    np.testing.assert_array_equal(got[1]["bias"], want[1]["bias"])
+    ids = jnp.zeros((B, T), jnp.int32)
 
-    def relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx
-        return table[q_idx - kv_idx + S] % 3 != 0
+    def per_batch_relative(b, h, q_idx, kv_idx):  # a per-batch row read at q_idx - kv_idx
+        return ids[b][q_idx - kv_idx + T - 1] == 0
 
-    block_mask = _block_mask(relative, (None, None))
-    with pytest.raises(NotImplementedError, match=r"mask_mod 'relative'.*depends on both q_idx"):
+    block_mask = _block_mask(per_batch_relative, (B, None))
+    with pytest.raises(
+        NotImplementedError, match=r"mask_mod 'per_batch_relative'.*itself depends on b"
+    ):
         flex_attention(q, k, v, block_mask=block_mask, implementation="pallas")
 
 

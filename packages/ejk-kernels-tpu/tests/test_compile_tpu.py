@@ -296,3 +296,30 @@ def test_score_mod_compiles(topology):
     text = lowered.compile().as_text()
     for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
         assert name in text, name
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_relative_position_table_compiles(topology):
+    """A score_mod reading a learned table at ``kv_idx - q_idx`` (clipped to +-64, one row per
+    head): the lookup loop over a tile's positions lowers in all three kernels."""
+    q, kv, ids, lengths, kinds = _flex_inputs(topology)
+    table = jax.ShapeDtypeStruct((q.shape[2], 129), jnp.float32, sharding=_replicated(topology))
+
+    def grads(q, k, v, ids, lengths, table, kinds):
+        def loss(q, k, v, table):
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + table[h, jnp.clip(kv_idx - q_idx, -64, 64) + 64]
+
+            request = validate_attention(q, k, v, return_lse=True)
+            mask_mod = _documents_prefix_window(ids, lengths)
+            out, lse = mask_mod_attention(
+                request, mask_mod, kinds, (64, 64), score_mod=score_mod, interpret=False
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isinf(lse), 0, lse).sum()
+
+        return jax.grad(loss, (0, 1, 2, 3))(q, k, v, table)
+
+    lowered = jax.jit(grads).lower(q, kv, kv, ids, lengths, table, kinds)
+    text = lowered.compile().as_text()
+    for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
+        assert name in text, name

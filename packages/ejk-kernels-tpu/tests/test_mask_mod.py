@@ -48,7 +48,9 @@ def _tile_values(mod, features, b, h):
     values = []
     for f, x in zip(mod.features, features, strict=True):
         at = (b if f.batch else 0, h if f.head else 0)
-        if f.axis == "scalar":
+        if f.axis == "table":
+            values.append(x)
+        elif f.axis == "scalar":
             values.append(x[at[0] * (N if f.head else 1) + at[1]])
         elif f.axis == "q":
             assert x.shape[2] == 40  # padded; the padding repeats the last position
@@ -80,14 +82,52 @@ def test_split_evaluates_like_the_mod(mask_mod, axes):
             np.testing.assert_array_equal(got, want[b, h], err_msg=f"{b=} {h=}")
 
 
-def test_a_capture_read_at_both_positions_is_refused():
-    table = jnp.arange(T + S, dtype=jnp.int32)
+def _relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx, per head
+    return RELATIVE[h, q_idx - kv_idx + S] > 3
 
-    def relative(b, h, q_idx, kv_idx):
-        return table[q_idx - kv_idx + S] > 3
 
-    with pytest.raises(NotImplementedError, match=r"'relative'.*depends on both q_idx and kv_idx"):
-        ModMask.trace(relative)
+RELATIVE = jnp.asarray(np.random.default_rng(4).integers(0, 8, (N, T + S)), jnp.int32)
+
+
+def test_a_table_read_at_both_positions_is_looked_up_on_the_tile():
+    """A table (the same for every (b, h)) read at one position depending on both q_idx and
+    kv_idx travels whole, as a table feature; the tile part looks it up."""
+    mod, consts = ModMask.trace(_relative)
+    assert {(f.axis, f.batch, f.head) for f in mod.features} == {
+        ("table", False, False),
+        ("scalar", False, True),
+    }
+    features = mod.feature_arrays(consts, B, N, T, S, 40, 32)
+    want = _dense(_relative)
+    for b in range(B):
+        for h in range(N):
+            values = _tile_values(mod, features, b, h)
+            got = mod.evaluate(jnp.int32(b), jnp.int32(h), *TILE_IDS, values)
+            np.testing.assert_array_equal(got, want[b, h], err_msg=f"{b=} {h=}")
+
+
+def test_reads_the_tile_cannot_look_up_are_refused():
+    """A table read along two tile-varying axes, one that differs per batch row, a slice
+    used as more than its one element: refused, naming the mod and the read."""
+    dense_bias = jnp.ones((T, S), jnp.int32)
+    per_batch = jnp.ones((B, T + S), jnp.int32)
+
+    def two_axes(b, h, q_idx, kv_idx):
+        return dense_bias[q_idx, kv_idx] > 0
+
+    def batch_rows(b, h, q_idx, kv_idx):
+        return per_batch[b][q_idx - kv_idx + S] > 0
+
+    def summed_slice(b, h, q_idx, kv_idx):
+        return jax.lax.dynamic_slice(per_batch[0], (q_idx - kv_idx + S,), (2,)).sum() > 0
+
+    for mod, why in (
+        (two_axes, r"shape \(37, 29\).*along two axes"),
+        (batch_rows, r"shape \(66,\).*the array itself depends on b"),
+        (summed_slice, r"shape \(66,\).*a slice of more than one element"),
+    ):
+        with pytest.raises(NotImplementedError, match=rf"mask_mod '{mod.__name__}'.*{why}"):
+            ModMask.trace(mod)
 
 
 SLOPES = jnp.linspace(0.1, 0.8, N)
@@ -117,19 +157,19 @@ def test_score_mod_split_evaluates_like_the_mod():
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{b=} {h=}")
 
 
-def test_a_score_mod_reading_a_table_at_both_positions_is_refused():
-    table = jnp.ones((N, T + S), jnp.float32)
+def test_a_score_mod_reading_a_dense_bias_is_refused():
+    bias = jnp.ones((T, S), jnp.float32)
 
-    def relative_bias(s, b, h, q_idx, kv_idx):
-        return s + table[h, q_idx - kv_idx + S]
+    def dense_bias(s, b, h, q_idx, kv_idx):
+        return s + bias[q_idx, kv_idx]
 
-    match = r"score_mod 'relative_bias'.*shape \(3, 66\).*depends on both q_idx and kv_idx"
+    match = r"score_mod 'dense_bias'.*shape \(37, 29\).*depends on both q_idx and kv_idx"
     with pytest.raises(NotImplementedError, match=match):
-        ModScore.trace(relative_bias)
+        ModScore.trace(dense_bias)
     q = jnp.zeros((B, T, N, 8))
     k = jnp.zeros((B, S, N, 8))
     request = validate_attention(q, k, k)
-    assert "relative_bias" in unsupported_mask_mod_reason(request, None, score_mod=relative_bias)
+    assert "dense_bias" in unsupported_mask_mod_reason(request, None, score_mod=dense_bias)
 
 
 def _flex_definition(q, k, v, score_mod, mask_mod):

@@ -183,11 +183,13 @@ def _feature_values(
     st: Static, mod: Any, prefix: str, r: dict[str, Any], batch: Any, head: Any, shape: tuple
 ) -> list[Any]:
     """A split mod's features on one tile, from its ``<prefix><n>`` inputs: SMEM scalars per
-    ``(b, h)``, ``[rows, 1]`` / ``[1, cols]`` blocks broadcast to the tile."""
+    ``(b, h)``, ``[rows, 1]`` / ``[1, cols]`` blocks broadcast to the tile, tables (SMEM refs)."""
     values = []
     for n, f in enumerate(mod.features):
         ref = r[f"{prefix}{n}"]
-        if f.axis == "scalar":  # SMEM [B' * N']
+        if f.axis == "table":  # SMEM, read element by element (`_mask_mod._lookup`)
+            values.append(ref)
+        elif f.axis == "scalar":  # SMEM [B' * N']
             index = (batch if f.batch else 0) * (st.heads if f.head else 1)
             values.append(ref[index + (head if f.head else 0)])
         else:  # a [rows, 1] or [1, cols] block
@@ -241,7 +243,7 @@ def mod_inputs(
 
     Args:
         features: the mods' `feature_arrays`, in that order: ``[B', N', Tp]`` per query,
-            ``[B', N', Sp]`` per key, ``[B' * N']`` per ``(b, h)``.
+            ``[B', N', Sp]`` per key, ``[B' * N']`` per ``(b, h)``, a table flattened.
         block: the kernel's ``(block_q, block_kv)``.
         transposed: tiles have keys as rows (dkv): a per-query feature is read as a
             ``[1, block_q]`` row and a per-key one as a ``[block_kv, 1]`` column (the other
@@ -253,7 +255,7 @@ def mod_inputs(
     named = [(f"{prefix}{n}", f) for prefix, mod in st.mods() for n, f in enumerate(mod.features)]
     for (name, f), x in zip(named, features, strict=True):
         names.append(name)
-        if f.axis == "scalar":
+        if f.axis in ("scalar", "table"):
             specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
             args.append(x)
             continue

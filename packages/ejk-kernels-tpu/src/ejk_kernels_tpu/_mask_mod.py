@@ -18,9 +18,14 @@ by what each value depends on:
   evaluated in the kernel on a tile's iota grids (and score tile), each equation vmapped
   over the tile.
 
-A non-scalar value read at an element that depends on both positions (a captured table
-indexed by ``q_idx - kv_idx``) has no such split: `ModMask.trace` / `ModScore.trace`
-refuse it.
+A captured array read at an element that depends on both positions has no such split. One
+read at a single such position (a relative-position table, ``table[h, kv_idx - q_idx + c]``:
+a ``dynamic_slice`` of one element) becomes a *table* feature, passed whole (flattened, in
+SMEM, at most `MAX_TABLE` entries), and the tile part looks it up (`_lookup`: a loop over
+the values the varying index takes on the tile, a compare and a select each, as Mosaic has
+no gather on a tile). Other reads (along two such axes, as a dense ``[T, S]`` bias; from an
+array that depends on ``b`` or ``h`` before the read; a slice of more elements) are refused
+by `ModMask.trace` / `ModScore.trace`, naming the mod and the operation.
 """
 
 from __future__ import annotations
@@ -50,7 +55,10 @@ class Feature:
 
     Attributes:
         var: the jaxpr variable it binds.
-        axis: ``"q"`` (one value per query), ``"kv"`` (per key) or ``"scalar"`` (per ``(b, h)``).
+        axis: ``"q"`` (one value per query), ``"kv"`` (per key), ``"scalar"`` (per ``(b, h)``)
+            or ``"table"`` (a captured array, the same for every ``(b, h)``, that the tile
+            part reads at positions depending on both ``q_idx`` and ``kv_idx``; it travels
+            flattened, in SMEM).
         batch, head: whether it depends on ``b`` / ``h`` (else one row serves all).
         dtype: its own dtype; it travels as int32 (bool, integers) or float32 (floats).
     """
@@ -67,6 +75,62 @@ class Feature:
         if jnp.issubdtype(self.dtype, jnp.floating):
             return np.dtype(np.float32)
         return np.dtype(np.int32)
+
+
+# The most entries of a table the tile part reads at a position depending on both q_idx and
+# kv_idx (a relative-position table): it sits in SMEM (64 KiB of 32-bit words).
+MAX_TABLE = 1 << 14
+
+
+def _lookup_refusal(eqn: Any, table: Any, deps: dict[Any, frozenset[str]]) -> str | None:
+    """None where ``eqn`` reads one element of ``table`` the kernels can look up (`_lookup`):
+    a ``dynamic_slice`` of size 1 along every axis, of a table that is the same for every
+    ``(b, h)`` and has at most `MAX_TABLE` entries, at a start of which one component
+    depends on both positions (the others on neither, or on ``b`` / ``h``); else why not."""
+    if eqn.primitive.name != "dynamic_slice" or eqn.invars[0] is not table:
+        return ""
+    if any(size != 1 for size in eqn.params["slice_sizes"]) or table in eqn.invars[1:]:
+        return ", a slice of more than one element"
+    if deps[table]:
+        return f", and the array itself depends on {', '.join(sorted(deps[table]))}"
+    size = int(np.prod(table.aval.shape))
+    if size > MAX_TABLE:
+        return f" ({size} entries)"
+    both = [a for a in eqn.invars[1:] if not isinstance(a, jcore.Literal) and "q" in deps[a]]
+    both = [a for a in both if "kv" in deps[a]]
+    if len(both) != 1:
+        return " along two axes"
+    if np.dtype(table.aval.dtype).itemsize > 4:
+        return f", of dtype {table.aval.dtype}"
+    return None
+
+
+def _lookup(eqn: Any, table: Any, starts: Sequence[Any], shape: tuple[int, ...], dtype: Any) -> Any:
+    """The element of ``table`` (``eqn``'s operand flattened, in its carrier dtype: an SMEM
+    ref in the kernels) that ``eqn`` (`_lookup_refusal`) reads at every element of a tile,
+    as an array of ``shape`` in ``dtype``.
+
+    Each start is clamped into its axis, as ``dynamic_slice`` clamps; the per-tile ones
+    (scalars, or ``b`` / ``h`` features) give a base offset, and the one that varies over the
+    tile is looked up by a loop over the values it takes on this tile, each a compare and a
+    select (Mosaic has no gather on a tile).
+    """
+    dims = eqn.invars[0].aval.shape
+    strides = [int(np.prod(dims[i + 1 :])) for i in range(len(dims))]
+    base, varying, stride = jnp.int32(0), None, 1
+    for start, dim, step in zip(starts, dims, strides, strict=True):
+        start = jnp.clip(jnp.asarray(start, jnp.int32), 0, dim - 1)
+        if jnp.ndim(start) == len(shape):
+            varying, stride = start, step
+        else:
+            base = base + start * step
+    lo, hi = jnp.min(varying), jnp.max(varying)
+
+    def body(j: Any, acc: Any) -> Any:
+        return jnp.where(varying == j, table[base + j * stride], acc)
+
+    found = jax.lax.fori_loop(lo, hi + 1, body, jnp.zeros(shape, table.dtype))
+    return found != 0 if dtype == np.bool_ else found.astype(dtype)
 
 
 def _name(fn: Any) -> str:
@@ -124,10 +188,20 @@ class _SplitMod:
         jaxpr, name = closed.jaxpr, _name(mod)
         deps: dict[Any, frozenset[str]] = {v: frozenset() for v in jaxpr.constvars}
         deps.update(zip(jaxpr.invars, cls._DEPS, strict=True))
-        outer, tile, frontier = [], [], {}
+        outer, tile, frontier, lookups = [], [], {}, {}
 
         def dep(atom: Any) -> frozenset[str]:
             return frozenset() if isinstance(atom, jcore.Literal) else deps[atom]
+
+        def refuse(what: Any, shape: tuple[int, ...], why: str) -> NotImplementedError:
+            return NotImplementedError(
+                f"the Pallas flex kernel cannot evaluate {cls._ROLE} {name!r}: its {what} "
+                f"reads an array of shape {shape} (a captured array) at a position that "
+                f"depends on both q_idx and kv_idx{why}; the kernel takes captured values per "
+                "query, per key or per (b, h), and reads a table of at most "
+                f"{MAX_TABLE} entries at one such position per element (use "
+                "implementation='xla')"
+            )
 
         for eqn in jaxpr.eqns:
             d = frozenset().union(*(dep(a) for a in eqn.invars))
@@ -142,22 +216,35 @@ class _SplitMod:
                     continue
                 if not {"q", "kv"} <= deps[atom]:
                     frontier[atom] = eqn
+                    if atom.aval.shape != ():
+                        why = _lookup_refusal(eqn, atom, deps)
+                        if why is not None:
+                            raise refuse(eqn.primitive, atom.aval.shape, why)
+                        lookups[eqn.outvars[0]] = eqn
         for atom in jaxpr.outvars:  # a mod that ignores q_idx or kv_idx is itself a feature
             if not isinstance(atom, jcore.Literal) and atom not in jaxpr.invars:
                 if not {"q", "kv"} <= deps[atom]:
+                    if atom.aval.shape != ():
+                        raise refuse("result", atom.aval.shape, "")
                     frontier[atom] = None
+        for eqn in jaxpr.eqns:  # a table's element is read only as the scalar it is
+            for atom in eqn.invars:
+                if isinstance(atom, jcore.Literal):
+                    continue
+                if atom in lookups and eqn.primitive.name != "squeeze":
+                    why = f", then {eqn.primitive} of the slice"
+                    raise refuse(lookups[atom].primitive, lookups[atom].invars[0].aval.shape, why)
+        sliced = [a for a in jaxpr.outvars if not isinstance(a, jcore.Literal) and a in lookups]
+        if sliced:
+            eqn = lookups[sliced[0]]
+            raise refuse(eqn.primitive, eqn.invars[0].aval.shape, ", returned as a slice")
         features = []
-        for var, eqn in frontier.items():
-            if var.aval.shape != ():
-                raise NotImplementedError(
-                    f"the Pallas flex kernel cannot evaluate {cls._ROLE} {name!r}: its "
-                    f"{eqn.primitive if eqn is not None else 'result'} reads an array of shape "
-                    f"{var.aval.shape} (a captured array) at a position that depends on both "
-                    "q_idx and kv_idx; the kernel takes captured values per query, per key or "
-                    "per (b, h) only (use implementation='xla')"
-                )
+        for var in frontier:
             d = deps[var]
-            axis = "q" if "q" in d else "kv" if "kv" in d else "scalar"
+            if var.aval.shape != ():
+                axis = "table"
+            else:
+                axis = "q" if "q" in d else "kv" if "kv" in d else "scalar"
             features.append(Feature(var, axis, "b" in d, "h" in d, np.dtype(var.aval.dtype)))
         mod = cls(jaxpr, tuple(outer), tuple(tile), tuple(features), name)
         return mod, list(closed.consts)
@@ -227,13 +314,26 @@ class _SplitMod:
         """
         env: dict[Any, Any] = dict(zip(self.jaxpr.invars, args, strict=True))
         for f, value in zip(self.features, values, strict=True):
+            if f.axis == "table":  # read by `_lookup` (the ref itself, in the kernels)
+                env[f.var] = value
+                continue
             if f.dtype == np.bool_:
                 value = value != 0
             elif f.dtype != f.carrier:
                 value = value.astype(f.dtype)
             env[f.var] = value
+        tables = {f.var for f in self.features if f.axis == "table"}
+        looked_up = set()
         for eqn in self.tile:
             args = [_read(env, a) for a in eqn.invars]
+            if eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in tables:
+                dtype = eqn.invars[0].aval.dtype
+                env[eqn.outvars[0]] = _lookup(eqn, args[0], args[1:], shape, dtype)
+                looked_up.add(eqn.outvars[0])
+                continue
+            if eqn.primitive.name == "squeeze" and eqn.invars[0] in looked_up:
+                env[eqn.outvars[0]] = args[0]  # `_lookup` gave the element, not a slice
+                continue
             axes = tuple(0 if jnp.ndim(x) == len(shape) else None for x in args)
             fn = lambda *xs, eqn=eqn: tuple(_bind(eqn, xs))
             outs = jax.vmap(jax.vmap(fn, in_axes=axes), in_axes=axes)(*args)

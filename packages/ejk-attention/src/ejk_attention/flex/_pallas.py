@@ -11,9 +11,17 @@ through the tile) turning dP into dS; its float captures get their cotangents fr
 chunked XLA pass every flex backend shares (`ejk_sequtils.score_mod_capture_cotangents`).
 On TPU the kernels compile with Mosaic; elsewhere they run in Pallas' TPU interpreter.
 
+A captured table read at a position depending on both ``q_idx`` and ``kv_idx`` (a learned
+relative-position table, ``table[h, kv_idx - q_idx + T - 1]``) is passed whole (in SMEM)
+and looked up on each tile by a loop over the positions the tile reads (a compare and a
+select each: Mosaic has no gather on a tile), so it costs VPU work per tile on top of the
+matmuls.
+
 Refused, with the reason (the facade then moves on): ``Hv != H``, float16 on TPU, and a
-mod that reads a captured array at a position depending on both ``q_idx`` and ``kv_idx``
-(a relative-position table indexed by ``q_idx - kv_idx``: Mosaic has no gather on a tile).
+mod reading a captured array at a position depending on both ``q_idx`` and ``kv_idx`` in a
+way the lookup does not cover: along two such axes (a dense ``[T, S]`` bias), from a table
+that differs per batch row or head before the read, of more than 16384 entries, or a
+slice of more than one element.
 """
 
 from __future__ import annotations

@@ -27,6 +27,13 @@ def _prefix_per_head(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx + h) | (kv_idx - q_idx < LENGTHS[b] - 8)
 
 
+def _relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx, per head
+    return RELATIVE[h, q_idx - kv_idx + S] > 3
+
+
+RELATIVE = jnp.asarray(np.random.default_rng(4).integers(0, 8, (N, T + S)), jnp.int32)
+
+
 def _query_only(b, h, q_idx, kv_idx):  # ignores kv_idx: the result itself is a feature
     return IDS[b, q_idx] >= 0
 
@@ -66,6 +73,8 @@ def _tile_values(mod, features, b, h):
         (_documents, {("q", True, False), ("kv", True, False)}),
         (_prefix_per_head, {("q", False, True), ("scalar", True, False)}),
         (_query_only, {("q", True, False)}),
+        # A table the same for every (b, h), read at q_idx - kv_idx: whole, looked up.
+        (_relative, {("table", False, False), ("scalar", False, True)}),
     ],
 )
 def test_split_evaluates_like_the_mod(mask_mod, axes):
@@ -75,30 +84,6 @@ def test_split_evaluates_like_the_mod(mask_mod, axes):
     assert {(f.axis, f.batch, f.head) for f in mod.features} >= axes
     features = mod.feature_arrays(consts, B, N, T, S, 40, 32)
     want = _dense(mask_mod)
-    for b in range(B):
-        for h in range(N):
-            values = _tile_values(mod, features, b, h)
-            got = mod.evaluate(jnp.int32(b), jnp.int32(h), *TILE_IDS, values)
-            np.testing.assert_array_equal(got, want[b, h], err_msg=f"{b=} {h=}")
-
-
-def _relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx, per head
-    return RELATIVE[h, q_idx - kv_idx + S] > 3
-
-
-RELATIVE = jnp.asarray(np.random.default_rng(4).integers(0, 8, (N, T + S)), jnp.int32)
-
-
-def test_a_table_read_at_both_positions_is_looked_up_on_the_tile():
-    """A table (the same for every (b, h)) read at one position depending on both q_idx and
-    kv_idx travels whole, as a table feature; the tile part looks it up."""
-    mod, consts = ModMask.trace(_relative)
-    assert {(f.axis, f.batch, f.head) for f in mod.features} == {
-        ("table", False, False),
-        ("scalar", False, True),
-    }
-    features = mod.feature_arrays(consts, B, N, T, S, 40, 32)
-    want = _dense(_relative)
     for b in range(B):
         for h in range(N):
             values = _tile_values(mod, features, b, h)

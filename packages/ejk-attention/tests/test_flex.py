@@ -808,6 +808,33 @@ def test_pallas_score_mod_fully_masked_rows_give_zeros_and_zero_gradients():
     assert not np.asarray(dk)[:, 1].any() and not np.asarray(dv)[:, 1].any()
 
 
+def test_pallas_score_mod_under_jit_with_traced_captures():
+    """Slopes and a relative table traced by ``jit`` (and differentiated): one compiled
+    gradient, equal to the xla backend's."""
+    q, k, v = _qkv(hv=H)
+    params = {
+        "slopes": jnp.linspace(0.1, 0.8, N),
+        "table": jnp.asarray(np.random.default_rng(8).standard_normal((N, 9)), jnp.float32),
+    }
+    block_mask = _block_mask(causal_mask, (None, None))
+
+    def loss(implementation, q, params):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            rel = jnp.clip(q_idx - kv_idx, 0, 8)
+            s = s - params["slopes"][h] * rel.astype(jnp.float32)
+            return s + params["table"][h, rel]
+
+        out = flex_attention(q, k, v, score_mod, block_mask, implementation=implementation)
+        return jnp.sum(out * out)
+
+    got = jax.jit(jax.grad(functools.partial(loss, "pallas"), (0, 1)))(q, params)
+    want = jax.grad(functools.partial(loss, "xla"), (0, 1))(q, params)
+    grad_tol = attention_tolerance(jnp.float32, "grad")
+    _assert_close(got[0], want[0], grad_tol, "dq")
+    for name in params:
+        _assert_close(got[1][name], want[1][name], grad_tol, f"d{name}")
+
+
 def test_pallas_refusals_fall_through_to_xla():
     """A score_mod reading a captured [T, S] bias at (q_idx, kv_idx) (a table read along two
     tile axes) is refused naming the mod and the read; ("pallas", "xla") then serves it,

@@ -3,6 +3,8 @@ values and gradients (q, k, v and float captures), block tables, jit, errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -665,23 +667,213 @@ def test_pallas_under_jit_with_traced_ids():
     )
 
 
-def test_pallas_refusals_fall_through_to_xla():
+# Score_mods on the Pallas backend: applied in the forward, dq and dk/dv kernels; the float
+# captures' gradients from the XLA pass every flex backend shares.
+SCORE_CASES = ["alibi", "soft_cap", "relative_table"]
+
+
+def _pallas_mods_vs_dense(params, mods, sizes, dtype=jnp.float32, *, t=T, s=S, seed=0):
+    """Values, lse and gradients (q, k, v and the score_mod's float captures ``params``, through
+    out and lse) of the pallas backend against the dense reference on the same (rounded)
+    inputs, upcast; the kernels need Hv == H."""
+    q, k, v = _qkv(dtype, t=t, s=s, seed=seed, hv=H)
+    block_mask = _block_mask(mods(params)[1], sizes, t, s)
+
+    def pallas(q, k, v, params):
+        score_mod, _ = mods(params)
+        return flex_attention(
+            q, k, v, score_mod, block_mask, return_lse=True, implementation="pallas"
+        )
+
+    def dense(q, k, v, params):
+        return dense_reference(q, k, v, *mods(params))
+
+    (out, lse), pallas_vjp = jax.vjp(pallas, q, k, v, params)
+    up = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    (want, want_lse), dense_vjp = jax.vjp(dense, *up, params)
+    assert out.shape == (B, t, N, H) and out.dtype == dtype and lse.shape == (B, N, t)
+    _assert_close(out, want, attention_tolerance(dtype), "out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = lambda x: jnp.where(jnp.isinf(x), 0, x)
+    _assert_close(finite(lse), finite(want_lse), attention_tolerance(dtype, "lse"), "lse")
+    rng = np.random.default_rng(seed + 1)
+    cotangents = (
+        jnp.asarray(rng.standard_normal(out.shape), dtype),
+        jnp.asarray(rng.standard_normal(lse.shape), jnp.float32),
+    )
+    got, expected = (
+        pallas_vjp(cotangents),
+        dense_vjp((cotangents[0].astype(jnp.float32), cotangents[1])),
+    )
+    grad_tol = attention_tolerance(dtype, "grad")
+    for name, g, e in zip(("dq", "dk", "dv"), got[:3], expected[:3], strict=True):
+        assert g.dtype == dtype, name
+        _assert_close(g, e, grad_tol, name)
+    for name in params:  # a float capture of the score_mod: its gradient too
+        assert np.abs(expected[3][name]).max() > 0
+        _assert_close(got[3][name], expected[3][name], grad_tol, f"d{name}")
+    return out, lse
+
+
+@pytest.mark.parametrize("case", SCORE_CASES)
+def test_pallas_score_mods_match_dense_reference(case):
+    """ALiBi (captured per-head slopes, causal), a tanh soft cap (causal documents, block
+    tables per batch row) and a learned relative-position table (``table[h, kv_idx - q_idx +
+    T - 1]``, looked up on the tile; sliding window): GQA 6 on 2, T = 19 and S = 23 padded
+    to the kernels' blocks."""
+    params, mods, sizes = _case(case)
+    _pallas_mods_vs_dense(params, mods, sizes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_alibi_soft_cap_and_documents_in_dtypes(dtype):
+    """A score_mod with a capture per head and one per key, and a tanh, under causal
+    documents; in float32 and bfloat16."""
+    rng = np.random.default_rng(4)
+    docs = and_masks(causal_mask, document_mask((_ids(rng, T), _ids(rng, S))))
+    params = {
+        "slopes": jnp.linspace(0.1, 0.8, N),
+        "bias": jnp.asarray(rng.standard_normal((B, S)), jnp.float32),
+    }
+
+    def mods(p):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            s = s - p["slopes"][h] * jnp.abs(q_idx - kv_idx).astype(jnp.float32)
+            return 5.0 * jnp.tanh((s + p["bias"][b, kv_idx]) / 5.0)
+
+        return score_mod, docs
+
+    _pallas_mods_vs_dense(params, mods, (B, None), dtype, seed=2)
+
+
+def test_pallas_score_mod_without_a_block_mask():
+    """No mask: the padding of T = 19 and S = 23 is still hidden from the score_mod's rows."""
+    params = {"slopes": jnp.linspace(0.2, 0.9, N)}
+
+    def mods(p):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return s + p["slopes"][h] * jnp.cos(q_idx * 0.3 + kv_idx).astype(jnp.float32)
+
+        return score_mod, None
+
+    _pallas_mods_vs_dense(params, mods, (None, None), seed=3)
+
+
+@pytest.mark.slow
+def test_pallas_score_mod_across_many_blocks():
+    """T = 300, S = 280 (not multiples of the kernels' 128 blocks), ALiBi under causal
+    documents whose blocks are empty, partial and full, re-cut from mask blocks of 32."""
+    rng = np.random.default_rng(12)
+    t = 300
+    ids = jnp.asarray(random_document_ids(rng, B, t, min_len=60, max_len=150, padding=20))
+    documents = and_masks(causal_mask, document_mask(ids))
+    params, alibi, _ = _case("alibi")
+    mods = lambda p: (alibi(p)[0], documents)
+    block_mask = create_block_mask(documents, B, None, t, t, block_size=32)
+    assert set(np.unique(np.asarray(block_mask.kinds))) == {0, 1, 2}
+    _pallas_mods_vs_dense(params, mods, (B, None), t=t, s=t)
+
+
+def test_pallas_score_mod_fully_masked_rows_give_zeros_and_zero_gradients():
+    """Rows the mask empties, under a score_mod whose slope is infinite at some hidden scores
+    (log of a score made 0): zeros, lse -inf and finite, zero gradients there."""
+    rng = np.random.default_rng(5)
+    q_ids = _ids(rng, T).at[:, -3:].set(-1)
+
+    def late_rows(b, h, q_idx, kv_idx):
+        return (q_idx >= 3) & (kv_idx != 1)
+
+    mask_mod = and_masks(late_rows, document_mask((q_ids, _ids(rng, S))))
+    block_mask = create_block_mask(mask_mod, B, None, T, S, block_size=BLOCK)
+    slopes = jnp.linspace(0.1, 0.6, N)
+
+    def pallas(q, k, v, slopes):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            # At the hidden key 1 the score is 0 and log's slope infinite.
+            s = jnp.where(kv_idx == 1, 0.0, jnp.abs(s) + 1.0)
+            return jnp.log(s) - slopes[h] * kv_idx.astype(jnp.float32)
+
+        return flex_attention(
+            q, k, v, score_mod, block_mask, return_lse=True, implementation="pallas"
+        )
+
     q, k, v = _qkv(hv=H)
-    params, mods, sizes = _case("alibi")
-    score_mod, mask_mod = mods(params)
-    block_mask = _block_mask(mask_mod, sizes)
-    with pytest.raises(NotImplementedError, match="take no score_mod yet"):
-        flex_attention(q, k, v, score_mod, block_mask, implementation="pallas")
-    want = flex_attention(q, k, v, score_mod, block_mask, implementation="xla")
-    got = flex_attention(q, k, v, score_mod, block_mask, implementation=("pallas", "xla"))
-    np.testing.assert_array_equal(got, want)
-    table = jnp.arange(T + S, dtype=jnp.int32)
+    (out, lse), vjp = jax.vjp(pallas, q, k, v, slopes)
+    dq, dk, dv, dslopes = vjp((jnp.ones_like(out), jnp.ones_like(lse)))
+    for rows in (slice(0, 3), slice(T - 3, T)):
+        assert not np.asarray(out)[:, rows].any() and not np.asarray(dq)[:, rows].any()
+        assert np.isneginf(np.asarray(lse)[:, :, rows]).all()
+    for g in (out, dq, dk, dv, dslopes):
+        assert np.isfinite(np.asarray(g)).all()
+    assert not np.asarray(dk)[:, 1].any() and not np.asarray(dv)[:, 1].any()
 
-    def relative(b, h, q_idx, kv_idx):  # a captured table read at q_idx - kv_idx
-        return table[q_idx - kv_idx + S] % 3 != 0
 
-    block_mask = _block_mask(relative, (None, None))
-    with pytest.raises(NotImplementedError, match="depends on both q_idx and kv_idx"):
+def test_pallas_score_mod_under_jit_with_traced_captures():
+    """Slopes and a relative table traced by ``jit`` (and differentiated): one compiled
+    gradient, equal to the xla backend's."""
+    q, k, v = _qkv(hv=H)
+    params = {
+        "slopes": jnp.linspace(0.1, 0.8, N),
+        "table": jnp.asarray(np.random.default_rng(8).standard_normal((N, 9)), jnp.float32),
+    }
+    block_mask = _block_mask(causal_mask, (None, None))
+
+    def loss(implementation, q, params):
+        def score_mod(s, b, h, q_idx, kv_idx):
+            rel = jnp.clip(q_idx - kv_idx, 0, 8)
+            s = s - params["slopes"][h] * rel.astype(jnp.float32)
+            return s + params["table"][h, rel]
+
+        out = flex_attention(q, k, v, score_mod, block_mask, implementation=implementation)
+        return jnp.sum(out * out)
+
+    got = jax.jit(jax.grad(functools.partial(loss, "pallas"), (0, 1)))(q, params)
+    want = jax.grad(functools.partial(loss, "xla"), (0, 1))(q, params)
+    grad_tol = attention_tolerance(jnp.float32, "grad")
+    _assert_close(got[0], want[0], grad_tol, "dq")
+    for name in params:
+        _assert_close(got[1][name], want[1][name], grad_tol, f"d{name}")
+
+
+def test_pallas_refusals_fall_through_to_xla():
+    """A score_mod reading a captured [T, S] bias at (q_idx, kv_idx) (a table read along two
+    tile axes) is refused naming the mod and the read; ("pallas", "xla") then serves it,
+    gradients too."""
+    q, k, v = _qkv(hv=H)
+    params = {"bias": jnp.asarray(np.random.default_rng(7).standard_normal((T, S)), jnp.float32)}
+
+    def mods(p):
+        def dense_bias(s, b, h, q_idx, kv_idx):
+            return s + p["bias"][q_idx, kv_idx]
+
+        return dense_bias, causal_mask
+
+    block_mask = _block_mask(causal_mask, (None, None))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"score_mod 'dense_bias'.*dynamic_slice reads an array of shape \(19, 23\).*"
+        r"depends on both q_idx and kv_idx along two axes",
+    ):
+        flex_attention(q, k, v, mods(params)[0], block_mask, implementation="pallas")
+
+    def flex(implementation, q, params):
+        return flex_attention(
+            q, k, v, mods(params)[0], block_mask, implementation=implementation
+        ).sum()
+
+    want = jax.grad(functools.partial(flex, "xla"), (0, 1))(q, params)
+    got = jax.grad(functools.partial(flex, ("pallas", "xla")), (0, 1))(q, params)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1]["bias"], want[1]["bias"])
+    ids = jnp.zeros((B, T), jnp.int32)
+
+    def per_batch_relative(b, h, q_idx, kv_idx):  # a per-batch row read at q_idx - kv_idx
+        return ids[b][q_idx - kv_idx + T - 1] == 0
+
+    block_mask = _block_mask(per_batch_relative, (B, None))
+    with pytest.raises(
+        NotImplementedError, match=r"mask_mod 'per_batch_relative'.*itself depends on b"
+    ):
         flex_attention(q, k, v, block_mask=block_mask, implementation="pallas")
 
 

@@ -224,17 +224,25 @@ def _documents_prefix_window(ids, lengths):
     return mask_mod
 
 
+def _flex_inputs(topology):
+    """Abstract ``(q, k/v, ids, lengths, kinds)`` of a flex call on the topology's TPU: bf16,
+    GQA 4 on 2, T = 1000, per-(b, h) kinds for blocks of 64."""
+    sh = _replicated(topology)
+    batch, t, heads, kv_heads, head_dim = 2, 1000, 4, 2, 128
+    return (
+        jax.ShapeDtypeStruct((batch, t, heads, head_dim), jnp.bfloat16, sharding=sh),
+        jax.ShapeDtypeStruct((batch, t, kv_heads, head_dim), jnp.bfloat16, sharding=sh),
+        jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=sh),
+        jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sh),
+        jax.ShapeDtypeStruct((batch, heads, 16, 16), jnp.int8, sharding=sh),
+    )
+
+
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 def test_mask_mod_compiles(topology):
     """`mask_mod_attention` (the flex path), forward + backward, with features of every
     kind and per-(b, h) block tables at a block size other than the kernels'."""
-    sh = _replicated(topology)
-    batch, t, heads, kv_heads, head_dim = 2, 1000, 4, 2, 128
-    q = jax.ShapeDtypeStruct((batch, t, heads, head_dim), jnp.bfloat16, sharding=sh)
-    kv = jax.ShapeDtypeStruct((batch, t, kv_heads, head_dim), jnp.bfloat16, sharding=sh)
-    ids = jax.ShapeDtypeStruct((batch, t), jnp.int32, sharding=sh)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sh)
-    kinds = jax.ShapeDtypeStruct((batch, heads, 16, 16), jnp.int8, sharding=sh)  # blocks of 64
+    q, kv, ids, lengths, kinds = _flex_inputs(topology)
 
     def grads(q, k, v, ids, lengths, kinds):
         def loss(q, k, v):
@@ -247,5 +255,71 @@ def test_mask_mod_compiles(topology):
 
     compiled = jax.jit(grads).lower(q, kv, kv, ids, lengths, kinds).compile()
     text = compiled.as_text()
+    for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
+        assert name in text, name
+
+
+def _alibi_soft_cap_bias(slopes, bias):
+    """A flex score_mod over traced captures: ALiBi (``slopes[h]``, an SMEM scalar per head),
+    a per-key bias (``bias[b, kv]``, a key row), then a tanh soft cap."""
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        s = s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(jnp.float32) + bias[b, kv_idx]
+        return 30.0 * jnp.tanh(s / 30.0)
+
+    return score_mod
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_score_mod_compiles(topology):
+    """`mask_mod_attention` with a score_mod (the flex path), forward + backward and the
+    captures' cotangents: the score_mod and its slope lower in all three kernels."""
+    q, kv, ids, lengths, kinds = _flex_inputs(topology)
+    sh = _replicated(topology)
+    batch, t, heads = q.shape[:3]
+    slopes = jax.ShapeDtypeStruct((heads,), jnp.float32, sharding=sh)
+    bias = jax.ShapeDtypeStruct((batch, t), jnp.float32, sharding=sh)
+
+    def grads(q, k, v, ids, lengths, slopes, bias, kinds):
+        def loss(q, k, v, slopes, bias):
+            request = validate_attention(q, k, v, return_lse=True)
+            mask_mod = _documents_prefix_window(ids, lengths)
+            score_mod = _alibi_soft_cap_bias(slopes, bias)
+            out, lse = mask_mod_attention(
+                request, mask_mod, kinds, (64, 64), score_mod=score_mod, interpret=False
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isinf(lse), 0, lse).sum()
+
+        return jax.grad(loss, (0, 1, 2, 3, 4))(q, k, v, slopes, bias)
+
+    lowered = jax.jit(grads).lower(q, kv, kv, ids, lengths, slopes, bias, kinds)
+    text = lowered.compile().as_text()
+    for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_relative_position_table_compiles(topology):
+    """A score_mod reading a learned table at ``kv_idx - q_idx`` (clipped to +-64, one row per
+    head): the lookup loop over a tile's positions lowers in all three kernels."""
+    q, kv, ids, lengths, kinds = _flex_inputs(topology)
+    table = jax.ShapeDtypeStruct((q.shape[2], 129), jnp.float32, sharding=_replicated(topology))
+
+    def grads(q, k, v, ids, lengths, table, kinds):
+        def loss(q, k, v, table):
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + table[h, jnp.clip(kv_idx - q_idx, -64, 64) + 64]
+
+            request = validate_attention(q, k, v, return_lse=True)
+            mask_mod = _documents_prefix_window(ids, lengths)
+            out, lse = mask_mod_attention(
+                request, mask_mod, kinds, (64, 64), score_mod=score_mod, interpret=False
+            )
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isinf(lse), 0, lse).sum()
+
+        return jax.grad(loss, (0, 1, 2, 3))(q, k, v, table)
+
+    lowered = jax.jit(grads).lower(q, kv, kv, ids, lengths, table, kinds)
+    text = lowered.compile().as_text()
     for name in ("ejk_blocksparse_fwd", "ejk_blocksparse_dq", "ejk_blocksparse_dkv"):
         assert name in text, name

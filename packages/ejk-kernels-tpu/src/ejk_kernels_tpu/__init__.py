@@ -1,6 +1,6 @@
 """Pallas TPU block-sparse (splash-style) attention kernels and their masks (static masks,
-and a user's mask_mod with its block kinds table: the flex path), and the ragged paged
-attention kernel for serving."""
+and a user's mask_mod with its block kinds table and a score_mod: the flex path), and the
+ragged paged attention kernel for serving."""
 
 from ._config import BlockSparseConfig as BlockSparseConfig
 from ._config import block_sparse_heuristic as block_sparse_heuristic
@@ -15,6 +15,7 @@ from ._mask_info import process_dynamic_mask_dkv as process_dynamic_mask_dkv
 from ._mask_info import process_mask as process_mask
 from ._mask_info import process_mask_dkv as process_mask_dkv
 from ._mask_mod import ModMask as ModMask
+from ._mask_mod import ModScore as ModScore
 from ._masks import CausalMask as CausalMask
 from ._masks import ChunkedCausalMask as ChunkedCausalMask
 from ._masks import FullMask as FullMask
@@ -63,6 +64,7 @@ __all__ = [
     "MaskInfo",
     "MaskTruthValueError",
     "ModMask",
+    "ModScore",
     "MultiHeadMask",
     "NumpyMask",
     "PagedShape",

@@ -1,6 +1,7 @@
 """The backward kernels: dq (q blocks outer) and dk/dv (kv blocks outer), FlashAttention-2 Alg. 2.
 
-Both recompute ``P = exp(S - lse)`` from the forward's lse (which already holds the sink),
+Both recompute ``P = exp(S - lse)`` from the forward's lse (which already holds the sink; S
+under the soft cap or flex score_mod, as the forward has it: `tile_scores`),
 and use ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse`` computed outside. The dkv
 kernel works on transposed tiles (``S^T = K Q^T``, rows = keys) so every product is a
 plain or ``A B^T`` matmul, and folds the query heads of a GQA group into its reduction axis.
@@ -22,7 +23,6 @@ from ._common import (
     dot,
     dropout_scale,
     launch,
-    logits,
     mask_row,
     mod_inputs,
     partial_visibility,
@@ -31,6 +31,7 @@ from ._common import (
     smem_inputs,
     split_refs,
     tile_inputs,
+    tile_scores,
     visibility,
 )
 from ._mask_info import MaskInfo
@@ -46,12 +47,12 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
     With dropout, ``O = (P * Z) V``, so ``dP = (dO V^T) * Z`` and D is unchanged.
     """
     if transposed:
-        s, t = logits(r["k"][...], r["q"][...], st.scale, st.soft_cap)
+        s, slope = tile_scores(st, r, r["k"][...], r["q"][...], origin, True, slope=True)
         partial = partial_visibility(st, r, origin, s.shape, True) if masked else None
         visible = visibility(partial, r.get("kv_seg"), r.get("q_seg"))
         dp = dot(r["v"][...], r["do"][...], NT_DIMS)
     else:
-        s, t = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
+        s, slope = tile_scores(st, r, r["q"][...], r["k"][...], origin, False, slope=True)
         partial = partial_visibility(st, r, origin, s.shape, False) if masked else None
         visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         dp = dot(r["do"][...], r["v"][...], NT_DIMS)
@@ -65,8 +66,10 @@ def _probs_and_dscores(r, st: Static, masked: bool, transposed: bool, origin: tu
         dp = dp * z
         p_used = p * z
     ds = p * (dp - r["di"][...])
-    if t is not None:
-        ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+    if slope is not None:
+        # dS of the raw score (the soft cap's or score_mod's chain rule). A score_mod's
+        # slope may be inf or NaN where the mask hides the score: P = 0 there, and so is dS.
+        ds = ds * slope if st.score_mod is None else jnp.where(p > 0, ds * slope, 0.0)
     return p_used, ds
 
 
@@ -106,7 +109,7 @@ def dq(
         q_seg, kv_seg: int32 ``[B, Tp, 1]``, ``[B, 1, Sp]`` or None.
         seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask` tables for ``st.dq`` blocks.
-        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
+        features: the flex mods' features (`ModMask.feature_arrays`, then `ModScore`'s), or none.
     """
     batch, heads, q_len, head_dim = q.shape
     block_q = st.dq[0]
@@ -182,7 +185,7 @@ def dkv(
         q_seg_row, kv_seg_col: int32 ``[B, 1, Tp]``, ``[B, Sp, 1]`` or None.
         seed: int32 ``[5]`` dropout key (`dropout_scale`) or None.
         info: `process_mask_dkv` tables for ``st.dkv`` blocks (``[rows, q_steps, kv_blocks]``).
-        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
+        features: the flex mods' features (`ModMask.feature_arrays`, then `ModScore`'s), or none.
     """
     batch, _, _, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]

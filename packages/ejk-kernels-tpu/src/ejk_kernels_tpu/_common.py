@@ -1,4 +1,5 @@
-"""Pieces shared by the forward, dq and dkv kernel bodies: static options, logits, visibility.
+"""Pieces shared by the forward, dq and dkv kernel bodies: static options, logits (and a flex
+score_mod on them), visibility.
 
 Kernel layout: q and the output are ``[B, N, T, H]``, k and v ``[B, K, S, H]`` (heads before
 sequence, so a block is a ``[rows, H]`` tile); T and S are padded to whole blocks.
@@ -44,6 +45,9 @@ class Static:
             partial blocks evaluate it on their batch row, head and positions, reading its
             features (kernel inputs ``mod0``, ``mod1``, ...), and hide positions past
             ``lengths``; None: no such mask.
+        score_mod: a `ModScore` (a flex score_mod split the same way): every kernel applies
+            it to its score tiles (`tile_scores`), reading its features (inputs ``score0``, ...);
+            None: none. It comes with a ``mask_mod`` (which hides the padding).
         lengths: ``(T, S)`` before padding, with ``mask_mod``.
         table_batch: batch rows of the block tables (1: one table row per head serves
             every batch row; B: a table row per ``(b, head)``, as a flex `BlockMask` has).
@@ -62,6 +66,7 @@ class Static:
     dropout_rate: float = 0.0
     mask_fn: Any = None
     mask_mod: Any = None
+    score_mod: Any = None
     lengths: tuple[int, int] | None = None
     table_batch: int = 1
 
@@ -72,6 +77,11 @@ class Static:
     @property
     def group(self) -> int:
         return self.heads // self.kv_heads
+
+    def mods(self) -> list[tuple[str, Any]]:
+        """``(input name prefix, split mod)`` of the flex mods the kernels read features of."""
+        mods = (("mod", self.mask_mod), ("score", self.score_mod))
+        return [(prefix, mod) for prefix, mod in mods if mod is not None]
 
 
 def div(a: jax.Array, b: int) -> jax.Array:
@@ -129,6 +139,64 @@ def logits(
     return soft_cap * t, t
 
 
+def tile_scores(
+    st: Static,
+    r: dict[str, Any],
+    a: jax.Array,
+    b: jax.Array,
+    origin: tuple,
+    transposed: bool,
+    slope: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """A tile's scores as the softmax takes them: `logits` soft-capped or under the flex
+    score_mod; with ``slope``, also the derivative of that modification w.r.t. the scaled
+    score, the backward's chain rule (None: it is 1).
+
+    ``origin`` = (batch, query head, first row, first column) of the tile (rows are keys
+    when ``transposed``) places the score_mod's positions; its features come from ``r``.
+    The forward and both backward kernels take their scores from here, so the score_mod
+    (and its slope, by `jax.jvp` through the tile: the mod is elementwise) is applied
+    alike in each.
+    """
+    s, t = logits(a, b, st.scale, st.soft_cap)
+    if t is not None:
+        return s, (1.0 - t * t) if slope else None  # d(cap * tanh(x / cap)) / dx
+    if st.score_mod is None:
+        return s, None
+    batch, head = origin[0], origin[1]
+    q_ids, kv_ids = _positions(origin, s.shape, transposed)
+    values = _feature_values(st, st.score_mod, "score", r, batch, head, s.shape)
+    mod = lambda x: st.score_mod.evaluate(x, batch, head, q_ids, kv_ids, values)
+    if not slope:
+        return mod(s), None
+    return jax.jvp(mod, (s,), (jnp.ones_like(s),))
+
+
+def _positions(origin: tuple, shape: tuple[int, int], transposed: bool) -> tuple[jax.Array, ...]:
+    """``(q_ids, kv_ids)``: int32 query and key positions of every element of a tile."""
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]
+    col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
+    return (col_ids, row_ids) if transposed else (row_ids, col_ids)
+
+
+def _feature_values(
+    st: Static, mod: Any, prefix: str, r: dict[str, Any], batch: Any, head: Any, shape: tuple
+) -> list[Any]:
+    """A split mod's features on one tile, from its ``<prefix><n>`` inputs: SMEM scalars per
+    ``(b, h)``, ``[rows, 1]`` / ``[1, cols]`` blocks broadcast to the tile, tables (SMEM refs)."""
+    values = []
+    for n, f in enumerate(mod.features):
+        ref = r[f"{prefix}{n}"]
+        if f.axis == "table":  # SMEM, read element by element (`_mask_mod._lookup`)
+            values.append(ref)
+        elif f.axis == "scalar":  # SMEM [B' * N']
+            index = (batch if f.batch else 0) * (st.heads if f.head else 1)
+            values.append(ref[index + (head if f.head else 0)])
+        else:  # a [rows, 1] or [1, cols] block
+            values.append(jnp.broadcast_to(ref[...], shape))
+    return values
+
+
 def partial_visibility(
     st: Static, r: dict[str, Any], origin: tuple, shape: tuple[int, int], transposed: bool
 ) -> jax.Array:
@@ -150,9 +218,7 @@ def partial_visibility(
             return jnp.ones(shape, jnp.bool_)
         # Widen before comparing so the predicate has the f32 tile's layout.
         return r["tile"][...].astype(jnp.int32) != 0
-    row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]
-    col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
-    q_ids, kv_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
+    q_ids, kv_ids = _positions(origin, shape, transposed)
     return jnp.broadcast_to(st.mask_fn(q_ids, kv_ids), shape)
 
 
@@ -162,17 +228,8 @@ def _mod_visibility(
     """``st.mask_mod`` on a partial tile, its features read from the ``mod<n>`` inputs, and
     positions past the call's lengths hidden (padding)."""
     batch, head = origin[0], origin[1]
-    row_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + origin[2]
-    col_ids = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + origin[3]
-    q_ids, kv_ids = (col_ids, row_ids) if transposed else (row_ids, col_ids)
-    values = []
-    for n, f in enumerate(st.mask_mod.features):
-        ref = r[f"mod{n}"]
-        if f.axis == "scalar":  # SMEM [B' * N']
-            index = (batch if f.batch else 0) * (st.heads if f.head else 1)
-            values.append(ref[index + (head if f.head else 0)])
-        else:  # a [rows, 1] or [1, cols] block
-            values.append(jnp.broadcast_to(ref[...], shape))
+    q_ids, kv_ids = _positions(origin, shape, transposed)
+    values = _feature_values(st, st.mask_mod, "mod", r, batch, head, shape)
     visible = st.mask_mod.evaluate(batch, head, q_ids, kv_ids, values)
     q_len, kv_len = st.lengths
     return visible & (q_ids < q_len) & (kv_ids < kv_len)
@@ -181,11 +238,12 @@ def _mod_visibility(
 def mod_inputs(
     st: Static, features: Sequence[jax.Array], block: tuple[int, int], transposed: bool, locate: Any
 ) -> tuple[list[str], list[pl.BlockSpec], list[jax.Array]]:
-    """The features of ``st.mask_mod`` as kernel inputs ``mod0``, ``mod1``, ... (none without one).
+    """The features of ``st.mask_mod`` as kernel inputs ``mod0``, ``mod1``, ..., then those of
+    ``st.score_mod`` as ``score0``, ... (none without the mods).
 
     Args:
-        features: `ModMask.feature_arrays`: ``[B', N', Tp]`` per query, ``[B', N', Sp]`` per
-            key, ``[B' * N']`` per ``(b, h)``.
+        features: the mods' `feature_arrays`, in that order: ``[B', N', Tp]`` per query,
+            ``[B', N', Sp]`` per key, ``[B' * N']`` per ``(b, h)``, a table flattened.
         block: the kernel's ``(block_q, block_kv)``.
         transposed: tiles have keys as rows (dkv): a per-query feature is read as a
             ``[1, block_q]`` row and a per-key one as a ``[block_kv, 1]`` column (the other
@@ -194,11 +252,10 @@ def mod_inputs(
             grid step, for the index maps.
     """
     names, specs, args = [], [], []
-    if st.mask_mod is None:
-        return names, specs, args
-    for n, (f, x) in enumerate(zip(st.mask_mod.features, features, strict=True)):
-        names.append(f"mod{n}")
-        if f.axis == "scalar":
+    named = [(f"{prefix}{n}", f) for prefix, mod in st.mods() for n, f in enumerate(mod.features)]
+    for (name, f), x in zip(named, features, strict=True):
+        names.append(name)
+        if f.axis in ("scalar", "table"):
             specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
             args.append(x)
             continue

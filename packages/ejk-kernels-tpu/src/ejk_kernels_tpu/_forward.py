@@ -19,12 +19,12 @@ from ._common import (
     dot,
     dropout_scale,
     launch,
-    logits,
     mask_row,
     partial_visibility,
     q_major_inputs,
     smem_inputs,
     split_refs,
+    tile_scores,
     visibility,
 )
 from ._mask_info import MaskInfo
@@ -51,10 +51,10 @@ def _kernel(dn_ref, bm_ref, mn_ref, *refs, st: Static, names: list[str], table_r
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
     def step(masked: bool):
-        s, _ = logits(r["q"][...], r["k"][...], st.scale, st.soft_cap)
         block_q, block_kv = st.fwd
         col0 = dn_ref[row, i, j].astype(jnp.int32) * block_kv  # the step's block (grids shrink)
         origin = (pl.program_id(0), h, i * block_q, col0)
+        s, _ = tile_scores(st, r, r["q"][...], r["k"][...], origin, False, slope=False)
         partial = partial_visibility(st, r, origin, s.shape, False) if masked else None
         visible = visibility(partial, r.get("q_seg"), r.get("kv_seg"))
         if visible is not None:
@@ -109,7 +109,7 @@ def forward(
         seed: int32 ``[5]`` dropout key (`dropout_scale`), or None without dropout.
         info: `process_mask` tables of ``st.mask`` for ``st.fwd`` blocks.
         st: the call's static options.
-        features: ``st.mask_mod``'s features (`ModMask.feature_arrays`), or none.
+        features: the flex mods' features (`ModMask.feature_arrays`, then `ModScore`'s), or none.
     """
     batch, heads, q_len, head_dim = q.shape
     block_q = st.fwd[0]

@@ -1,11 +1,13 @@
-"""`mask_mod_attention`: the block-sparse kernels under a user's mask_mod and its block kinds table.
+"""`mask_mod_attention`: the block-sparse kernels under a user's mask_mod and its block kinds
+table, and a score_mod.
 
-The flex path of the kernels (FlexAttention's ``mask_mod`` and ``BlockMask``, built in
-``ejk_attention.flex``; this package takes only their parts: a function and a table). The
-mask_mod is split by `ModMask` (its captured arrays become per-query, per-key or per-(b, h)
-kernel inputs), the kinds table becomes the kernels' `MaskInfo` (`block_kind_info`:
-empty blocks never visited, full ones without the mask, partial ones with it), and the
-call runs through the same custom_vjp as `blocksparse_attention`.
+The flex path of the kernels (FlexAttention's ``score_mod``, ``mask_mod`` and ``BlockMask``,
+built in ``ejk_attention.flex``; this package takes only their parts: functions and a
+table). The mods are split by `ModMask` and `ModScore` (their captured arrays become
+per-query, per-key or per-(b, h) kernel inputs), the kinds table becomes the kernels'
+`MaskInfo` (`block_kind_info`: empty blocks never visited, full ones without the mask,
+partial ones with it), and the call runs through the same custom_vjp as
+`blocksparse_attention`, which also gives the score_mod's float captures their cotangents.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ._block_kinds import block_kind_info, rescale_kinds
 from ._common import Static
 from ._config import BlockSparseConfig, block_sparse_heuristic, effective_block
 from ._mask_info import FULL
-from ._mask_mod import ModMask
+from ._mask_mod import ModMask, ModScore
 from ._ops import _attention, _empty_call, _round_up, default_interpret, unsupported_reason
 
 __all__ = ["mask_mod_attention", "unsupported_mask_mod_reason"]
@@ -33,20 +35,27 @@ _OPTIONS = ("bias", "segment_ids", "cu_seqlens_q", "softmax_sinks", "logits_soft
 
 
 def unsupported_mask_mod_reason(
-    request: AttentionRequest, mask_mod: Callable[..., Any] | None, *, interpret: Any = None
+    request: AttentionRequest,
+    mask_mod: Callable[..., Any] | None,
+    *,
+    score_mod: Callable[..., Any] | None = None,
+    interpret: Any = None,
 ) -> str | None:
-    """Why `mask_mod_attention` cannot serve ``request`` under ``mask_mod``, or None."""
+    """Why `mask_mod_attention` cannot serve ``request`` under ``mask_mod`` and ``score_mod``,
+    or None (a mod reading a captured array at a position that depends on both q_idx and
+    kv_idx is named, with the operation that reads it)."""
     reason = unsupported_reason(request, interpret=interpret)
     if reason is not None:
         return reason
     used = [name for name in _OPTIONS if getattr(request, name) is not None]
     if used or request.causal or request.sliding_window is not None or request.dropout_rate:
         return f"the mask_mod path takes the mask as a mask_mod only, got {used or 'causal/window/dropout'}"
-    if mask_mod is not None:
-        try:
-            ModMask.trace(mask_mod)
-        except NotImplementedError as err:
-            return str(err)
+    for split, mod in ((ModMask, mask_mod), (ModScore, score_mod)):
+        if mod is not None:
+            try:
+                split.trace(mod)
+            except NotImplementedError as err:
+                return str(err)
     return None
 
 
@@ -61,13 +70,19 @@ def mask_mod_attention(
     kinds: Int[Array, "Bm Nm Tb Sb"] | None,
     block_size: tuple[int, int] | None,
     *,
+    score_mod: Callable[..., Any] | None = None,
     config: BlockSparseConfig | None = None,
     interpret: Any = None,
 ) -> Float[Array, "B T N H"] | tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
-    """Block-sparse attention of a validated call under ``mask_mod`` (FlexAttention's mask).
+    """Block-sparse attention of a validated call under ``mask_mod`` (FlexAttention's mask)
+    and ``score_mod``.
 
-    Differentiable in q, k and v (the mask has no gradient). A query row with no visible
-    key gives zeros, lse ``-inf`` and zero gradients.
+    ``s = softmax_scale·q·kᵀ``, then ``score_mod(s, b, h, q_idx, kv_idx)`` (in every kernel,
+    on every visited tile), then ``-inf`` where the mask hides a key, and a softmax over the
+    keys. Differentiable in q, k, v and the float arrays the score_mod captures (their
+    cotangents from `ejk_sequtils.score_mod_capture_cotangents`); the mask and integer
+    captures have no gradient. A query row with no visible key gives zeros, lse ``-inf``
+    and zero gradients.
 
     Args:
         request: the validated call (q, k, v, softmax scale, ``return_lse``; no other mask).
@@ -80,6 +95,9 @@ def mask_mod_attention(
             ``mask_mod`` None): every block full.
         block_size: ``(block_q, block_kv)`` of ``kinds``; the kernels' own blocks (``config``)
             may differ: the table is re-cut (`rescale_kinds`).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on a float32 score and int32
+            scalars, capturing arrays read per query, per key or per (b, h) as the mask_mod's
+            (see `ModScore`); None: the scores as they are.
         config: block sizes; default `block_sparse_heuristic`.
         interpret: False to compile for TPU, or `pltpu.InterpretParams`; default
             `default_interpret()`.
@@ -92,7 +110,9 @@ def mask_mod_attention(
         TypeError: a config of another type.
     """
     interpret = default_interpret() if interpret is None else interpret
-    reason = unsupported_mask_mod_reason(request, mask_mod, interpret=interpret)
+    reason = unsupported_mask_mod_reason(
+        request, mask_mod, score_mod=score_mod, interpret=interpret
+    )
     if reason is not None:
         raise NotImplementedError(reason)
     if config is not None and not isinstance(config, BlockSparseConfig):
@@ -122,6 +142,7 @@ def mask_mod_attention(
         )
     mod, consts = ModMask.trace(mask_mod)
     features = tuple(mod.feature_arrays(consts, batch, heads, q_len, kv_len, *padded))
+    score, score_caps = (None, []) if score_mod is None else ModScore.trace(score_mod)
     kinds = jnp.asarray(kinds)
     table_batch = kinds.shape[0]
     tables = []
@@ -141,6 +162,7 @@ def mask_mod_attention(
         has_sinks=False,
         interpret=interpret,
         mask_mod=mod,
+        score_mod=score,
         lengths=(q_len, kv_len),
         table_batch=table_batch,
     )
@@ -157,7 +179,8 @@ def mask_mod_attention(
         None,
         None,
         None,
-        (*tables, features),
+        (*tables, features, tuple(consts)),
+        list(score_caps),
         st,
     )
     out = jnp.swapaxes(o[:, :, :q_len], 1, 2)

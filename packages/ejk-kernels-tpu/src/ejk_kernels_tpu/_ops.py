@@ -13,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jcore
 from jaxtyping import Array, Bool, Float, Int, Integer
 
 from ejk_sequtils import (
     AttentionRequest,
     dropout_key,
     reference_attention,
+    score_mod_capture_cotangents,
     validate_attention,
 )
 
@@ -101,27 +103,41 @@ def _info(tables: tuple[jax.Array | None, ...]) -> MaskInfo:
     return MaskInfo(*tables, False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
-    """``(out, lse)`` in kernel layout; ``tables`` = (forward, dq, dkv tables, the mask_mod's
-    features): gradient-free inputs of the kernels."""
-    info, features = _info(tables[0]), tables[3]
-    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, info, st, features)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, score_caps, st: Static):
+    """``(out, lse)`` in kernel layout.
+
+    ``tables`` = (forward, dq, dkv tables, the mask_mod's features, the mask_mod's captured
+    arrays): gradient-free inputs of the kernels. ``score_caps``: the arrays the flex
+    score_mod (``st.score_mod``) captures; its features are computed from them here, and
+    the floating ones get cotangents (`_score_cotangents`).
+    """
+    features = _features(tables, score_caps, st, q, k)
+    return _forward_kernel(q, k, v, q_seg, kv_seg, sinks, seed, _info(tables[0]), st, features)
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, tables, st: Static):
-    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, st)
-    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, seed, tables, o, lse)
+def _features(tables, score_caps, st: Static, q, k) -> tuple[jax.Array, ...]:
+    """The kernels' feature inputs: the mask_mod's, then the score_mod's (`mod_inputs`)."""
+    if st.score_mod is None:
+        return tables[3]
+    padded = (q.shape[2], k.shape[2])
+    scores = st.score_mod.feature_arrays(score_caps, q.shape[0], st.heads, *st.lengths, *padded)
+    return (*tables[3], *scores)
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, sinks, seed, tables, score_caps, st: Static):
+    o, lse = _attention(q, k, v, q_seg, kv_seg, sinks, seed, tables, score_caps, st)
+    return (o, lse), (q, k, v, q_seg, kv_seg, sinks, seed, tables, score_caps, o, lse)
 
 
 def _attention_bwd(st: Static, res, cts):
-    q, k, v, q_seg, kv_seg, sinks, seed, tables, o, lse = res
+    q, k, v, q_seg, kv_seg, sinks, seed, tables, score_caps, o, lse = res
     do, dlse = cts
     # D_i = rowsum(dO * O) (FlashAttention-2, Alg. 2, line 4), less the lse cotangent:
     # d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij - D_i + dlse_i).
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True) - dlse
     lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: P = exp(-inf) = 0
-    features = tables[3]
+    features = _features(tables, score_caps, st, q, k)
     dq = _dq_kernel(q, k, v, do, lse_b, di, q_seg, kv_seg, seed, _info(tables[1]), st, features)
     batch, heads, q_len, _ = q.shape
     as_row = lambda x: x.reshape(batch, heads, 1, q_len)
@@ -144,7 +160,27 @@ def _attention_bwd(st: Static, res, cts):
         # The sink's weight in row i is exp(sink - lse_i); d out_i / d sink = -weight * out_i.
         weight = jnp.exp(sinks[None, :, None] - lse[..., 0])
         dsinks = -jnp.sum(weight * di[..., 0], axis=(0, 2)).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks, None, None
+    d_caps = _score_cotangents(st, q, k, v, do, lse, di, tables[4], score_caps)
+    return dq, dk, dv, None, None, dsinks, None, None, d_caps
+
+
+def _score_cotangents(st: Static, q, k, v, do, lse, di, mask_caps, score_caps) -> list[Any] | None:
+    """The score_mod's captures' cotangents (None for integer ones), from the chunked XLA pass
+    every flex kernel shares (`ejk_sequtils.score_mod_capture_cotangents`), on the unpadded
+    call in ``[B, T, N, H]`` layout."""
+    if st.score_mod is None:
+        return None
+    q_len, kv_len = st.lengths
+    unpad = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
+    with_captures = lambda jaxpr, caps: jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, list(caps)))
+    score_fn = lambda caps, *xs: with_captures(st.score_mod.jaxpr, caps)(*xs)[0]
+    mask_fn = lambda *xs: with_captures(st.mask_mod.jaxpr, mask_caps)(*xs)[0]
+    return score_mod_capture_cotangents(
+        score_fn, score_caps, mask_fn,
+        unpad(q, q_len), unpad(k, kv_len), unpad(v, kv_len),
+        lse[:, :, :q_len, 0], unpad(do, q_len), di[:, :, :q_len, 0],
+        scale=st.scale,
+    )  # fmt: skip
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -328,7 +364,7 @@ def blocksparse_attention_request(
         _tables(mask, block, is_dkv, tiles=not mask_function)
         for block, is_dkv in ((fwd, False), (dq, False), (dkv, True))
     )
-    tables = (fwd_tables, dq_tables, dkv_tables, ())
+    tables = (fwd_tables, dq_tables, dkv_tables, (), ())
     st = Static(
         heads=heads,
         kv_heads=kv_heads,
@@ -369,6 +405,7 @@ def blocksparse_attention_request(
         sinks,
         _kernel_seed(request),
         tables,
+        (),
         st,
     )
     out = jnp.swapaxes(o[:, :, :q_len], 1, 2)

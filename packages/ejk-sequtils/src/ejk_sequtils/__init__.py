@@ -6,7 +6,8 @@ the float32 reference (`reference_attention`) and the validation of a call
 (`validate_attention`, returning the `AttentionRequest` every backend receives), and
 the same for paged attention in serving (`validate_paged_attention`,
 `paged_reference_attention`), with what an FP8 KV page means (`dequantize_kv`,
-`quantize_kv`).
+`quantize_kv`), and the cotangents of a flex score_mod's captured arrays that every flex
+kernel shares (`score_mod_capture_cotangents`).
 """
 
 from ._checks import describe_value as describe_value
@@ -53,6 +54,7 @@ from ._reference import fold_sinks as fold_sinks
 from ._reference import reference_attention as reference_attention
 from ._request import AttentionRequest as AttentionRequest
 from ._request import validate_attention as validate_attention
+from ._score_mod_grads import score_mod_capture_cotangents as score_mod_capture_cotangents
 from ._testing import assert_allclose as assert_allclose
 from ._testing import generate_attention_inputs as generate_attention_inputs
 from ._testing import random_document_ids as random_document_ids
@@ -115,6 +117,7 @@ __all__ = [
     "random_document_ids",
     "reference_attention",
     "safe_divide",
+    "score_mod_capture_cotangents",
     "segment_ids_to_cu_seqlens",
     "segment_ids_to_mask",
     "segment_ids_to_position_ids",

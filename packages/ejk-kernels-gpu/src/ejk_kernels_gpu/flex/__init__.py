@@ -1,7 +1,8 @@
 """Flex attention in Triton: a user's score_mod and mask_mod translated into the kernels
 (`flex._translate`, `flex._plan`), block lists instead of dense masks (`flex._api`), the
-launches (`flex._launch`), the custom VJP (`flex._vjp`), the captures' cotangents in XLA
-(`flex._capture_grads`) and the executor's kernels choosing the configs (`flex._executor`)."""
+launches (`flex._launch`), the custom VJP (`flex._vjp`; the captures' cotangents in XLA
+come from `ejk_sequtils.score_mod_capture_cotangents`) and the executor's kernels choosing
+the configs (`flex._executor`)."""
 
 from ._api import default_block_size as default_block_size
 from ._api import flex_attention as flex_attention

@@ -119,7 +119,8 @@ def flex_attention(
     where ``mask_mod(b, h, q_idx, kv_idx)`` is False, and a softmax over the keys; a row
     with no visible key gives zeros (lse -inf) and zero gradients. Only the blocks the
     lists name are visited: the mask_mod runs on partial blocks, never on full ones.
-    Gradients: q, k, v (Triton), and the score_mod's floating captures (`_capture_grads`).
+    Gradients: q, k, v (Triton), and the score_mod's floating captures (XLA:
+    `ejk_sequtils.score_mod_capture_cotangents`).
 
     Args:
         q: queries ``[B, T, N, H]``; k: keys ``[B, S, K, H]`` (``N % K == 0``); v: values

@@ -1,4 +1,5 @@
-"""The custom VJP of a flex call: Triton forward and backward, captures' cotangents in XLA."""
+"""The custom VJP of a flex call: Triton forward and backward, captures' cotangents in XLA
+(`ejk_sequtils.score_mod_capture_cotangents`, shared with the Pallas flex kernels)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
-from ._capture_grads import capture_cotangents
+from ejk_sequtils import score_mod_capture_cotangents
+
 from ._launch import FlexCall, backward, forward
 
 __all__ = ["flex_vjp"]
@@ -34,7 +37,17 @@ def _bwd(call: FlexCall, res, cts):
     # The lse's cotangent enters as P·d_lse on each score: delta - d_lse in dS = P(dP - delta).
     delta = jnp.einsum("btnd,btnd->bnt", d_out, out.astype(jnp.float32)) - d_lse
     dq, dk, dv = backward(call, q, k, v, ints, floats, kv_tables, q_tables, lse, d_out, delta)
-    d_caps = capture_cotangents(call, q, k, v, score_caps, mask_caps, lse, d_out, delta)
+    d_caps = [None] * len(score_caps)
+    if call.plan.score is not None:
+        score = jcore.jaxpr_as_fun(call.plan.score)
+        mask = None if call.plan.mask is None else jcore.jaxpr_as_fun(call.plan.mask)
+        d_caps = score_mod_capture_cotangents(
+            lambda caps, *xs: score(*caps, *xs)[0],
+            score_caps,
+            None if mask is None else lambda *xs: mask(*mask_caps, *xs)[0],
+            q, k, v, lse, d_out, delta,
+            scale=call.scale,
+        )  # fmt: skip
     return dq, dk, dv, d_caps, [None] * len(mask_caps), None, None
 
 

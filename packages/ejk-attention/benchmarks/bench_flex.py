@@ -47,6 +47,7 @@ _KERNEL_BENCHMARKS = Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "
 sys.path.insert(0, str(_KERNEL_BENCHMARKS))
 
 import _fa4  # noqa: E402
+from _flex_pairs import visible_pairs  # noqa: E402
 from _inputs import attention_inputs  # noqa: E402
 from _timing import contender, time_rounds  # noqa: E402
 
@@ -84,14 +85,6 @@ TARGETS = [
 ]
 
 
-def _pairs(ids: np.ndarray, left: int | None = None) -> int:
-    """Visible (query, key) pairs of causal documents ``ids`` (a window ``left``)."""
-    pos = np.arange(ids.size)
-    starts = np.searchsorted(ids, ids, side="left")  # each token's document start (sorted ids)
-    seen = pos - starts + 1
-    return int(seen.sum() if left is None else np.minimum(seen, left + 1).sum())
-
-
 def _flex(score=None):
     """``flex_attention`` on the Triton kernels; ``score(side) -> score_mod`` or None."""
 
@@ -120,7 +113,7 @@ def documents(docs=16, t=16384, n=16, h=128, block=128):
     builtin = lambda q, k, v, ids: flash_attention(
         q, k, v, causal=True, segment_ids=ids, implementation="triton"
     )
-    flops = 4 * n * h * _pairs(np.asarray(ids[0]))
+    flops = 4 * n * h * visible_pairs(np.asarray(ids[0]))
     return flops, [
         ({**row, "as": "flex"}, _flex(), (q, k, v, d_out), (mask,)),
         ({**row, "as": "segment_ids"}, builtin, (q, k, v, d_out), (ids,)),
@@ -148,7 +141,7 @@ def window(shape=(4, 4096, 32, 8, 128), left=1024, block=128):
     builtin = lambda q, k, v: flash_attention(
         q, k, v, causal=True, sliding_window=(left, 0), implementation="triton"
     )
-    flops = 4 * b * n * h * _pairs(np.zeros(t, np.int32), left)
+    flops = 4 * b * n * h * visible_pairs(np.zeros(t, np.int32), left)
     return flops, [
         ({**row, "as": "flex"}, _flex(), args, (mask,)),
         ({**row, "as": "sliding_window"}, builtin, args),
@@ -160,7 +153,7 @@ def _scored(make, side, shape, block):
     args = attention_inputs(*shape)
     mask = create_block_mask(causal_mask, None, None, t, t, block_size=block)
     row = dict(B=b, T=t, N=n, K=kh, H=h)
-    return 4 * b * n * h * _pairs(np.zeros(t, np.int32)), [
+    return 4 * b * n * h * visible_pairs(np.zeros(t, np.int32)), [
         ({**row, "as": "score_mod"}, _flex(make), args, (mask, side)),
         ({**row, "as": "none"}, _flex(), args, (mask,)),
     ]
@@ -186,7 +179,7 @@ def mask128k(docs=64, t=131072, n=16, h=128, block=128):
                                  block_size=block)  # fmt: skip
 
     row = dict(B=1, T=t, N=n, K=n, H=h, docs=docs)
-    flops = 4 * n * h * _pairs(np.asarray(ids[0]))
+    flops = 4 * n * h * visible_pairs(np.asarray(ids[0]))
     return flops, [
         ({**row, "as": "flex"}, _flex(), (q, k, v, d_out), (build(ids),)),
         ({**row, "as": "create_block_mask", "build_only": True}, build, (ids, None)),

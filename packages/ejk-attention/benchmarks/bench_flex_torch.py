@@ -38,10 +38,12 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # The PyTorch timing shared with the kernel package's FA4 benchmark.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ejk-kernels-gpu" / "benchmarks"))
+from _flex_pairs import visible_pairs
 from _torch_timing import time_interleaved
 
 BLOCK = 128
@@ -57,14 +59,6 @@ TARGETS = [
     ]
     for key in ("fwd", "fwdbwd")
 ]
-
-
-def _pairs(ids: torch.Tensor, left: int | None = None) -> int:
-    """Visible (query, key) pairs of causal documents ``ids`` (sorted), within ``left`` keys."""
-    pos = torch.arange(ids.numel(), device=ids.device)
-    starts = torch.searchsorted(ids, ids, side="left")
-    seen = pos - starts + 1
-    return int((seen if left is None else seen.clamp(max=left + 1)).sum())
 
 
 def _inputs(b: int, t: int, n: int, k: int, h: int, seed: int):
@@ -93,12 +87,12 @@ def rows_of(name: str) -> tuple[dict, int, list]:
 
         return (
             dict(B=1, T=t, N=16, K=16, H=128, docs=docs),
-            _pairs(ids),
+            visible_pairs(ids.cpu().numpy()),
             [("flex", doc_mask, None, [])],
         )
     shape = dict(B=4, T=4096, N=32, K=8, H=128)
     t, n = shape["T"], shape["N"]
-    zeros = torch.zeros(t, device="cuda", dtype=torch.int32)
+    zeros = np.zeros(t, np.int32)
     if name == "window":
         left = 1024
 
@@ -107,7 +101,7 @@ def rows_of(name: str) -> tuple[dict, int, list]:
 
         return (
             {**shape, "window": (left, 0)},
-            _pairs(zeros, left),
+            visible_pairs(zeros, left),
             [("flex", window_mask, None, [])],
         )
     if name == "alibi":
@@ -116,7 +110,11 @@ def rows_of(name: str) -> tuple[dict, int, list]:
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * (q_idx - kv_idx).abs()
 
-        return shape, _pairs(zeros), [("flex", causal, alibi, []), ("none", causal, None, [])]
+        return (
+            shape,
+            visible_pairs(zeros),
+            [("flex", causal, alibi, []), ("none", causal, None, [])],
+        )
     if name == "relative":
         span = 128
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -128,7 +126,7 @@ def rows_of(name: str) -> tuple[dict, int, list]:
 
         return (
             shape,
-            _pairs(zeros),
+            visible_pairs(zeros),
             [
                 ("flex", causal, relative, [table]),
                 ("none", causal, None, []),

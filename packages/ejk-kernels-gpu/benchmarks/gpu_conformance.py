@@ -507,46 +507,55 @@ def _picked(args: argparse.Namespace) -> list[int]:
 
 def _run_shards(args: argparse.Namespace) -> int:
     """The picked cases in ``--shards`` processes at once (case i in shard i mod shards),
-    each writing its own JSON as it goes; merged into ``--json`` (cases in index order,
-    each shard's command and exit status), so a call cut short still leaves every case
-    that finished, in one file."""
+    each writing its own JSON as it goes, merged into ``--json`` every few seconds and at
+    the end (cases in index order, each shard's command and exit status, the cases
+    missing), so a call cut short still leaves every case that finished, in one file."""
     import subprocess
     import tempfile
 
     picked = _picked(args)
     with tempfile.TemporaryDirectory() as where:
-        procs = []
+        shards = []
         for k in range(args.shards):
             part = picked[k :: args.shards]
-            if not part:
-                continue
-            out = f"{where}/shard{k}.json"
-            command = [sys.executable, __file__, "--cases", ",".join(map(str, part)),
-                       "--json", out, "--commit", args.commit]  # fmt: skip
-            procs.append((out, command, subprocess.Popen(command)))
-        header: dict = {}
-        rows: list[dict] = []
-        shards = []
-        for out, command, proc in procs:
-            code = proc.wait()
-            try:
-                with open(out) as f:
-                    part = json.load(f)
-            except (OSError, ValueError):  # the shard wrote nothing (killed before a case)
-                part = {"cases": []}
-            header = header or {k: v for k, v in part.items() if k not in ("cases", "argv")}
-            rows += part["cases"]
-            shards.append({"argv": command[2:], "exit": code, "cases": len(part["cases"])})
+            if part:
+                out = f"{where}/shard{k}.json"
+                command = [sys.executable, __file__, "--cases", ",".join(map(str, part)),
+                           "--json", out, "--commit", args.commit]  # fmt: skip
+                shards.append((out, command, subprocess.Popen(command)))
+        while any(proc.poll() is None for *_, proc in shards):
+            _merge_shards(args, picked, shards)
+            time.sleep(5)
+        result = _merge_shards(args, picked, shards)
+    ok = result["passed"] and not result["missing"]
+    print("ALL PASS" if ok else f"SOME FAILED OR MISSING {result['missing']}")
+    return 0 if ok else 1
+
+
+def _merge_shards(args: argparse.Namespace, picked: list[int], shards: list) -> dict:
+    """The shards' JSONs so far as one result (written to ``--json``): ``shards`` holds
+    each one's ``(json path, command, process)``; a shard that wrote nothing yet has no
+    cases."""
+    header: dict = {}
+    rows: list[dict] = []
+    runs = []
+    for out, command, proc in shards:
+        try:
+            with open(out) as f:
+                part = json.load(f)
+        except (OSError, ValueError):  # nothing written yet (or killed before a case)
+            part = {"cases": []}
+        header = header or {k: v for k, v in part.items() if k not in ("cases", "argv")}
+        rows += part["cases"]
+        runs.append({"argv": command[2:], "exit": proc.poll(), "cases": len(part["cases"])})
     rows.sort(key=lambda r: -1 if r.get("index") is None else r["index"])
-    missing = sorted(set(picked) - {r.get("index") for r in rows})
-    passed = bool(rows) and all(r["passed"] for r in rows)
-    result = {**header, "argv": sys.argv[1:], "shards": shards, "cases": rows,
-              "passed": passed, "missing": missing}  # fmt: skip
+    result = {**header, "argv": sys.argv[1:], "shards": runs, "cases": rows,
+              "passed": bool(rows) and all(r["passed"] for r in rows),
+              "missing": sorted(set(picked) - {r.get("index") for r in rows})}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    print("ALL PASS" if passed and not missing else f"SOME FAILED OR MISSING {missing}")
-    return 0 if passed and not missing else 1
+    return result
 
 
 if __name__ == "__main__":

@@ -400,16 +400,26 @@ def test_conformance_shards_merge_into_one_json(bench_path, monkeypatch, tmp_pat
         def __init__(self, command):
             cases = [int(i) for i in command[command.index("--cases") + 1].split(",")]
             launched.append(cases)
+            self.cases = cases
             if 4 not in cases:  # the shard holding case 4 is killed before writing
                 rows = [{"index": i, "name": f"c{i}", "passed": True} for i in cases]
                 out = command[command.index("--json") + 1]
                 with open(out, "w") as f:
                     json.dump({"device": "fake", "cases": rows, "argv": command[2:]}, f)
 
-        def wait(self):
-            return 0 if len(launched[-1]) else 1
+            self.polls = 0
+
+        def poll(self):  # the first shard runs on for one look, the others are done
+            self.polls += 1
+            return None if launched[0] is self.cases and self.polls == 1 else 0
+
+    sleeps = []
+
+    def sleep(seconds):  # the merged file is written before each wait
+        sleeps.append(json.loads(out.read_text())["missing"])
 
     monkeypatch.setattr(subprocess, "Popen", FakeShard)
+    monkeypatch.setattr(conf.time, "sleep", sleep)
     out = tmp_path / "merged.json"
     args = argparse.Namespace(cases="0,1,2,3,4,5", repeat=1, quick=False, shards=3,
                               json=str(out), commit="abc")  # fmt: skip
@@ -419,3 +429,4 @@ def test_conformance_shards_merge_into_one_json(bench_path, monkeypatch, tmp_pat
     assert [r["index"] for r in merged["cases"]] == [0, 2, 3, 5]
     assert merged["missing"] == [1, 4] and merged["device"] == "fake"
     assert [s["cases"] for s in merged["shards"]] == [2, 0, 2]
+    assert sleeps == [[1, 4]]

@@ -3,9 +3,10 @@
 The ``[B, N, T, S]`` visibility a mask_mod defines is cut into blocks of
 ``block_size = (q_block, kv_block)``. Each block is *empty* (no element visible: kernels
 never visit it), *full* (every element visible: kernels skip the mask_mod there) or
-*partial* (kernels apply the mask_mod per element). The tables are built blockwise: each
-step evaluates the mask_mod over a few rows of blocks and reduces them, so a mask of
-T = 128k is never held as ``T x S`` booleans.
+*partial* (kernels apply the mask_mod per element). ejk's own mods are classified from
+their definitions (`_block_kinds`); what that leaves undecided, and a user's own
+function, is evaluated blockwise: each step evaluates the mask_mod over a few blocks and
+reduces them, so a mask of T = 128k is never held as ``T x S`` booleans.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejk_sequtils import cdiv
 
+from ._block_kinds import Blocks, analytic_kinds, refine_unknown
 from ._evaluate import check_mask_mod, mask_grid
 from ._mods import check_captures
 
@@ -224,14 +226,33 @@ def _build_kinds(
     blocks: tuple[int, int],
     max_elements: int,
 ) -> Int[Array, "B N Tb Sb"]:
-    """int8 ``[B', N', Tb, Sb]`` block kinds, one row of blocks of one ``(b, h)`` per map step."""
+    """int8 ``[B', N', Tb, Sb]`` block kinds: from ejk's mods' definitions where they decide
+    (`_block_kinds`), element by element for the rest."""
     mask_mod = _join_mod(static, leaves)
     batch, heads, q_len, kv_len = shape
-    q_block, kv_block = blocks
     nb, nh = batch or 1, heads or 1
-    tb, sb = cdiv(q_len, q_block), cdiv(kv_len, kv_block)
+    tb, sb = cdiv(q_len, blocks[0]), cdiv(kv_len, blocks[1])
     if nb * nh * tb * sb == 0:
         return jnp.zeros((nb, nh, tb, sb), jnp.int8)
+    grid = Blocks.of(q_len, kv_len, *blocks)
+    kinds = analytic_kinds(mask_mod, grid, opaque=(nb, nh))
+    if kinds is None:  # a user's function alone: every element
+        return _dense_kinds(mask_mod, (nb, nh, tb, sb), blocks, q_len, kv_len, max_elements)
+    kinds = refine_unknown(kinds, mask_mod, grid, max_elements)
+    return jnp.broadcast_to(kinds, (nb, nh, tb, sb))
+
+
+def _dense_kinds(
+    mask_mod: Any,
+    shape: tuple[int, int, int, int],
+    blocks: tuple[int, int],
+    q_len: int,
+    kv_len: int,
+    max_elements: int,
+) -> Int[Array, "B N Tb Sb"]:
+    """Block kinds from every element, one row of blocks of one ``(b, h)`` per map step."""
+    nb, nh, tb, sb = shape
+    q_block, kv_block = blocks
     # Indices past the end (the last, short blocks) evaluate the mod at the last position,
     # so captured arrays are read in bounds, and are left out of the reductions.
     kv_pos = jnp.arange(sb * kv_block, dtype=jnp.int32)

@@ -4,11 +4,13 @@ Rows (bf16, ``implementation="triton"`` throughout; TFLOP/s on the (query, key) 
 mask lets through, 4·H FLOPs a pair and head forward, 3.5x that forward+backward):
 
 - ``documents``: B1 T16384 N16 H128, 16 causal documents: ``flex_attention`` with
-  ``and_masks(causal_mask, document_mask(ids))`` against ``flash_attention(causal=True,
-  segment_ids=ids)`` and fa4-jax's ``document_mask`` mask_mod (where fa4-jax imports;
-  ../shared/gpu/README.md);
+  ``and_masks(causal_mask, document_mask(ids))`` (``flex``: ejk's mods, which the backend
+  runs on its built-in kernels; ``flex kernels``: the same mask as a user's own function,
+  on the flex kernels) against ``flash_attention(causal=True, segment_ids=ids)`` and
+  fa4-jax's ``document_mask`` mask_mod (where fa4-jax imports; ../shared/gpu/README.md);
 - ``window``: B4 T4096 N32 K8 H128, ``sliding_window_mask((1024, 0))`` and causal as a
-  mask_mod against ``flash_attention(causal=True, sliding_window=(1024, 0))``;
+  mask_mod (both ways, as above) against ``flash_attention(causal=True,
+  sliding_window=(1024, 0))``;
 - ``alibi`` / ``relative``: B4 T4096 N32 K8 H128 causal, ALiBi over captured slopes and a
   learnable relative-position table as score_mods, against the same flex call without one;
 - ``mask128k``: ``create_block_mask`` of 64 causal documents at T = 131072 under
@@ -67,13 +69,21 @@ BF16_TOL = 2e-2  # as gpu_conformance.py: bf16 operands against a float32 refere
 _DOCS = (("documents", "flex"), ("documents", "segment_ids"))
 _DOCS_FA4 = (("documents", "flex"), ("documents", "fa4-jax mask_mod"))
 _WINDOW = (("window", "flex"), ("window", "sliding_window"))
+# The same masks written as a user's own functions: the flex kernels (ejk's mods run on the
+# built-in kernels, `ejk_attention.flex._builtin`).
+_DOCS_OWN = (("documents", "flex kernels"), ("documents", "segment_ids"))
+_WINDOW_OWN = (("window", "flex kernels"), ("window", "sliding_window"))
 TARGETS = [
     ("documents as a mask_mod vs segment ids", *_DOCS, "fwd", 0.9),
     ("documents as a mask_mod vs segment ids", *_DOCS, "fwdbwd", 0.9),
+    ("documents as a user's mask_mod vs segment ids", *_DOCS_OWN, "fwd", 0.9),
+    ("documents as a user's mask_mod vs segment ids", *_DOCS_OWN, "fwdbwd", 0.9),
     ("documents as a mask_mod vs fa4-jax's mask_mod", *_DOCS_FA4, "fwd", 1.0),
     ("documents as a mask_mod vs fa4-jax's mask_mod", *_DOCS_FA4, "fwdbwd", 1.0),
     ("window as a mask_mod vs the built-in", *_WINDOW, "fwd", 0.9),
     ("window as a mask_mod vs the built-in", *_WINDOW, "fwdbwd", 0.9),
+    ("window as a user's mask_mod vs the built-in", *_WINDOW_OWN, "fwd", 0.9),
+    ("window as a user's mask_mod vs the built-in", *_WINDOW_OWN, "fwdbwd", 0.9),
     ("ALiBi score_mod vs none", ("alibi", "score_mod"), ("alibi", "none"), "fwdbwd", 0.85),
     (
         "relative table score_mod vs none",
@@ -95,6 +105,12 @@ def _flex(score=None):
     return call
 
 
+def _own(mask_mod):
+    """``mask_mod`` as a user's own function (a closure, not one of ejk's mods): the flex
+    kernels run it, where ejk's mods alone run on the built-in kernels."""
+    return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx, kv_idx)
+
+
 def _alibi(slopes):
     return lambda s, b, h, q_idx, kv_idx: s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
 
@@ -114,8 +130,11 @@ def documents(docs=16, t=16384, n=16, h=128, block=128):
         q, k, v, causal=True, segment_ids=ids, implementation="triton"
     )
     flops = 4 * n * h * visible_pairs(np.asarray(ids[0]))
+    own = create_block_mask(_own(and_masks(causal_mask, document_mask(ids))), 1, None, t, t,
+                            block_size=block)  # fmt: skip
     return flops, [
         ({**row, "as": "flex"}, _flex(), (q, k, v, d_out), (mask,)),
+        ({**row, "as": "flex kernels"}, _flex(), (q, k, v, d_out), (own,)),
         ({**row, "as": "segment_ids"}, builtin, (q, k, v, d_out), (ids,)),
         _fa4_documents({**row, "as": "fa4-jax mask_mod"}, (q, k, v, d_out), ids),
     ]
@@ -135,8 +154,9 @@ def _fa4_documents(row: dict, args: tuple, ids) -> tuple:
 def window(shape=(4, 4096, 32, 8, 128), left=1024, block=128):
     b, t, n, kh, h = shape
     args = attention_inputs(*shape)
-    mask = create_block_mask(and_masks(causal_mask, sliding_window_mask((left, 0))), None, None,
-                             t, t, block_size=block)  # fmt: skip
+    causal_window = and_masks(causal_mask, sliding_window_mask((left, 0)))
+    mask = create_block_mask(causal_window, None, None, t, t, block_size=block)
+    own = create_block_mask(_own(causal_window), None, None, t, t, block_size=block)
     row = dict(B=b, T=t, N=n, K=kh, H=h, window=(left, 0))
     builtin = lambda q, k, v: flash_attention(
         q, k, v, causal=True, sliding_window=(left, 0), implementation="triton"
@@ -144,6 +164,7 @@ def window(shape=(4, 4096, 32, 8, 128), left=1024, block=128):
     flops = 4 * b * n * h * visible_pairs(np.zeros(t, np.int32), left)
     return flops, [
         ({**row, "as": "flex"}, _flex(), args, (mask,)),
+        ({**row, "as": "flex kernels"}, _flex(), args, (own,)),
         ({**row, "as": "sliding_window"}, builtin, args),
     ]
 
@@ -201,15 +222,21 @@ def _relative_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def check(name: str, tiny: bool) -> dict:
-    """Row ``name``'s first contender (the flex call) against the second, or against the
-    ``xla`` flex backend on float32 inputs where the second is the flex call without a
-    score_mod: outputs and gradients by relative L2 error."""
+def check(name: str, tiny: bool) -> list[dict]:
+    """Row ``name``'s flex calls (``flex``, and ``flex kernels`` where the row has one)
+    against its reference: the built-in call, or the ``xla`` flex backend on float32
+    inputs for a score_mod row: outputs and gradients by relative L2 error."""
     build, small = ROWS[name]
     _, entries = build(**(small if tiny else {}))
-    (row, fn, (q, k, v, d_out), side), ref = entries[0], entries[1]
     if name == "mask128k":
-        return dict(row=name, skipped="the documents row checks the same call")
+        return [dict(row=name, skipped="the documents row checks the same call")]
+    flex_rows = [e for e in entries if e[0]["as"] in ("flex", "flex kernels", "score_mod")]
+    ref = next(e for e in entries if e not in flex_rows)
+    return [_check_one(name, entry, ref) for entry in flex_rows]
+
+
+def _check_one(name: str, entry: tuple, ref: tuple) -> dict:
+    row, fn, (q, k, v, d_out), side = entry
     if row["as"] == "score_mod":  # the xla backend, float32, the capture differentiated too
         mask, table = side
 
@@ -235,7 +262,7 @@ def check(name: str, tiny: bool) -> dict:
     errors = {n: _relative_error(g, w) for n, g, w in zip(names, got, want, strict=True)}
     finite = all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in got)
     passed = finite and all(e <= BF16_TOL for e in errors.values())
-    return dict(row=name, errors=errors, finite=finite, passed=passed)
+    return dict(row=name, **{"as": row["as"]}, errors=errors, finite=finite, passed=passed)
 
 
 def run(names: list[str], rounds: int, with_bwd: bool = True, tiny: bool = False) -> list[dict]:
@@ -301,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
     print("#", jax.devices(), jax.__version__)
-    checks = [check(name, args.tiny) for name in names] if args.check else []
+    checks = [c for name in names for c in check(name, args.tiny)] if args.check else []
     for c in checks:
         print(json.dumps(c), flush=True)
     rows = run(names, args.rounds, with_bwd=not args.no_bwd, tiny=args.tiny)

@@ -34,7 +34,8 @@ def test_bench_flex_tiny_rows_and_targets(monkeypatch, tmp_path):
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert {(r["row"], r["as"]) for r in result["rows"]} == {
-        ("documents", "flex"), ("documents", "segment_ids"), ("documents", "fa4-jax mask_mod"),
+        ("documents", "flex"), ("documents", "flex kernels"), ("documents", "segment_ids"),
+        ("documents", "fa4-jax mask_mod"),
         ("alibi", "score_mod"), ("alibi", "none"), ("mask128k", "flex"),
         ("mask128k", "create_block_mask"),
     }  # fmt: skip
@@ -43,11 +44,17 @@ def test_bench_flex_tiny_rows_and_targets(monkeypatch, tmp_path):
     fa4_missing = importlib.util.find_spec("fa4_jax") is None
     assert [("skipped" in r) for r in fa4] == [fa4_missing], fa4
     timed = [r for r in result["rows"] if "skipped" not in r]
-    assert len(timed) == 7 - fa4_missing
+    assert len(timed) == 8 - fa4_missing
     assert all("error" not in r and r["fwd_ms"] > 0 for r in timed)
-    assert [c.get("passed") for c in result["checks"]] == [True, True, None]  # mask128k: skipped
+    assert [c.get("passed") for c in result["checks"]] == [
+        True,
+        True,
+        True,
+        None,
+    ]  # mask128k: skipped
     assert {t["target"] for t in result["targets"] if t["met"] is not None} >= {
-        "documents as a mask_mod vs segment ids", "ALiBi score_mod vs none",
+        "documents as a mask_mod vs segment ids", "documents as a user's mask_mod vs segment ids",
+        "ALiBi score_mod vs none",
         "create_block_mask at T=128k vs one forward+backward",
     }  # fmt: skip
     for name in [

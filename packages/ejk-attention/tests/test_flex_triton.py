@@ -29,6 +29,16 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
+
+@pytest.fixture(autouse=True)
+def _flex_kernels_only(monkeypatch):
+    """Every call here runs the flex kernels: ejk's own masks without a score_mod would
+    otherwise go to the built-in kernels (that route: test_flex_builtin.py)."""
+    from ejk_attention import _backends
+
+    monkeypatch.setattr(_backends.BACKENDS["triton"].flex, "builtin", None)
+
+
 # Pairwise-distinct sizes; T and S are not multiples of the 16-row blocks. One kv head for
 # three query heads keeps the interpreter's grids small (ejk-kernels-gpu's tests/test_flex.py
 # runs the kernels with several kv heads and per-head tables).

@@ -176,7 +176,6 @@ class TritonBackend(Backend):
 
     name = "triton"
     paged = PagedTritonBackend()
-    flex = TritonFlexBackend()
     context_steps = "kernels"
     dot_product = "flash"
     config_types = (
@@ -186,6 +185,10 @@ class TritonBackend(Backend):
         FlexConfig,
     )
     absent = MappingProxyType({"block_sparse": "the Triton kernels take no block-sparse mask"})
+
+    def __init__(self) -> None:
+        # The flex part runs ejk's own masks on this backend's built-in kernels.
+        self.flex = TritonFlexBackend(builtin=self)
 
     def supported(self, request: AttentionRequest, platform: str) -> str | None:
         del platform  # off GPU the kernels run in Triton's interpreter

@@ -69,7 +69,10 @@ def flex_attention(
             ``pallas`` then ``xla`` on TPU, ``xla`` elsewhere), ``"xla"``, ``"triton"``
             (``ejk_kernels_gpu``'s flex kernels with both mods translated into them,
             Triton's interpreter off GPU; block sizes powers of two in [16, 256]; a mod it
-            cannot translate is refused, naming the primitive),
+            cannot translate is refused, naming the primitive; ejk's own masks
+            (`causal_mask`, `sliding_window_mask`, `document_mask`, `and_masks` of them)
+            without a score_mod or a config run on its built-in kernels, the same call as
+            `flash_attention` with ``causal``/``sliding_window``/``segment_ids``),
             ``"pallas"`` (the TPU block-sparse kernels, Pallas' interpreter off TPU;
             mask_mods only, ``Hv == H``), or a sequence of names tried in order.
         config: a kernel config for backends that take one (``triton``: an

@@ -75,9 +75,9 @@ def _causal(grid: Blocks) -> Array:
     return _kinds(grid.q_first >= grid.kv_last, grid.q_last < grid.kv_first)
 
 
-def _window(grid: Blocks, left: Any, right: Any) -> Array:
+def _window(grid: Blocks, left: int, right: int) -> Array:
     limit = grid.q_len + grid.kv_len  # wider than any offset: no overflow from huge sizes
-    return _offsets(grid, jnp.minimum(left, limit), jnp.minimum(right, limit))
+    return _offsets(grid, min(left, limit), min(right, limit))
 
 
 def _prefix_lm(grid: Blocks, lengths: Any) -> Array:
@@ -163,8 +163,8 @@ def analytic_kinds(mask_mod: Any, grid: Blocks, opaque: tuple[int, int]) -> Arra
     func, args = mask_mod.func, mask_mod.args
     if func is _mods._causal:
         return _causal(grid)
-    if func is _mods._window:
-        return _window(grid, *args)
+    if isinstance(func, _mods._Window):
+        return _window(grid, func.left, func.right)
     if func is _mods._prefix_lm:
         return _prefix_lm(grid, *args)
     if func is _mods._document:

@@ -10,6 +10,7 @@ query head): True where query ``q_idx`` of batch row ``b`` and head ``h`` may se
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +39,18 @@ def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 causal_mask = Partial(_causal)
 
 
-def _window(left: Any, right: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    del b, h
-    return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """Keys in ``[q_idx - left, q_idx + right]``. The sizes are static (not pytree leaves):
+    a `BlockMask` passed into ``jax.jit`` keeps them as ints, so the facade can still hand
+    the window to the built-in kernels (`_builtin`); equal windows compare and hash equal."""
+
+    left: int
+    right: int
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        del b, h
+        return (kv_idx >= q_idx - self.left) & (kv_idx <= q_idx + self.right)
 
 
 def sliding_window_mask(window: int | tuple[int, int]) -> Partial:
@@ -53,8 +63,10 @@ def sliding_window_mask(window: int | tuple[int, int]) -> Partial:
     Returns:
         the mask_mod.
     """
-    left, right = normalize_window(window)
-    return Partial(_window, left, right)
+    if window is None:
+        raise TypeError("sliding_window_mask: window must be an int or (left, right), got None")
+    left, right = normalize_window(window, "sliding_window_mask: window")
+    return Partial(_Window(left, right))
 
 
 def _batch_row(values: Any, b: Any) -> Any:

@@ -4,7 +4,9 @@ The score_mod and the `BlockMask`'s mask_mod are translated into Triton function
 captured arrays become kernel arguments), and the mask's block lists (`BlockMask.kv_blocks`
 for the forward and dq, `BlockMask.q_blocks` for dk/dv) tell the kernels which blocks to
 visit: empty ones never, full ones without the mask_mod. On a GPU they compile; elsewhere
-they run in Triton's interpreter. The forward and backward `FlexConfig`s are the given ones,
+they run in Triton's interpreter. ejk's own masks without a score_mod (`_builtin`) run on
+the backend's built-in kernels instead (the same call as `flash_attention` with ``causal``,
+``sliding_window``, ``segment_ids``). The forward and backward `FlexConfig`s are the given ones,
 else the executor's (`invocations`: the same chain as the dense kernels', so ``ejk tune``'s
 persistent cache and autotuning serve them).
 
@@ -23,7 +25,8 @@ import jax.numpy as jnp
 
 from ejk_executor import Invocation
 
-from .._backend import Backend, triton_missing
+from .._backend import Backend, platform_of, triton_missing
+from ._builtin import builtin_request
 from ._request import FlexRequest
 
 __all__ = ["TritonFlexBackend"]
@@ -44,8 +47,15 @@ class TritonFlexBackend(Backend):
 
     name = "triton"
 
+    def __init__(self, builtin: Backend | None = None):
+        """``builtin``: the flash backend that runs ejk's own masks without a score_mod
+        (`_builtin`); None: the flex kernels run every call."""
+        self.builtin = builtin
+
     def supported(self, request: FlexRequest, platform: str) -> str | None:
         del platform  # off GPU the kernels run in Triton's interpreter
+        if self._routed(request) is not None:
+            return None
         missing = triton_missing()
         if missing:
             return missing
@@ -81,6 +91,24 @@ class TritonFlexBackend(Backend):
                 flex.FlexAttentionBackward(), (q, k, v, d_out, *arrays), kw
             ),
         }
+
+    def run_configured(
+        self, request: FlexRequest, config: Any = None, bwd_config: Any = None
+    ) -> Any:
+        """ejk's own masks without a score_mod (and no config given for the flex kernels):
+        the `triton` backend's built-in kernels on the same call (`_builtin`), where it
+        serves it; everything else on the flex kernels."""
+        flash = self._routed(request) if config is None and bwd_config is None else None
+        if flash is not None:
+            return self.builtin.run_configured(flash)
+        return super().run_configured(request, config, bwd_config)
+
+    def _routed(self, request: FlexRequest) -> Any:
+        """``request`` as the built-in backend's request where that backend serves it, else None."""
+        flash = None if self.builtin is None else builtin_request(request)
+        if flash is None or self.builtin.supported(flash, platform_of(flash)) is not None:
+            return None
+        return flash
 
     def run(self, request: FlexRequest, config: Any, bwd_config: Any) -> Any:
         from ejk_kernels_gpu.flex import flex_attention

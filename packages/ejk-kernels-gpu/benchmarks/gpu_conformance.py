@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import time
@@ -456,6 +457,7 @@ def main() -> int:
         help="run the picked cases in this many processes at once, merged into one --json",
     )  # fmt: skip
     args = parser.parse_args()
+    _without_gemm_autotuning()
     if args.shards > 1:
         return _run_shards(args)
     from ejk_kernels_gpu.build._triton import hopper_gpu
@@ -498,6 +500,28 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def _without_gemm_autotuning() -> None:
+    """Turn XLA's GEMM autotuning off (for this process and the shards it starts) before
+    the backend starts: the float32 reference's products are compared, not timed, so
+    autotuning them is compile work the check does not need, and compiling is what bounds
+    a run (load 40-54 on 16 cores with the GPU idle,
+    results/2026-12-07-h100-conformance-d927b45.json; the saving is not yet measured)."""
+    flag = "--xla_gpu_autotune_level=0"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+# A case whose float32 reference scores (B·N·T·S) take more than this runs after the shards,
+# alone: beside five other shards on one 80 GB GPU the T = 8192 case ran out of memory.
+ALONE_BYTES = 1 << 31
+
+
+def _alone(index: int) -> bool:
+    _, batch, q_len, kv_len, heads, *_ = CASES[index]
+    return batch * heads * q_len * kv_len * 4 > ALONE_BYTES
+
+
 def _picked(args: argparse.Namespace) -> list[int]:
     """Indices into `CASES` of the cases ``--quick``/``--cases``/``--repeat`` pick."""
     if args.cases:
@@ -506,23 +530,32 @@ def _picked(args: argparse.Namespace) -> list[int]:
 
 
 def _run_shards(args: argparse.Namespace) -> int:
-    """The picked cases in ``--shards`` processes at once (case i in shard i mod shards),
-    each writing its own JSON as it goes, merged into ``--json`` every few seconds and at
+    """The picked cases in ``--shards`` processes at once (case i in shard i mod shards; a
+    case whose reference needs more memory than `ALONE_BYTES` afterwards, alone), each
+    writing its own JSON as it goes, merged into ``--json`` every few seconds and at
     the end (cases in index order, each shard's command and exit status, the cases
     missing), so a call cut short still leaves every case that finished, in one file."""
     import subprocess
     import tempfile
 
     picked = _picked(args)
+    shared = [i for i in picked if not _alone(i)]
+    parts = [shared[k :: args.shards] for k in range(args.shards)]
     with tempfile.TemporaryDirectory() as where:
-        shards = []
-        for k in range(args.shards):
-            part = picked[k :: args.shards]
-            if part:
-                out = f"{where}/shard{k}.json"
-                command = [sys.executable, __file__, "--cases", ",".join(map(str, part)),
-                           "--json", out, "--commit", args.commit]  # fmt: skip
-                shards.append((out, command, subprocess.Popen(command)))
+        shards: list = []
+
+        def start(part: list[int]) -> None:
+            out = f"{where}/shard{len(shards)}.json"
+            command = [sys.executable, __file__, "--cases", ",".join(map(str, part)),
+                       "--json", out, "--commit", args.commit]  # fmt: skip
+            shards.append((out, command, subprocess.Popen(command)))
+
+        for part in [p for p in parts if p] + [[i] for i in picked if _alone(i)]:
+            if len(part) == 1 and _alone(part[0]):  # after the others, one at a time
+                while any(proc.poll() is None for *_, proc in shards):
+                    _merge_shards(args, picked, shards)
+                    time.sleep(5)
+            start(part)
         while any(proc.poll() is None for *_, proc in shards):
             _merge_shards(args, picked, shards)
             time.sleep(5)

@@ -430,3 +430,45 @@ def test_conformance_shards_merge_into_one_json(bench_path, monkeypatch, tmp_pat
     assert merged["missing"] == [1, 4] and merged["device"] == "fake"
     assert [s["cases"] for s in merged["shards"]] == [2, 0, 2]
     assert sleeps == [[1, 4]]
+
+
+def test_conformance_cases_with_a_large_reference_run_alone_after_the_shards(
+    bench_path, monkeypatch, tmp_path
+):
+    """A case whose float32 reference needs more than `ALONE_BYTES` starts only after every
+    shard has ended, in a process of its own; XLA's GEMM autotuning is off for the shards."""
+    import argparse
+    import json
+    import os
+    import subprocess
+
+    conf = importlib.import_module("gpu_conformance")
+    big = next(i for i in range(len(conf.CASES)) if conf._alone(i))
+    assert sum(conf._alone(i) for i in range(len(conf.CASES))) == 1  # T = 8192, N = 32
+    running, launched = [], []
+
+    class FakeShard:
+        def __init__(self, command):
+            cases = [int(i) for i in command[command.index("--cases") + 1].split(",")]
+            launched.append((cases, sum(not p.done for p in running)))
+            running.append(self)
+            self.done = False
+            rows = [{"index": i, "name": f"c{i}", "passed": True} for i in cases]
+            with open(command[command.index("--json") + 1], "w") as f:
+                json.dump({"device": "fake", "cases": rows}, f)
+
+        def poll(self):  # each shard ends at its first look
+            self.done = True
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", FakeShard)
+    monkeypatch.setattr(conf.time, "sleep", lambda seconds: None)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    out = tmp_path / "merged.json"
+    args = argparse.Namespace(cases=f"0,{big},1,2", repeat=1, quick=False, shards=2,
+                              json=str(out), commit="abc")  # fmt: skip
+    conf._without_gemm_autotuning()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0"
+    assert conf._run_shards(args) == 0
+    assert launched == [([0, 2], 0), ([1], 1), ([big], 0)]
+    assert [r["index"] for r in json.loads(out.read_text())["cases"]] == [0, 1, 2, big]

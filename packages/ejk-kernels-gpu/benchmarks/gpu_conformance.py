@@ -9,6 +9,9 @@ Gluon or warp-specialised build fails if another ran (a silent fallback), and on
 expects the ordinary kernels fails if a special build ran. The launches are recorded as
 they are traced.
 
+Cases ``len(CASES)`` onwards are the flex kernels' (`_flex_conformance.FLEX_CASES`: a user's
+mask_mods and score_mods against flex attention's dense definition).
+
 The result is written as JSON (``--json``): device, versions, commit, every case's
 errors, determinism, builds and verdict. Commit it beside the code (benchmarks/results/).
 
@@ -31,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _flex_conformance import FLEX_CASES, flex_case
 
 from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.flash import _backward_launch, _forward_launch
@@ -467,7 +471,6 @@ def main() -> int:
     print(device, versions(), "hopper (Gluon and warp-specialised builds):", hopper)
     rng = np.random.default_rng(0)
     picked = _picked(args)
-    cases = [CASES[i] for i in picked]
     rows: list[dict] = []
 
     def record(row: dict) -> None:
@@ -485,12 +488,19 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
 
-    if not args.cases or CASES[0] in cases:  # the forward-only checks go with case 0
+    if not args.cases or 0 in picked:  # the forward-only checks go with case 0
         record(_forward_only("plain h128", 2, 1024, 1024, 16, 16, 128, GW, hopper))
         record(_forward_only("gqa sinks h128 odd T", 2, 1000, 1024, 16, 4, 128, GW, hopper, sinks=True))  # fmt: skip
-    for index, (name, B, T, S, N, K, H, expect, kw) in zip(picked, cases, strict=True):
+    for index in picked:
+        case = CASES[index] if index < len(CASES) else FLEX_CASES[index - len(CASES)]
+        name = case[0]
         try:
-            record({"index": index, **_case(rng, name, B, T, S, N, K, H, expect, hopper, **kw)})
+            if index < len(CASES):
+                _, B, T, S, N, K, H, expect, kw = case
+                row = _case(rng, name, B, T, S, N, K, H, expect, hopper, **kw)
+            else:
+                row = flex_case(rng, *case, tol=BF16_TOL)
+            record({"index": index, **row})
         except Exception as exc:  # report every case
             error = f"{type(exc).__name__}: {exc}"[:1500]
             record({"index": index, "name": name, "passed": False, "error": error})
@@ -518,7 +528,8 @@ ALONE_BYTES = 1 << 31
 
 
 def _alone(index: int) -> bool:
-    _, batch, q_len, kv_len, heads, *_ = CASES[index]
+    case = CASES[index] if index < len(CASES) else FLEX_CASES[index - len(CASES)]
+    _, batch, q_len, kv_len, heads, *_ = case
     return batch * heads * q_len * kv_len * 4 > ALONE_BYTES
 
 
@@ -526,7 +537,7 @@ def _picked(args: argparse.Namespace) -> list[int]:
     """Indices into `CASES` of the cases ``--quick``/``--cases``/``--repeat`` pick."""
     if args.cases:
         return [int(i) for i in args.cases.split(",")] * args.repeat
-    return list(range(3 if args.quick else len(CASES)))
+    return list(range(3 if args.quick else len(CASES) + len(FLEX_CASES)))
 
 
 def _run_shards(args: argparse.Namespace) -> int:

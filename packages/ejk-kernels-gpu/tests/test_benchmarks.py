@@ -472,3 +472,32 @@ def test_conformance_cases_with_a_large_reference_run_alone_after_the_shards(
     assert conf._run_shards(args) == 0
     assert launched == [([0, 2], 0), ([1], 1), ([big], 0)]
     assert [r["index"] for r in json.loads(out.read_text())["cases"]] == [0, 1, 2, big]
+
+
+@pytest.mark.parametrize("mods", ["alibi", "relative", "per_head", "softcap"])
+def test_conformance_flex_cases_pass_in_the_interpreter(bench_path, mods):
+    """The flex cases' check on tiny shapes: the kernels against the dense definition, the
+    score_mod's capture differentiated, emptied rows (per_head) matched."""
+    import numpy as np
+
+    conf = importlib.import_module("gpu_conformance")
+    flex = importlib.import_module("_flex_conformance")
+    assert [c[0] for c in flex.FLEX_CASES] == [c[0] for c in conf.FLEX_CASES]
+    row = flex.flex_case(np.random.default_rng(0), "tiny", 1, 40, 56, 2, 1, 16, mods, "float32",
+                         tol=1e-4)  # fmt: skip
+    assert row["passed"], row
+    assert ("dparam" in row["errors"]) == (mods in ("alibi", "relative"))
+
+
+def test_conformance_flex_case_fails_a_wrong_kernel(bench_path, monkeypatch):
+    """A flex kernel that drops the score_mod fails its case."""
+    import numpy as np
+
+    flex = importlib.import_module("_flex_conformance")
+    real = flex.flex_attention
+    monkeypatch.setattr(
+        flex, "flex_attention", lambda *a, score_mod, **kw: real(*a, score_mod=None, **kw)
+    )
+    row = flex.flex_case(np.random.default_rng(0), "tiny", 1, 40, 56, 2, 1, 16, "alibi", "float32",
+                         tol=1e-4)  # fmt: skip
+    assert not row["passed"]

@@ -45,8 +45,8 @@ def _mods(rng, batch, t, s):
     cross = (jnp.asarray(rng.integers(0, 3, (batch, t)).cumsum(1) // 4, jnp.int32),
              jnp.asarray(rng.integers(0, 3, (batch, s)).cumsum(1) // 4, jnp.int32))  # fmt: skip
     lengths = jnp.asarray(rng.integers(0, s + 3, (batch,)), jnp.int32)
-    # Ranges that meet without a shared id: chunks of 8 ids {0, 2} and of 8 ids {1}.
-    chunks = np.arange(t) // 8
+    # Ranges that meet without a shared id: chunks of 16 ids {0, 2} and of 16 ids {1}.
+    chunks = np.arange(t) // 16
     interleaved = jnp.asarray(np.where(chunks % 2, 1, 2 * (np.arange(t) % 2))[None], jnp.int32)
     # Two partitions whose padding halves one block: each alone partial there, both empty.
     first, second = (np.zeros((1, t), np.int32) for _ in range(2))
@@ -89,10 +89,10 @@ def _mods(rng, batch, t, s):
 @pytest.mark.parametrize(
     ("t", "s", "block", "sizes"),
     [
-        (64, 64, (8, 8), (3, None)),
+        pytest.param(64, 64, (8, 8), (3, None), marks=pytest.mark.slow),
         (61, 61, (8, 16), (2, 3)),
         (45, 70, (16, 8), (2, None)),
-        (70, 45, (8, 8), (2, 2)),
+        pytest.param(70, 45, (8, 8), (2, 2), marks=pytest.mark.slow),
     ],
 )
 def test_same_tables_as_every_element(t, s, block, sizes):

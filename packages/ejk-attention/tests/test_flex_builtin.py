@@ -102,8 +102,15 @@ def _masks(t, s):
     return masks
 
 
-@pytest.mark.parametrize(("t", "s"), [(T, T), (40, 56)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "s", "dtype"),
+    [
+        (T, T, jnp.float32),
+        (40, 56, jnp.bfloat16),
+        pytest.param(T, T, jnp.bfloat16, marks=pytest.mark.slow),
+        pytest.param(40, 56, jnp.float32, marks=pytest.mark.slow),
+    ],
+)
 def test_routed_calls_match_the_flex_kernels_and_the_reference(t, s, dtype, monkeypatch):
     q, k, v, w = _inputs(dtype, t, s)
     ran = []

@@ -23,7 +23,9 @@ import torch
 from _torch_timing import time_interleaved
 
 # (B, S, N, K, H): bench_decode.DECODE_SHAPES (repeated: this process does not import JAX).
-DECODE_SHAPES = [(32, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128)]
+# The B1 rows at 8k and 32k after the first three (indices stay those of older runs).
+DECODE_SHAPES = [(32, 8192, 32, 8, 128), (8, 32768, 32, 8, 128), (1, 131072, 32, 8, 128),
+                 (1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128)]  # fmt: skip
 PAGE = 64
 CALLS = 20
 

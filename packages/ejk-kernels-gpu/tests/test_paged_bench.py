@@ -68,3 +68,20 @@ def test_fp8_error_is_e4m3_rounding_for_zero_mean_inputs(bench_decode):
     rows = {r["drawn_in"]: r["rel_err_vs_bf16"] for r in bench_decode.fp8_error(lengths=(2048,))}
     assert 0.025 < rows["float32"] < 0.05
     assert rows["bfloat16"] > rows["float32"]
+
+
+def test_fa4_decode_script_times_the_same_shapes(bench_decode):
+    """bench_decode_fa4.py (a PyTorch process, not importable here) repeats DECODE_SHAPES:
+    read from its source, they must be bench_decode's, the issue's B1 rows included."""
+    import ast
+
+    source = (Path(bench_decode.__file__).parent / "bench_decode_fa4.py").read_text()
+    assigned = next(
+        node.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "DECODE_SHAPES"
+    )
+    assert ast.literal_eval(assigned) == bench_decode.DECODE_SHAPES
+    assert {(1, 8192), (1, 32768), (1, 131072)} <= {
+        (b, s) for b, s, *_ in bench_decode.DECODE_SHAPES
+    }

@@ -492,7 +492,7 @@ def main() -> int:
         record(_forward_only("plain h128", 2, 1024, 1024, 16, 16, 128, GW, hopper))
         record(_forward_only("gqa sinks h128 odd T", 2, 1000, 1024, 16, 4, 128, GW, hopper, sinks=True))  # fmt: skip
     for index in picked:
-        case = CASES[index] if index < len(CASES) else FLEX_CASES[index - len(CASES)]
+        case = _case_at(index)
         name = case[0]
         try:
             if index < len(CASES):
@@ -527,9 +527,13 @@ def _without_gemm_autotuning() -> None:
 ALONE_BYTES = 1 << 31
 
 
+def _case_at(index: int) -> tuple:
+    """Case ``index``: `CASES`, then the flex kernels' `FLEX_CASES`."""
+    return CASES[index] if index < len(CASES) else FLEX_CASES[index - len(CASES)]
+
+
 def _alone(index: int) -> bool:
-    case = CASES[index] if index < len(CASES) else FLEX_CASES[index - len(CASES)]
-    _, batch, q_len, kv_len, heads, *_ = case
+    _, batch, q_len, kv_len, heads, *_ = _case_at(index)
     return batch * heads * q_len * kv_len * 4 > ALONE_BYTES
 
 
@@ -551,7 +555,6 @@ def _run_shards(args: argparse.Namespace) -> int:
 
     picked = _picked(args)
     shared = [i for i in picked if not _alone(i)]
-    parts = [shared[k :: args.shards] for k in range(args.shards)]
     with tempfile.TemporaryDirectory() as where:
         shards: list = []
 
@@ -561,15 +564,18 @@ def _run_shards(args: argparse.Namespace) -> int:
                        "--json", out, "--commit", args.commit]  # fmt: skip
             shards.append((out, command, subprocess.Popen(command)))
 
-        for part in [p for p in parts if p] + [[i] for i in picked if _alone(i)]:
-            if len(part) == 1 and _alone(part[0]):  # after the others, one at a time
-                while any(proc.poll() is None for *_, proc in shards):
-                    _merge_shards(args, picked, shards)
-                    time.sleep(5)
-            start(part)
-        while any(proc.poll() is None for *_, proc in shards):
-            _merge_shards(args, picked, shards)
-            time.sleep(5)
+        def wait() -> None:
+            while any(proc.poll() is None for *_, proc in shards):
+                _merge_shards(args, picked, shards)
+                time.sleep(5)
+
+        for part in (shared[k :: args.shards] for k in range(args.shards)):
+            if part:
+                start(part)
+        for index in (i for i in picked if _alone(i)):  # after the others, one at a time
+            wait()
+            start([index])
+        wait()
         result = _merge_shards(args, picked, shards)
     ok = result["passed"] and not result["missing"]
     print("ALL PASS" if ok else f"SOME FAILED OR MISSING {result['missing']}")

@@ -25,7 +25,7 @@ from jaxtyping import Bool, Int
 from . import _mods
 from ._evaluate import mask_grid
 
-__all__ = ["UNKNOWN", "Blocks", "analytic_kinds", "refine_unknown"]
+__all__ = ["UNKNOWN", "Blocks", "analytic_kinds", "block_kinds_of", "refine_unknown"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 UNKNOWN = 3  # not decided from the definition: evaluated element by element
@@ -55,10 +55,17 @@ class Blocks(NamedTuple):
                    q_block, kv_block, q_len, kv_len)  # fmt: skip
 
 
-def _kinds(full: Bool[Array, ...], empty: Bool[Array, ...], certain: Any = True) -> Array:
+def _from_bounds(full: Bool[Array, ...], empty: Bool[Array, ...], certain: Any = True) -> Array:
     """int8 kinds from the full and empty blocks; the rest partial where ``certain``, else unknown."""
     rest = jnp.where(certain, PARTIAL, UNKNOWN)
-    return jnp.where(full, FULL, jnp.where(empty, EMPTY, rest)).astype(jnp.int8)[None, None]
+    return jnp.where(full, FULL, jnp.where(empty, EMPTY, rest)).astype(jnp.int8)
+
+
+def block_kinds_of(visible: Bool[Array, ...], inside: Bool[Array, ...], axis: Any) -> Array:
+    """int8 kinds of blocks of elements (reduced over ``axis``); ``inside``: not past the end."""
+    return _from_bounds(
+        jnp.all(visible | ~inside, axis=axis), ~jnp.any(visible & inside, axis=axis)
+    )
 
 
 def _offsets(grid: Blocks, left: Any, right: Any) -> Array:
@@ -68,11 +75,11 @@ def _offsets(grid: Blocks, left: Any, right: Any) -> Array:
     highest = grid.q_last - grid.kv_first
     full = (lowest >= -right) & (highest <= left)
     empty = (highest < -right) | (lowest > left)
-    return _kinds(full, empty)
+    return _from_bounds(full, empty)[None, None]
 
 
 def _causal(grid: Blocks) -> Array:
-    return _kinds(grid.q_first >= grid.kv_last, grid.q_last < grid.kv_first)
+    return _from_bounds(grid.q_first >= grid.kv_last, grid.q_last < grid.kv_first)[None, None]
 
 
 def _window(grid: Blocks, left: int, right: int) -> Array:
@@ -86,7 +93,7 @@ def _prefix_lm(grid: Blocks, lengths: Any) -> Array:
     prefix = jnp.reshape(lengths, (-1, 1, 1, 1))  # [B or 1, 1, 1, 1]
     full = (grid.kv_last < prefix) | (grid.q_first >= grid.kv_last)
     empty = (grid.kv_first >= prefix) & (grid.q_last < grid.kv_first)
-    return jnp.where(full, FULL, jnp.where(empty, EMPTY, PARTIAL)).astype(jnp.int8)
+    return _from_bounds(full, empty)
 
 
 class _IdRanges(NamedTuple):
@@ -126,17 +133,13 @@ def _sorted_self_attention(q_ids: Array, kv_ids: Array) -> Array:
 
 
 def _document(grid: Blocks, q_ids: Array, kv_ids: Array) -> Array:
-    q = _id_ranges(q_ids, grid.q_len, grid.q_block)
-    kv = _id_ranges(kv_ids, grid.kv_len, grid.kv_block)
-    q_low, q_high = q.low[:, :, None], q.high[:, :, None]
-    kv_low, kv_high = kv.low[:, None], kv.high[:, None]
-    one = (q_low == q_high) & (kv_low == kv_high) & (q_low == kv_low)
-    full = one & q.whole[:, :, None] & kv.whole[:, None]
-    empty = ~q.some[:, :, None] | ~kv.some[:, None] | (q_high < kv_low) | (kv_high < q_low)
-    certain = _sorted_self_attention(q_ids, kv_ids)
-    rest = jnp.where(certain, PARTIAL, UNKNOWN)
-    kinds = jnp.where(full, FULL, jnp.where(empty, EMPTY, rest)).astype(jnp.int8)
-    return kinds[:, None]  # [B or 1, 1, Tb, Sb]
+    # Query blocks along axis 2, key blocks along axis 3: kinds [B or 1, 1, Tb, Sb].
+    q = _IdRanges(*(x[:, None, :, None] for x in _id_ranges(q_ids, grid.q_len, grid.q_block)))
+    kv = _IdRanges(*(x[:, None, None] for x in _id_ranges(kv_ids, grid.kv_len, grid.kv_block)))
+    one = (q.low == q.high) & (kv.low == kv.high) & (q.low == kv.low)
+    full = one & q.whole & kv.whole
+    empty = ~q.some | ~kv.some | (q.high < kv.low) | (kv.high < q.low)
+    return _from_bounds(full, empty, certain=_sorted_self_attention(q_ids, kv_ids))
 
 
 def _both(a: Array, b: Array) -> Array:
@@ -214,13 +217,12 @@ def refine_unknown(
         visible = mask_grid(mask_mod, b[None].astype(jnp.int32), h[None].astype(jnp.int32),
                             jnp.minimum(q_pos, grid.q_len - 1),
                             jnp.minimum(kv_pos, grid.kv_len - 1))[0, 0]  # fmt: skip
-        every = jnp.all(visible | ~inside)
-        return jnp.where(every, FULL, jnp.where(jnp.any(visible & inside), PARTIAL, EMPTY))
+        return block_kinds_of(visible, inside, axis=None)
 
     def step(state: tuple[Array, Array]) -> tuple[Array, Array]:
         start, flat = state
         picked = jax.lax.dynamic_slice(where, (start,), (chunk,))
-        found = jax.vmap(block_kind)(picked).astype(jnp.int8)
+        found = jax.vmap(block_kind)(picked)
         return start + chunk, flat.at[picked].set(found, mode="drop")
 
     _, flat = jax.lax.while_loop(lambda s: s[0] < count, step, (jnp.int32(0), flat))

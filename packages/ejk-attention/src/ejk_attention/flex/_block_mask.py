@@ -23,7 +23,7 @@ from jaxtyping import Bool, Float, Int
 
 from ejk_sequtils import cdiv
 
-from ._block_kinds import Blocks, analytic_kinds, refine_unknown
+from ._block_kinds import Blocks, analytic_kinds, block_kinds_of, refine_unknown
 from ._evaluate import check_mask_mod, mask_grid
 from ._mods import check_captures
 
@@ -266,10 +266,7 @@ def _dense_kinds(
         q_in = q_pos < q_len
         visible = mask_grid(mask_mod, b[None], h[None], jnp.minimum(q_pos, q_len - 1), kv_pos)
         visible = visible.reshape(q_block, sb, kv_block)
-        inside = q_in[:, None, None] & kv_in[None]
-        any_visible = jnp.any(visible & inside, axis=(0, 2))
-        all_visible = jnp.all(visible | ~inside, axis=(0, 2))
-        return jnp.where(all_visible, FULL, jnp.where(any_visible, PARTIAL, EMPTY)).astype(jnp.int8)
+        return block_kinds_of(visible, q_in[:, None, None] & kv_in[None], axis=(0, 2))
 
     rows = nb * nh * tb
     per_step = max(1, min(rows, max_elements // (q_block * sb * kv_block)))

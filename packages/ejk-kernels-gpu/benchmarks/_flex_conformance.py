@@ -117,7 +117,8 @@ def block_lists(visible, T: int, S: int) -> tuple:
     return lists(kinds), lists(jnp.swapaxes(kinds, -1, -2))
 
 
-def _rel(x, ref) -> float:
+def relative_error(x, ref) -> float:
+    """``|x - ref| / |ref|`` (L2, float32) over the entries where ``ref`` is finite."""
     x, ref = (jnp.asarray(a, jnp.float32) for a in (x, ref))
     finite = jnp.isfinite(ref)
     x, ref = jnp.where(finite, x, 0.0), jnp.where(finite, ref, 0.0)
@@ -168,8 +169,8 @@ def flex_case(rng, name, B, T, S, N, K, H, kind, dtype_name, tol) -> dict[str, A
         if make_score is not None and kind != "softcap"
         else ("dq", "dk", "dv")
     )
-    errs = {"out": _rel(got_o, ref_o), "lse": _rel(got_l, ref_l)}
-    errs |= {n: _rel(g, r) for n, g, r in zip(names, got_g, ref_g, strict=False)}
+    errs = {"out": relative_error(got_o, ref_o), "lse": relative_error(got_l, ref_l)}
+    errs |= {n: relative_error(g, r) for n, g, r in zip(names, got_g, ref_g, strict=False)}
     same_inf = bool(jnp.all(jnp.isinf(got_l) == jnp.isinf(ref_l)))
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, got_l, *got_g))
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=False)}

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _flex_conformance import FLEX_CASES, flex_case
+from _flex_conformance import relative_error as _rel
 
 from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.flash import _backward_launch, _forward_launch
@@ -138,15 +139,6 @@ def _builds_ok(builds: dict, expect: dict, hopper: bool) -> bool:
         return False  # the TMA-reduce dq path (DQ_TMA) ran, or did not, against the case
     rows = expect.get("rows")  # the Gluon forward's tile, where the case is about it
     return not (hopper and rows and (builds.get("gluon_fwd") or {}).get("rows") != rows)
-
-
-def _rel(x, ref):
-    x = jnp.asarray(x, jnp.float32)
-    ref = jnp.asarray(ref, jnp.float32)
-    finite = jnp.isfinite(ref)
-    x = jnp.where(finite, x, 0.0)
-    ref = jnp.where(finite, ref, 0.0)
-    return float(jnp.linalg.norm(x - ref) / (jnp.linalg.norm(ref) + 1e-30))
 
 
 def _documents(rng, batch, length, repeat, padding=7):

@@ -14,22 +14,24 @@ import triton.language as tl
 from ._common import store_tile
 from ._flex_ops import FlexOptions, flex_scores, head_slab, kv_tiles, listed_tile, query_program
 
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, start_n, q, k_base, v_base, b, n, offs_m, ints, floats,
               F: tl.constexpr, SCORE_FN: tl.constexpr, MASK_FN: tl.constexpr,
               PARTIAL: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The online-softmax update of (acc, m, l) by the key tile at ``start_n``; m in natural
-    units."""
+    """The online-softmax update of (acc, m, l) by the key tile at ``start_n``; scores and m
+    in log2 units (one multiply-add and an ``exp2`` an element)."""
     offs_n, k, v = kv_tiles(k_base, v_base, start_n, F, BLOCK_N)
     _, s = flex_scores(q, k, b, n, offs_m, offs_n, ints, floats, F, SCORE_FN, MASK_FN, PARTIAL,
-                       False)  # fmt: skip
+                       False, True)  # fmt: skip
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead, so that
-    # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN.
+    # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l_i
@@ -86,7 +88,7 @@ def flex_fwd_kernel(
 
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
-    lse = tl.where(has_mass, m_i + tl.log(l_safe), float("-inf"))
+    lse = tl.where(has_mass, m_i * LN2 + tl.log(l_safe), float("-inf"))  # natural units
     tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
     o_base = head_slab(o_ptr, b, n, T, N, HV)
     store_tile(o_base, offs_m, tl.arange(0, BLOCK_DV), acc / l_safe[:, None], N * HV, T, HV)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ._common import along_k, along_q, load_tile
+from ._common import LOG2E, along_k, along_q, grid_order, load_tile
 from ._common import tanh as flex_tanh
 
 __all__ = ["FlexOptions", "flex_dscores", "flex_probs", "flex_scores", "flex_tanh",
@@ -76,10 +76,12 @@ def head_slab(ptr, b, head, ROWS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.con
 def query_program(q_ptr, k_ptr, v_ptr, F: tl.constexpr, BLOCK_M: tl.constexpr):
     """What a program of a ``(query blocks, B·N)`` grid (forward, dq) starts from:
     ``(b, n, offs_m, q, k_base, v_base, row)``: its batch row, query head, query rows,
-    their resident q tile, its kv head's k and v slabs and its row of the block tables."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // F.N
-    n = tl.program_id(1) % F.N
+    their resident q tile, its kv head's k and v slabs and its row of the block tables.
+    Programs run last query block first (`grid_order`): under the lower-triangular masks
+    most models use, the longest lists start early and the grid ends on short ones."""
+    pid_m, pid_bn = grid_order(True)
+    b = pid_bn // F.N
+    n = pid_bn % F.N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_base = head_slab(q_ptr, b, n, F.T, F.N, F.H)
     q = load_tile(q_base, offs_m, tl.arange(0, F.BLOCK_D), F.N * F.H, F.T, F.H, F.BLOCK_D, True)
@@ -124,8 +126,10 @@ def table_row(b, n, block, F: tl.constexpr, BLOCKS: tl.constexpr):
 
 @triton.jit
 def flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr, SCORE_FN: tl.constexpr,
-                MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
-    """``(raw, s)``: ``raw = scale·a·cᵀ`` and the modded scores ``s`` (-inf where hidden).
+                MASK_FN: tl.constexpr, PARTIAL: tl.constexpr, TRANS: tl.constexpr,
+                LOG2: tl.constexpr = False):  # fmt: skip
+    """``(raw, s)``: ``raw = scale·a·cᵀ`` and the modded scores ``s`` (-inf where hidden),
+    in log2 units (``s·log2(e)``, for ``exp2``) with ``LOG2``.
 
     ``(a, c)`` is ``(q, k)`` for a ``[BLOCK_M, BLOCK_N]`` tile, or ``(k, q)`` with TRANS
     for its transpose (the dk/dv kernel's). The score_mod runs on every element; the
@@ -135,7 +139,8 @@ def flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr, SCORE
     zero-filled rows would count in the softmax or in dk and dv. The resident side's
     rows past its end are never stored, and reach no other row.
     """
-    raw = tl.dot(a, tl.trans(c)) * F.SCALE
+    dot = tl.dot(a, tl.trans(c))
+    raw = dot * F.SCALE
     q_idx = along_q(offs_m, TRANS)
     kv_idx = along_k(offs_n, TRANS)
     if TRANS:
@@ -146,6 +151,10 @@ def flex_scores(a, c, b, n, offs_m, offs_n, ints, floats, F: tl.constexpr, SCORE
         inside = kv_idx < F.S
     if F.HAS_SCORE:
         s = SCORE_FN(raw, b, n, q_idx, kv_idx, ints, floats)
+        if LOG2:
+            s = s * LOG2E
+    elif LOG2:  # one multiply: the scale and log2(e) folded
+        s = dot * (F.SCALE * LOG2E)
     else:
         s = raw
     if PARTIAL:

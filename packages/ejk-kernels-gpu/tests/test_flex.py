@@ -181,12 +181,34 @@ def test_equal_mods_share_a_plan_and_different_ones_do_not():
     plan, consts = plan_mods(None, doc(ids))
     again, other_consts = plan_mods(None, doc(ids[::-1]))  # new values, same function
     assert again is plan and len(consts) == len(other_consts) == 1
-    assert "tl.load(ints +" in plan.source
+    assert "tl.load(ints +" in plan.source  # ids at a row or column: a pipelined load
     window, _ = plan_mods(None, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 3)
     shifted, _ = plan_mods(None, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 4)
     assert len({plan.key, window.key, shifted.key}) == 3
     score, _ = plan_mods(lambda s, b, h, q_idx, kv_idx: s * 2.0, None)
     assert "def dscore_fn" in score.source and "return 2.0" in score.source
+
+
+def test_tile_gathers_read_outside_the_pipeline_and_rows_inside():
+    """A captured array read at indices of both q_idx and kv_idx (a whole tile) goes through
+    `flex_load`; one read at a row, a column or a head (ids, slopes) is a plain load."""
+    table = jnp.zeros((2, 9), jnp.float32)
+    slopes = jnp.ones((2,), jnp.float32)
+    ids = jnp.arange(8, dtype=jnp.int32)
+
+    def relative(s, b, h, q_idx, kv_idx):
+        return s + table[h, jnp.clip(kv_idx - q_idx, -4, 4) + 4]
+
+    def alibi(s, b, h, q_idx, kv_idx):
+        return s - slopes[h] * jnp.abs(q_idx - kv_idx).astype(s.dtype)
+
+    plan, _ = plan_mods(relative, lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+    score = plan.source.split("def dscore_fn")[0]
+    mask = plan.source.split("def mask_fn")[1]
+    assert "flex_load(floats +" in score and "tl.load(floats" not in score
+    assert "tl.load(ints +" in mask and "flex_load(ints" not in mask
+    plan, _ = plan_mods(alibi, None)
+    assert "tl.load(floats +" in plan.source and "= flex_load(" not in plan.source
 
 
 def test_unsupported_primitives_are_named():

@@ -129,6 +129,9 @@ _INLINED = {
 }
 
 
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
 def _dtype(aval: Any) -> np.dtype:
     return np.dtype(aval.dtype)
 
@@ -141,6 +144,12 @@ class _Writer:
         self.lines: list[str] = []
         self.count = 0
         self.loads: dict[tuple[str, str], _Expr] = {}  # each element is read once
+        # The tile axes each name varies along ("q": a column, "kv": a row): a value of
+        # both is a whole [BLOCK_M, BLOCK_N] tile (see `load`).
+        self.axes: dict[str, frozenset[str]] = {
+            "score": frozenset({"q", "kv"}), "q_idx": frozenset({"q"}),
+            "kv_idx": frozenset({"kv"}),
+        }  # fmt: skip
 
     def refuse(self, what: str) -> Unsupported:
         return Unsupported(f"{self.where}: {what}")
@@ -150,6 +159,8 @@ class _Writer:
         name = f"v{self.count}"
         self.count += 1
         self.lines.append(f"    {name} = {code}")
+        used = (self.axes.get(word, frozenset()) for word in _NAME.findall(code))
+        self.axes[name] = frozenset().union(*used)
         return _Expr(name, np.dtype(dtype))
 
     def code(self, x: Any) -> str:
@@ -171,7 +182,12 @@ class _Writer:
         cap = view.capture
         key = (cap.buffer, self.code_int(view.offset))
         if key not in self.loads:
-            loaded = self.new(f"tl.load({key[0]} + {key[1]})", _stored(cap.dtype))
+            # A gather at a whole tile of indices (a relative-position table) reads through
+            # `flex_load`, outside the loop's software pipeline; a row or column of them
+            # (document ids) is a small pipelined load.
+            tile = self.axes.get(key[1], frozenset()) == {"q", "kv"}
+            load = "flex_load" if tile else "tl.load"
+            loaded = self.new(f"{load}({key[0]} + {key[1]})", _stored(cap.dtype))
             if cap.dtype == np.bool_:
                 loaded = self.new(f"({loaded.name} != 0)", np.bool_)
             self.loads[key] = loaded

@@ -19,7 +19,7 @@ import triton.language as tl
 from ._common import LOG2E, along_k, along_q, grid_order, load_tile
 from ._common import tanh as flex_tanh
 
-__all__ = ["FlexOptions", "flex_dscores", "flex_probs", "flex_scores", "flex_tanh",
+__all__ = ["FlexOptions", "flex_dscores", "flex_load", "flex_probs", "flex_scores", "flex_tanh",
            "flex_trunc", "flex_trunc_div", "flex_trunc_rem", "head_slab", "kv_tiles", "listed_tile", "query_program",
            "table_row"]  # fmt: skip
 
@@ -43,6 +43,26 @@ class FlexOptions(NamedTuple):
     HAS_SCORE: bool  # a score_mod (else SCORE_FN and DSCORE_FN are not called)
     MASK_M: int  # query rows of a block of the tables (a multiple of the kernel's tile)
     MASK_N: int  # keys of a block of the tables
+
+
+_INTERPRET = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def flex_load(ptr):
+    """A captured array's elements at ``ptr`` (a tile of pointers into the ``ints`` or
+    ``floats`` buffer), for the generated mods. Compiled, one ``ld.global.nc`` per element
+    in inline PTX: a plain ``tl.load`` of a ``[BLOCK_M, BLOCK_N]`` gather (a relative-position
+    table) is taken into the loop's software pipeline, as 4-byte ``cp.async`` copies
+    through a tile-sized shared buffer (32 KB at 128 x 64 tiles) that the kernel pays for
+    in occupancy and copies. The interpreter loads."""
+    if _INTERPRET:
+        return tl.load(ptr)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=ptr.dtype.element_ty,
+            is_pure=True, pack=1,
+        )  # fmt: skip
 
 
 @triton.jit

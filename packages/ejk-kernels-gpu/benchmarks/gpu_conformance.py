@@ -34,8 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _flex_conformance import FLEX_CASES, flex_case
-from _flex_conformance import relative_error as _rel
+from _flex_conformance import FLEX_CASES, flex_case, relative_error
 
 from ejk_kernels_gpu import FlashBackwardConfig, FlashConfig, flash_attention
 from ejk_kernels_gpu.flash import _backward_launch, _forward_launch
@@ -226,10 +225,10 @@ def _case(rng, name, B, T, S, N, K, H, expect, hopper, dtype=jnp.bfloat16, **kw)
     again_g, (again_o, again_l) = run(flash_attention, q, k, v, bias, sinks)
     ref_g, (ref_o, ref_l) = run(reference_attention, f32(q), f32(k), f32(v), f32(bias), sinks)
     seconds = time.perf_counter() - start
-    errs = {"out": _rel(got_o, ref_o), "lse": _rel(got_l, ref_l)}
+    errs = {"out": relative_error(got_o, ref_o), "lse": relative_error(got_l, ref_l)}
     names = [n for n, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), (q, k, v, bias, sinks), strict=True) if x is not None]  # fmt: skip
     for n, g, r in zip(names, got_g, ref_g, strict=True):
-        errs[n] = _rel(g, r)
+        errs[n] = relative_error(g, r)
     nan = any(bool(jnp.any(jnp.isnan(jnp.asarray(x, jnp.float32)))) for x in (got_o, *got_g))
     same = {n: bool(jnp.all(a == b)) for n, a, b in zip(names, got_g, again_g, strict=True)}
     # dq from atomic adds or TMA reduces (FlashBackwardConfig.atomic_dq) may differ in its last
@@ -272,7 +271,7 @@ def _forward_only(name, B, T, S, N, K, H, expect, hopper, sinks=False):
     again = run(q, k, v, s)
     f32 = lambda x: x.astype(jnp.float32)
     ref = reference_attention(f32(q), f32(k), f32(v), softmax_sinks=s)
-    err = _rel(got, ref)
+    err = relative_error(got, ref)
     det = bool(jnp.all(got == again))
     nan = bool(jnp.any(jnp.isnan(f32(got))))
     builds_ok = _builds_ok(builds, {**expect, "fwd_only": True}, hopper)

@@ -41,6 +41,7 @@ _MUR2 = tl.constexpr(0xC2B2AE35)
 # 128-row blocks (4k tokens) fill an H100's 132 SMs about once.
 GRID_GROUP = tl.constexpr(4)
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 class Options(NamedTuple):
@@ -219,6 +220,12 @@ def kv_bases(k_ptr, v_ptr, b64, kh, S: tl.constexpr, K: tl.constexpr, H: tl.cons
     else:
         base = b64 * (S * K * H) + kh * H
         return k_ptr + base, v_ptr + base
+
+
+@triton.jit
+def lse_from_log2(m, total):
+    """The lse in natural units from a running max ``m`` in log2 units and its sum ``total``."""
+    return (m + tl.math.log2(total)) * LN2
 
 
 @triton.jit

@@ -11,10 +11,8 @@ on every visited element (see `_flex_ops.flex_scores`).
 import triton
 import triton.language as tl
 
-from ._common import store_tile
+from ._common import lse_from_log2, store_tile
 from ._flex_ops import FlexOptions, flex_scores, head_slab, kv_tiles, listed_tile, query_program
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -88,7 +86,7 @@ def flex_fwd_kernel(
 
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
-    lse = tl.where(has_mass, m_i * LN2 + tl.log(l_safe), float("-inf"))  # natural units
+    lse = tl.where(has_mass, lse_from_log2(m_i, l_safe), float("-inf"))
     tl.store(lse_ptr + (b * N + n) * T + offs_m, lse, mask=offs_m < T)
     o_base = head_slab(o_ptr, b, n, T, N, HV)
     store_tile(o_base, offs_m, tl.arange(0, BLOCK_DV), acc / l_safe[:, None], N * HV, T, HV)

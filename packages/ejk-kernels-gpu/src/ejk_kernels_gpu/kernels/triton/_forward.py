@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    LN2,
     LOG2E,
     MaskTables,
     Options,
@@ -30,6 +31,7 @@ from ._common import (
     load_ranges,
     load_tile,
     logits,
+    lse_from_log2,
     slab,
     softmax_rows,
     store_tile,
@@ -158,9 +160,9 @@ def _fwd_ws_loop(acc, m_i, l_i, start, end, ctx, P, F: tl.constexpr, BLOCK_N: tl
 def _natural_lse(m_i, l_i, F: tl.constexpr):
     """The lse in natural units from the running max (in its units, see `_fwd_step`) and sum."""
     if F.LOG2_FACTOR == LOG2E:
-        return m_i + tl.math.log2(l_i) * 0.6931471805599453
+        return m_i + tl.math.log2(l_i) * LN2
     else:
-        return (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        return lse_from_log2(m_i, l_i)
 
 
 @triton.jit

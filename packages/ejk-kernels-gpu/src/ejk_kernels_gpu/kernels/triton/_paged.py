@@ -33,7 +33,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, tanh
+from ._common import LOG2E, lse_from_log2, tanh
 
 
 class PagedOptions(NamedTuple):
@@ -306,7 +306,7 @@ def paged_kernel(
         if LOG2_FACTOR == LOG2E:
             lse = m_i + tl.log(l_safe)
         else:
-            lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+            lse = lse_from_log2(m_i, l_safe)
         lse = tl.where(has_mass, lse, float("-inf"))
         split_off = split.to(tl.int64) * (ROWS * N)
         tl.store(lse_ptr + split_off + row_off, lse, mask=row_ok)
